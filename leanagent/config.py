@@ -1,0 +1,152 @@
+"""Typed configuration for every LeanAgent job.
+
+The defaults are the reference implementation's settings (the seed): 4 GPUs, bf16-mixed,
+a one-year DDP timeout, gradient clipping 1.0, 4-step accumulation, and ReProver's
+retriever hyper-parameters. A CPU run is an override in YAML, never a different code path.
+Unknown keys are refused so that a typo cannot silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ONE_YEAR_SECONDS = 7 * 24 * 60 * 60 * 52
+DEFAULT_MODEL = "kaiyuy/leandojo-lean4-retriever-byt5-small"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name_or_path: str = Field(DEFAULT_MODEL, description="HF hub id or local directory of a T5 encoder")
+    lr: float = Field(1e-4, gt=0)
+    warmup_steps: int = Field(2000, ge=0)
+    max_seq_len: int = Field(1024, gt=0, description="token budget for premises")
+    num_retrieved: int = Field(100, gt=0, description="premises retrieved per context at evaluation")
+
+
+class DataConfig(_Section):
+    split: str = Field("random", description="split folder inside each dataset: random or novel_premises")
+    batch_size: int = Field(8, gt=0)
+    eval_batch_size: int = Field(64, gt=0)
+    num_negatives: int = Field(3, ge=0)
+    num_in_file_negatives: int = Field(1, ge=0)
+    max_seq_len: int = Field(1024, gt=0, description="token budget for contexts (proof states)")
+    num_workers: int = Field(4, ge=0)
+
+    @model_validator(mode="after")
+    def _in_file_within_total(self) -> DataConfig:
+        if self.num_in_file_negatives > self.num_negatives:
+            raise ValueError(
+                f"data.num_in_file_negatives ({self.num_in_file_negatives}) exceeds "
+                f"data.num_negatives ({self.num_negatives})"
+            )
+        return self
+
+
+class TrainerConfig(_Section):
+    accelerator: Literal["gpu", "cpu", "cuda", "auto"] = "gpu"
+    devices: int = Field(4, gt=0, description="processes per node (GPUs per node)")
+    num_nodes: int = Field(1, gt=0)
+    node_rank: int = Field(0, ge=0, description="this node's rank when num_nodes > 1")
+    rdzv_endpoint: str | None = Field(None, description="host:port of node 0 when num_nodes > 1")
+    precision: str = "bf16-mixed"
+    gradient_clip_val: float = 1.0
+    accumulate_grad_batches: int = Field(4, gt=0)
+    ddp_timeout_seconds: int = Field(ONE_YEAR_SECONDS, gt=0)
+    log_every_n_steps: int = Field(1, gt=0)
+    num_sanity_val_steps: int = Field(0, ge=0)
+    early_stopping_patience: int = Field(5, ge=0)
+    save_top_k: int = Field(-1, ge=-1)
+    seed: int = 3407
+
+    @model_validator(mode="after")
+    def _multi_node_needs_endpoint(self) -> TrainerConfig:
+        if self.num_nodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("trainer.rdzv_endpoint (host:port of node 0) is required when trainer.num_nodes > 1")
+        if self.node_rank >= self.num_nodes:
+            raise ValueError(f"trainer.node_rank ({self.node_rank}) must be < trainer.num_nodes ({self.num_nodes})")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+
+class LifelongConfig(_Section):
+    epochs_per_repo: int = Field(1, gt=0)
+    curriculum: bool = True
+    ewc_lambda: float = Field(0.1, ge=0)
+
+
+class RepoConfig(_Section):
+    path: Path = Field(description="LeanDojo Benchmark 4 dataset folder: corpus.jsonl and split folders")
+    name: str | None = Field(None, description="display name; defaults to the folder name")
+
+    @property
+    def display_name(self) -> str:
+        return self.name or self.path.name
+
+
+class PipelineConfig(_Section):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    lifelong: LifelongConfig = LifelongConfig()
+    run_dir: Path = Path("runs/leanagent")
+    repos: list[RepoConfig] = []
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used; the message names the file and the key."""
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    """Read a YAML file into a validated config; relative paths inside it resolve against the file."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: no such config file") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(raw).__name__}")
+    try:
+        config = PipelineConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: {format_validation_error(exc)}") from exc
+    return resolve_paths(config, path.parent)
+
+
+def resolve_paths(config: PipelineConfig, base: Path) -> PipelineConfig:
+    """Make run_dir, repository paths and a local model path absolute relative to `base`."""
+    base = base.resolve()
+    update: dict = {"run_dir": _absolute(config.run_dir, base)}
+    update["repos"] = [r.model_copy(update={"path": _absolute(r.path, base)}) for r in config.repos]
+    local_model = base / config.model.name_or_path
+    if not Path(config.model.name_or_path).is_absolute() and local_model.exists():
+        update["model"] = config.model.model_copy(update={"name_or_path": str(local_model)})
+    return config.model_copy(update=update)
+
+
+def _absolute(p: Path, base: Path) -> Path:
+    p = Path(p).expanduser()
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        key = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        parts.append(f"{key}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def dump_config(config: PipelineConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

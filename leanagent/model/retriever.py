@@ -1,0 +1,217 @@
+"""The premise retriever: a ByT5 encoder whose pooled embeddings rank premises for a proof state.
+
+Follows ReProver's dense retriever (Yang et al., 2023): masked mean pooling, L2 normalisation,
+an MSE loss between the context-premise similarity matrix and the 0/1 label matrix, AdamW with a
+cosine schedule after linear warmup. LeanAgent adds an EWC penalty that anchors the parameters to
+their values at the start of training on a new repository, weighted by a diagonal Fisher.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AutoTokenizer, ByT5Tokenizer, T5Config, T5EncoderModel
+
+from leanagent.model.metrics import ContextScore, aggregate, score_context
+
+BYT5_VOCAB_SIZE = 384
+
+
+def load_tokenizer(name_or_path: str, vocab_size: int):
+    """ByT5 needs no tokenizer files, so a checkpoint can be evaluated with no hub access at all."""
+    if vocab_size == BYT5_VOCAB_SIZE:
+        return ByT5Tokenizer()
+    return AutoTokenizer.from_pretrained(name_or_path)
+
+
+def contrastive_mse(context_emb: torch.Tensor, premise_emb: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """ReProver's loss: cosine similarities regressed onto the label matrix."""
+    similarity = context_emb @ premise_emb.t()
+    return F.mse_loss(similarity, label.to(similarity.dtype))
+
+
+class PremiseRetriever(pl.LightningModule):
+    def __init__(
+        self,
+        name_or_path: str,
+        lr: float = 1e-4,
+        warmup_steps: int = 2000,
+        max_seq_len: int = 1024,
+        num_retrieved: int = 100,
+        eval_batch_size: int = 64,
+        encoder_config: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if encoder_config is None:
+            # First load from the hub or a local dir; the architecture is then kept in the
+            # checkpoint so that resuming never needs the hub again.
+            self.encoder = T5EncoderModel.from_pretrained(name_or_path)
+            self.hparams["encoder_config"] = self.encoder.config.to_dict()
+        else:
+            self.encoder = T5EncoderModel(T5Config.from_dict(encoder_config))
+        # from_pretrained returns eval mode; Lightning >= 2.4 keeps module modes as it finds them,
+        # so without this dropout would silently stay off during training.
+        self.encoder.train()
+        self.tokenizer = load_tokenizer(name_or_path, self.encoder.config.vocab_size)
+        self._ewc_fisher: dict[str, torch.Tensor] = {}
+        self._ewc_anchor: dict[str, torch.Tensor] = {}
+        self.ewc_lambda = 0.0
+        self._corpus_emb: torch.Tensor | None = None
+        self._scores: list[ContextScore] = []
+        self.eval_metrics: dict[str, float] = {}
+        self.validation_history: list[dict[str, float]] = []
+
+    # ---- encoding -------------------------------------------------------------------------
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        return F.normalize(pooled.float(), dim=1)
+
+    def batch_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        context_emb = self.encode(batch["context_ids"], batch["context_mask"])
+        premise_emb = self.encode(batch["premise_ids"], batch["premise_mask"])
+        return contrastive_mse(context_emb, premise_emb, batch["label"])
+
+    # ---- EWC ------------------------------------------------------------------------------
+    def set_ewc(self, fisher: dict[str, torch.Tensor], ewc_lambda: float) -> None:
+        """Arm the EWC penalty; the anchor is taken in on_fit_start, after a checkpoint is restored."""
+        params = dict(self.named_parameters())
+        missing = sorted(set(params) - set(fisher))
+        unknown = sorted(set(fisher) - set(params))
+        if missing or unknown:
+            raise ValueError(
+                f"Fisher does not match the model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unexpected {unknown[:5]}{'...' if len(unknown) > 5 else ''}"
+            )
+        for name, value in fisher.items():
+            if value.shape != params[name].shape:
+                raise ValueError(f"Fisher entry {name} has shape {tuple(value.shape)}, parameter has "
+                                 f"{tuple(params[name].shape)}")
+        self._ewc_fisher = dict(fisher)
+        self.ewc_lambda = float(ewc_lambda)
+
+    def ewc_penalty(self) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        if not self._ewc_fisher or self.ewc_lambda == 0.0:
+            return total
+        for name, param in self.named_parameters():
+            total = total + (self._ewc_fisher[name] * (param.float() - self._ewc_anchor[name]) ** 2).sum()
+        return self.ewc_lambda * total
+
+    def on_fit_start(self) -> None:
+        if self._ewc_fisher:
+            self._ewc_fisher = {n: f.to(self.device, torch.float32) for n, f in self._ewc_fisher.items()}
+            self._ewc_anchor = {n: p.detach().float().clone() for n, p in self.named_parameters()}
+
+    # ---- training -------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.batch_loss(batch)
+        self.log("loss_train", loss, on_step=True, on_epoch=True, sync_dist=True, batch_size=len(batch["index"]))
+        if self._ewc_fisher and self.ewc_lambda > 0:
+            penalty = self.ewc_penalty()
+            self.log("ewc_penalty", penalty, on_step=True, on_epoch=False, batch_size=len(batch["index"]))
+            loss = loss + penalty
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"])
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup = self.hparams["warmup_steps"]
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---- retrieval evaluation (validation and test share it) ------------------------------
+    @torch.no_grad()
+    def embed_corpus(self, corpus) -> torch.Tensor:
+        """Each rank embeds a strided shard of the corpus; the shards are gathered so all ranks hold all of it."""
+        from leanagent.data.dataset import tokenize_premises
+
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        rank = dist.get_rank() if world > 1 else 0
+        n = len(corpus)
+        shard_len = math.ceil(n / world)
+        mine = list(range(rank, n, world))
+        dim = self.encoder.config.d_model
+        shard = torch.zeros(shard_len, dim, device=self.device)
+        step = self.hparams["eval_batch_size"]
+        for start in range(0, len(mine), step):
+            idx = mine[start : start + step]
+            ids, mask = tokenize_premises(self.tokenizer, corpus, idx, self.hparams["max_seq_len"])
+            shard[start : start + len(idx)] = self.encode(ids.to(self.device), mask.to(self.device))
+        if world == 1:
+            return shard[:n]
+        gathered = [torch.empty_like(shard) for _ in range(world)]
+        dist.all_gather(gathered, shard)
+        full = torch.empty(shard_len * world, dim, device=self.device)
+        for r, part in enumerate(gathered):
+            full[r::world] = part
+        return full[:n]
+
+    def _start_eval(self) -> None:
+        self._scores = []
+        self._corpus_emb = self.embed_corpus(self.trainer.datamodule.corpus)
+
+    def _eval_step(self, batch: dict[str, Any]) -> None:
+        assert self._corpus_emb is not None
+        context_emb = self.encode(batch["context_ids"], batch["context_mask"])
+        scores = context_emb @ self._corpus_emb.t()
+        mask = batch["accessible_mask"].to(scores.device)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        k = min(self.hparams["num_retrieved"], scores.shape[1])
+        top_scores, top_idx = scores.topk(k, dim=1)
+        for row, index in enumerate(batch["index"].tolist()):
+            # Fewer accessible premises than k is normal (first file of a repo): keep only real hits.
+            retrieved = top_idx[row][torch.isfinite(top_scores[row])].tolist()
+            self._scores.append(score_context(index, retrieved, batch["pos_premises"][row]))
+
+    def _finish_eval(self, suffix: str) -> dict[str, float]:
+        scores = self._scores
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            parts: list[list[ContextScore]] = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(parts, scores)
+            scores = [s for part in parts for s in part]
+        metrics = aggregate(scores)
+        self.log(f"Recall@1{suffix}", metrics["Recall@1"], sync_dist=True)
+        self.log(f"Recall@10{suffix}", metrics["Recall@10"], sync_dist=True)
+        self.log("MRR", metrics["MRR"], sync_dist=True)
+        self._corpus_emb = None
+        self._scores = []
+        return metrics
+
+    def on_validation_epoch_start(self) -> None:
+        self._start_eval()
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self.eval_metrics = self._finish_eval("_val")
+        if not self.trainer.sanity_checking:
+            self.validation_history.append({
+                "epoch": self.current_epoch, "step": self.global_step,
+                "Recall@1_val": self.eval_metrics["Recall@1"], "Recall@10_val": self.eval_metrics["Recall@10"],
+                "MRR": self.eval_metrics["MRR"], "num_contexts": self.eval_metrics["num_contexts"],
+            })
+
+    def on_test_epoch_start(self) -> None:
+        self._start_eval()
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    def on_test_epoch_end(self) -> None:
+        self.eval_metrics = self._finish_eval("")

@@ -1,0 +1,84 @@
+"""One job = one rank program (train, fisher or evaluate) in one job folder, checked then launched.
+
+The command line and the Prefect tasks both come through here, so the checks done before any
+accelerator time is spent (config, dataset, input files, finished job) are the same for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from leanagent.atomic import read_json
+from leanagent.config import PipelineConfig
+from leanagent.data.validate import validate_dataset
+from leanagent.train.launch import launch
+
+Program = Literal["train", "fisher", "evaluate"]
+
+
+class JobInputError(ValueError):
+    """Bad input found before launch; nothing was started and nothing was written."""
+
+
+class JobFinishedError(FileExistsError):
+    """The job folder already holds a result; a finished job is never overwritten."""
+
+
+def check_job(cfg: PipelineConfig, program: Program, dataset: Path, out: Path, checkpoint: Path | None = None,
+              fisher: Path | None = None, validate: bool = True) -> None:
+    if program == "fisher" and checkpoint is None:
+        raise JobInputError("fisher needs a checkpoint")
+    for name, value in (("checkpoint", checkpoint), ("fisher", fisher)):
+        if value is not None and not Path(value).is_file():
+            raise JobInputError(f"{name} {value}: no such file")
+    if validate:
+        problems = validate_dataset(Path(dataset), split=cfg.data.split)
+        if problems:
+            listing = "\n".join(f"  {p}" for p in problems)
+            raise JobInputError(f"{dataset}: {len(problems)} problem(s); nothing was launched:\n{listing}")
+
+
+def program_argv(program: Program, config_path: Path, dataset: Path, out: Path, checkpoint: Path | None = None,
+                 fisher: Path | None = None) -> list[str]:
+    argv = [program, "--config", str(Path(config_path).resolve()), "--dataset", str(Path(dataset).resolve()),
+            "--out", str(Path(out).resolve())]
+    if checkpoint is not None:
+        argv += ["--checkpoint", str(Path(checkpoint).resolve())]
+    if fisher is not None:
+        argv += ["--fisher", str(Path(fisher).resolve())]
+    return argv
+
+
+def run_job(
+    cfg: PipelineConfig,
+    config_path: Path,
+    program: Program,
+    dataset: Path,
+    out: Path,
+    checkpoint: Path | None = None,
+    fisher: Path | None = None,
+    on_line: Callable[[str], None] | None = None,
+    timeout_s: float | None = None,
+    heartbeat_timeout_s: float | None = None,
+    reuse_finished: bool = False,
+    validate: bool = True,
+) -> dict:
+    """Check, launch under torchrun, return `result.json`.
+
+    `config_path` must hold `cfg` as YAML: each rank reads it. A job folder with a result is
+    returned as is when `reuse_finished`, refused otherwise. A folder with checkpoints but no
+    result is an interrupted training job: the train program resumes it from `last.ckpt`.
+    """
+    out = Path(out)
+    result_file = out / "result.json"
+    if result_file.is_file():
+        if reuse_finished:
+            return read_json(result_file)
+        raise JobFinishedError(f"{result_file} exists: this job is finished; choose a new output folder "
+                               f"(nothing was overwritten)")
+    check_job(cfg, program, dataset, out, checkpoint, fisher, validate=validate)
+    argv = program_argv(program, config_path, dataset, out, checkpoint, fisher)
+    return launch(cfg.trainer, argv, out, on_line=on_line, timeout_s=timeout_s,
+                  heartbeat_timeout_s=heartbeat_timeout_s).result

@@ -1,0 +1,252 @@
+"""The programs that run inside each DDP rank: train, fisher, evaluate.
+
+Started by torchrun (see `launch.py`), never imported by a supervisor for their side effects.
+Each creates the process group first so that the seed's barriers (before loading data, before
+and after fit) really synchronize, and rank 0 writes `JOB_DIR/result.json` atomically at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from leanagent.atomic import read_json, write_json_atomic
+from leanagent.config import PipelineConfig, load_config
+from leanagent.data.datamodule import RetrievalDataModule
+from leanagent.data.errors import DatasetError
+from leanagent.model.fisher import FisherModule, load_fisher, save_fisher
+from leanagent.model.retriever import PremiseRetriever
+from leanagent.train.heartbeat import Heartbeat
+from leanagent.train.trainer import (
+    build_eval_trainer,
+    build_fisher_trainer,
+    build_training_trainer,
+    init_process_group,
+    set_nccl_environment,
+)
+
+RESULT = "result.json"
+JOB_PLAN = "job.json"
+FISHER_FILE = "fisher.safetensors"
+
+
+def global_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def read_checkpoint(path: Path) -> dict:
+    """Lightning checkpoints are pickles; we only open our own job's files or ones the user named."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such checkpoint")
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def epochs_completed(checkpoint: dict) -> int:
+    """Epochs finished when the checkpoint was written, from Lightning's loop state.
+
+    `processed` counts epochs whose batches all ran; Lightning's fit stops when it reaches
+    max_epochs, so this is the number to add `epochs_per_repo` to. (`epoch` is an index, and
+    `completed` lags by one in checkpoints written at the end of an epoch.)
+    """
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    if "processed" in progress:
+        return int(progress["processed"])
+    return int(checkpoint.get("epoch", -1)) + 1
+
+
+def build_retriever(cfg: PipelineConfig, checkpoint: Path | None) -> PremiseRetriever:
+    """From a checkpoint the architecture comes from its hparams, so no hub access is needed."""
+    if checkpoint is None:
+        return PremiseRetriever(cfg.model.name_or_path, lr=cfg.model.lr, warmup_steps=cfg.model.warmup_steps,
+                                max_seq_len=cfg.model.max_seq_len, num_retrieved=cfg.model.num_retrieved,
+                                eval_batch_size=cfg.data.eval_batch_size)
+    hparams = dict(read_checkpoint(checkpoint).get("hyper_parameters", {}))
+    if "encoder_config" not in hparams:
+        raise ValueError(f"{checkpoint}: not a leanagent retriever checkpoint (no encoder_config in its hparams)")
+    hparams.update(lr=cfg.model.lr, warmup_steps=cfg.model.warmup_steps, max_seq_len=cfg.model.max_seq_len,
+                   num_retrieved=cfg.model.num_retrieved, eval_batch_size=cfg.data.eval_batch_size)
+    return PremiseRetriever(**hparams)
+
+
+def load_weights(model: PremiseRetriever, checkpoint: Path) -> PremiseRetriever:
+    model.load_state_dict(read_checkpoint(checkpoint)["state_dict"])
+    return model
+
+
+def make_datamodule(cfg: PipelineConfig, dataset: Path, model: PremiseRetriever) -> RetrievalDataModule:
+    return RetrievalDataModule(Path(dataset), model.tokenizer, cfg.data, premise_max_len=cfg.model.max_seq_len,
+                               seed=cfg.trainer.seed)
+
+
+# ---- train ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TrainPlan:
+    start_checkpoint: str | None
+    target_epochs: int
+    resume_from: str | None
+
+
+def plan_training(job_dir: Path, start_checkpoint: Path | None, epochs_per_repo: int) -> TrainPlan:
+    """Target epochs are fixed on the first attempt: a retry resumes from last.ckpt towards the same target."""
+    job_dir = Path(job_dir)
+    start = str(Path(start_checkpoint).resolve()) if start_checkpoint else None
+    plan_file = job_dir / JOB_PLAN
+    if plan_file.is_file():
+        saved = read_json(plan_file)
+        if saved.get("start_checkpoint") != start:
+            raise ValueError(f"{plan_file}: this job started from {saved.get('start_checkpoint')}, not {start}; "
+                             f"use a new --out folder")
+        target = int(saved["target_epochs"])
+    else:
+        already = epochs_completed(read_checkpoint(Path(start))) if start else 0
+        target = already + epochs_per_repo
+    last = job_dir / "checkpoints" / "last.ckpt"
+    resume = str(last) if last.is_file() else start
+    return TrainPlan(start, target, resume)
+
+
+def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path | None,
+              fisher: Path | None) -> dict:
+    plan = plan_training(job_dir, checkpoint, cfg.lifelong.epochs_per_repo)
+    model = build_retriever(cfg, Path(plan.resume_from) if plan.resume_from else None)
+    if fisher is not None and cfg.lifelong.ewc_lambda > 0:
+        fisher_tensors, _ = load_fisher(fisher)
+        model.set_ewc(fisher_tensors, cfg.lifelong.ewc_lambda)
+    trainer = build_training_trainer(cfg.trainer, job_dir, plan.target_epochs, [Heartbeat(job_dir)])
+    trainer.strategy.barrier()  # before loading data (seed)
+    if global_rank() == 0 and not (job_dir / JOB_PLAN).is_file():
+        write_json_atomic(job_dir / JOB_PLAN, {"start_checkpoint": plan.start_checkpoint,
+                                               "target_epochs": plan.target_epochs})
+    datamodule = make_datamodule(cfg, dataset, model)
+    if not datamodule.val_examples:
+        raise DatasetError(f"{dataset}/{cfg.data.split}/val.json: no validation example (no tactic with a premise "
+                           f"found in the corpus); Recall@10_val, which selects checkpoints, cannot be computed")
+    trainer.strategy.barrier()  # before fit
+    trainer.fit(model, datamodule=datamodule, ckpt_path=plan.resume_from)
+    trainer.strategy.barrier()  # after fit (seed)
+    ckpt = trainer.checkpoint_callback
+    history = model.validation_history
+    best_name = Path(ckpt.best_model_path).name
+    best_metrics = next((h for h in history if best_name.startswith(f"epoch={h['epoch']}-step={h['step']}-")),
+                        history[-1] if history else {})
+    return {
+        "checkpoint": ckpt.best_model_path,
+        "last_checkpoint": ckpt.last_model_path,
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "world_size": trainer.world_size,
+        "target_epochs": plan.target_epochs,
+        "resumed_from": plan.resume_from,
+        "dataset": str(dataset),
+        "ewc": bool(fisher is not None and cfg.lifelong.ewc_lambda > 0),
+        "metrics": {k: best_metrics.get(k) for k in ("Recall@1_val", "Recall@10_val", "MRR")},
+        "history": history,
+    }
+
+
+# ---- fisher ---------------------------------------------------------------------------------
+
+class PaddedForRanks(Dataset):
+    """Pads to a multiple of the world size with flagged items, so the sampler adds no silent duplicates."""
+
+    def __init__(self, base, world_size: int) -> None:
+        self.base = base
+        self.n = len(base)
+        self.total = -(-self.n // world_size) * world_size if self.n else 0
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, i: int):
+        return self.base[i % self.n], i >= self.n
+
+    def collate(self, items):
+        batch = self.base.collate([item for item, _ in items])
+        batch["is_padding"] = torch.tensor([pad for _, pad in items], dtype=torch.bool)
+        return batch
+
+
+def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path) -> dict:
+    model = load_weights(build_retriever(cfg, checkpoint), checkpoint)
+    module = FisherModule(model)
+    trainer = build_fisher_trainer(cfg.trainer, job_dir, [Heartbeat(job_dir)])
+    trainer.strategy.barrier()  # before loading data
+    datamodule = make_datamodule(cfg, dataset, model)
+    padded = PaddedForRanks(datamodule.fisher_dataset(), trainer.world_size)
+    loader = DataLoader(padded, batch_size=cfg.data.batch_size, shuffle=False, collate_fn=padded.collate,
+                        num_workers=cfg.data.num_workers, persistent_workers=cfg.data.num_workers > 0)
+    trainer.strategy.barrier()  # before fit
+    trainer.fit(module, train_dataloaders=loader)
+    trainer.strategy.barrier()  # after fit
+    out = job_dir / FISHER_FILE
+    metadata = {"dataset": str(dataset), "checkpoint": str(checkpoint), "num_examples": module.num_examples,
+                "world_size": trainer.world_size}
+    if global_rank() == 0:
+        save_fisher(out, module.fisher, metadata)
+    return {"fisher": str(out), **metadata}
+
+
+# ---- evaluate -------------------------------------------------------------------------------
+
+def run_evaluate(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path | None) -> dict:
+    """Without a checkpoint the base model (`model.name_or_path`) is scored: the lifelong baseline."""
+    if checkpoint is None:
+        model = build_retriever(cfg, None)
+    else:
+        model = load_weights(build_retriever(cfg, checkpoint), checkpoint)
+    trainer = build_eval_trainer(cfg.trainer, job_dir, [Heartbeat(job_dir)])
+    trainer.strategy.barrier()
+    datamodule = make_datamodule(cfg, dataset, model)
+    if not datamodule.test_examples:
+        raise DatasetError(f"{dataset}/{cfg.data.split}/test.json: no test example (no tactic with a premise "
+                           f"found in the corpus)")
+    trainer.strategy.barrier()
+    trainer.test(model, datamodule=datamodule, verbose=False)
+    trainer.strategy.barrier()
+    return {"metrics": model.eval_metrics, "world_size": trainer.world_size,
+            "checkpoint": str(checkpoint) if checkpoint else cfg.model.name_or_path,
+            "dataset": str(dataset)}
+
+
+# ---- entry point ----------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m leanagent.train.programs")
+    parser.add_argument("program", choices=["train", "fisher", "evaluate"])
+    parser.add_argument("--config", required=True, type=Path)
+    parser.add_argument("--dataset", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--checkpoint", type=Path)
+    parser.add_argument("--fisher", type=Path)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cfg = load_config(args.config)
+    set_nccl_environment(cfg.trainer)
+    init_process_group(cfg.trainer)
+    import lightning.pytorch as pl
+
+    pl.seed_everything(cfg.trainer.seed, workers=True)
+    job_dir = args.out.resolve()
+    job_dir.mkdir(parents=True, exist_ok=True)
+    if args.program == "train":
+        result = run_train(cfg, args.dataset, job_dir, args.checkpoint, args.fisher)
+    elif args.program == "fisher":
+        result = run_fisher(cfg, args.dataset, job_dir, args.checkpoint)
+    else:
+        result = run_evaluate(cfg, args.dataset, job_dir, args.checkpoint)
+    if global_rank() == 0:
+        write_json_atomic(job_dir / RESULT, {"program": args.program, **result})
+
+
+if __name__ == "__main__":
+    main()

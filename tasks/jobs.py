@@ -1,0 +1,89 @@
+"""Prefect tasks that launch one rank program each: launch, forward logs, return the result.
+
+The tasks hold no training logic: `leanagent.train.jobs.run_job` checks the inputs, runs torchrun
+in its own process group and enforces the deadline. What the tasks add is what only Prefect can
+give: every output line in the flow run's logs, and retries. A retry reuses the same job folder,
+so a train retry resumes from its `last.ckpt`, and a Fisher or evaluation retry overwrites only
+its own partial files (result.json is written last, so a failed attempt leaves none).
+
+Retries are skipped for errors that a retry cannot fix: bad input found before launch, and a
+job folder that already holds a result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import TaskRun
+from prefect.states import State
+
+from leanagent.config import PipelineConfig
+from leanagent.train.jobs import JobFinishedError, JobInputError, Program, run_job
+
+DEFAULT_RETRIES = 2
+DEFAULT_RETRY_DELAY_S = 10.0
+NOT_RETRYABLE = (JobInputError, JobFinishedError)
+
+
+def retry_unless_bad_input(task: Any, task_run: TaskRun, state: State) -> bool:
+    """Prefect's retry_condition_fn: relaunching cannot fix a refused input, so do not spend a retry on it."""
+    return not isinstance(state.data, NOT_RETRYABLE)
+
+
+def forward_to_run_logger() -> Callable[[str], None]:
+    """Each job line verbatim into the task run's log; rank lines already start with `[rank N]`."""
+    logger = get_run_logger()
+
+    def on_line(line: str) -> None:
+        if line.strip():
+            logger.info(line)
+
+    return on_line
+
+
+def _run(program: Program, cfg: PipelineConfig, config_path: Path, dataset: Path, out: Path,
+         checkpoint: Path | None, fisher: Path | None, timeout_s: float | None,
+         heartbeat_timeout_s: float | None, validate: bool) -> dict:
+    # reuse_finished: a job whose result.json landed just before a crash (and before the manifest
+    # recorded it) is taken as it is, not refused and not rerun.
+    return run_job(cfg, Path(config_path), program, Path(dataset), Path(out), checkpoint=checkpoint, fisher=fisher,
+                   on_line=forward_to_run_logger(), timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
+                   reuse_finished=True, validate=validate)
+
+
+_TASK_OPTIONS: dict[str, Any] = {
+    "retries": DEFAULT_RETRIES,
+    "retry_delay_seconds": DEFAULT_RETRY_DELAY_S,
+    "retry_condition_fn": retry_unless_bad_input,
+    # The run manifest decides what is finished; Prefect's input-hash cache would second-guess it.
+    "cache_policy": NO_CACHE,
+}
+
+
+@task(name="train-retriever", **_TASK_OPTIONS)
+def train_retriever(cfg: PipelineConfig, config_path: Path, dataset: Path, out: Path,
+                    checkpoint: Path | None = None, fisher: Path | None = None, timeout_s: float | None = None,
+                    heartbeat_timeout_s: float | None = None, validate: bool = True) -> dict:
+    """Train on one repository from `checkpoint` (or the pretrained model), with EWC when `fisher` is given."""
+    return _run("train", cfg, config_path, dataset, out, checkpoint, fisher, timeout_s, heartbeat_timeout_s, validate)
+
+
+@task(name="compute-fisher", **_TASK_OPTIONS)
+def compute_fisher(cfg: PipelineConfig, config_path: Path, dataset: Path, out: Path, checkpoint: Path,
+                   timeout_s: float | None = None, heartbeat_timeout_s: float | None = None,
+                   validate: bool = True) -> dict:
+    """The diagonal Fisher of `checkpoint` on a repository, which anchors the next repository's EWC."""
+    return _run("fisher", cfg, config_path, dataset, out, checkpoint, None, timeout_s, heartbeat_timeout_s, validate)
+
+
+@task(name="evaluate-retriever", **_TASK_OPTIONS)
+def evaluate_retriever(cfg: PipelineConfig, config_path: Path, dataset: Path, out: Path, checkpoint: Path,
+                       timeout_s: float | None = None, heartbeat_timeout_s: float | None = None,
+                       validate: bool = True) -> dict:
+    """R@1, R@10 and MRR of `checkpoint` on a repository's test split."""
+    return _run("evaluate", cfg, config_path, dataset, out, checkpoint, None, timeout_s, heartbeat_timeout_s,
+                validate)
