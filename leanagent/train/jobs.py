@@ -13,7 +13,7 @@ from typing import Literal
 from leanagent.atomic import read_json
 from leanagent.config import PipelineConfig
 from leanagent.data.validate import validate_dataset
-from leanagent.train.launch import launch
+from leanagent.train.launch import launch, result_filename
 
 Program = Literal["train", "fisher", "evaluate"]
 
@@ -72,7 +72,7 @@ def run_job(
     result is an interrupted training job: the train program resumes it from `last.ckpt`.
     """
     out = Path(out)
-    result_file = out / "result.json"
+    result_file = out / result_filename(cfg.trainer.node_rank)
     if result_file.is_file():
         if reuse_finished:
             return read_json(result_file)

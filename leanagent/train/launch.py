@@ -40,6 +40,11 @@ TAIL_LINES = 30
 GRACE_SECONDS = 30.0
 
 
+def result_filename(node_rank: int = 0) -> str:
+    """Global rank 0 writes result.json; local rank 0 of every other node its own file (job folders may be shared)."""
+    return "result.json" if node_rank == 0 else f"result.node{node_rank}.json"
+
+
 class LaunchError(RuntimeError):
     """A rank program failed, or the job was ended by a deadline, a stale heartbeat or an interrupt."""
 
@@ -58,7 +63,11 @@ class LaunchResult:
     tails: dict[int, list[str]] = field(default_factory=dict)
 
 
-def torchrun_command(cfg: TrainerConfig, program_args: Sequence[str], log_dir: Path | None = None) -> list[str]:
+PROGRAMS_ENTRY = ("-m", "leanagent.train.programs")
+
+
+def torchrun_command(cfg: TrainerConfig, program_args: Sequence[str], log_dir: Path | None = None,
+                     entry: Sequence[str] = PROGRAMS_ENTRY) -> list[str]:
     """torchrun for `python -m leanagent.train.programs ...`: one process per device, also on CPU."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.devices}"]
     if cfg.num_nodes > 1:
@@ -68,7 +77,7 @@ def torchrun_command(cfg: TrainerConfig, program_args: Sequence[str], log_dir: P
         cmd += ["--standalone", "--nnodes=1"]
     if log_dir is not None:
         cmd += [f"--log-dir={log_dir}", "--tee=3"]
-    cmd += ["-m", "leanagent.train.programs", *program_args]
+    cmd += [*entry, *program_args]
     return cmd
 
 
@@ -118,6 +127,7 @@ def launch(
     timeout_s: float | None = None,
     heartbeat_timeout_s: float | None = None,
     grace_s: float = GRACE_SECONDS,
+    entry: Sequence[str] = PROGRAMS_ENTRY,
 ) -> LaunchResult:
     """Run one rank program to completion and return its `result.json`.
 
@@ -127,7 +137,8 @@ def launch(
     job_dir = Path(job_dir)
     job_dir.mkdir(parents=True, exist_ok=True)
     emit = on_line or (lambda line: print(line, flush=True))
-    cmd = torchrun_command(cfg, program_args, log_dir=job_dir / "logs" / f"attempt-{time.strftime('%Y%m%d-%H%M%S')}")
+    log_dir = job_dir / "logs" / f"attempt-{time.strftime('%Y%m%d-%H%M%S')}"
+    cmd = torchrun_command(cfg, program_args, log_dir=log_dir, entry=entry)
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_environment(),
                             start_new_session=True, bufsize=0)
@@ -175,7 +186,7 @@ def launch(
     if reason is not None:
         emit(f"[launcher] {reason}: ending the job's process group")
         end_process_group(proc, grace_s)
-        raise LaunchError(f"{' '.join(program_args[:1])} job in {job_dir}: {reason}", proc.returncode, None,
+        raise LaunchError(f"{_label(program_args)} job in {job_dir}: {reason}", proc.returncode, None,
                           list(launcher_tail))
     returncode = proc.wait()
     # A clean exit of torchrun still leaves orphans if a rank forked; make sure none survive.
@@ -183,9 +194,9 @@ def launch(
     tail_map = {r: list(t) for r, t in tails.items()}
     if returncode != 0:
         raise _failure(program_args, job_dir, returncode, tail_map, list(launcher_tail))
-    result_path = job_dir / "result.json"
+    result_path = job_dir / result_filename(cfg.node_rank)
     if not result_path.is_file():
-        raise LaunchError(f"{job_dir}: the job exited 0 but wrote no result.json", returncode, None,
+        raise LaunchError(f"{job_dir}: the job exited 0 but wrote no {result_path.name}", returncode, None,
                           list(launcher_tail))
     return LaunchResult(returncode, read_json(result_path), time.monotonic() - started, tail_map)
 
@@ -205,8 +216,12 @@ def _failure(program_args, job_dir, returncode, tails: dict[int, list[str]], lau
     lines = tails.get(rank, []) if rank is not None else launcher_tail
     where = f"rank {rank}" if rank is not None else "torchrun"
     body = "\n".join(f"  {line}" for line in lines[-TAIL_LINES:])
-    message = f"{program_args[0]} job in {job_dir} failed (exit {returncode}); last lines of {where}:\n{body}"
+    message = f"{_label(program_args)} job in {job_dir} failed (exit {returncode}); last lines of {where}:\n{body}"
     return LaunchError(message, returncode, rank, lines)
+
+
+def _label(program_args: Sequence[str]) -> str:
+    return program_args[0] if program_args else "torchrun"
 
 
 def _failing_rank(tails: dict[int, list[str]], launcher_tail: list[str]) -> int | None:

@@ -22,6 +22,7 @@ from leanagent.data.errors import DatasetError
 from leanagent.model.fisher import FisherModule, load_fisher, save_fisher
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.train.heartbeat import Heartbeat
+from leanagent.train.launch import result_filename
 from leanagent.train.trainer import (
     build_eval_trainer,
     build_fisher_trainer,
@@ -30,7 +31,6 @@ from leanagent.train.trainer import (
     set_nccl_environment,
 )
 
-RESULT = "result.json"
 JOB_PLAN = "job.json"
 FISHER_FILE = "fisher.safetensors"
 
@@ -244,8 +244,9 @@ def main(argv: list[str] | None = None) -> None:
         result = run_fisher(cfg, args.dataset, job_dir, args.checkpoint)
     else:
         result = run_evaluate(cfg, args.dataset, job_dir, args.checkpoint)
-    if global_rank() == 0:
-        write_json_atomic(job_dir / RESULT, {"program": args.program, **result})
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        node_rank = 0 if global_rank() == 0 else int(os.environ.get("GROUP_RANK", "0"))
+        write_json_atomic(job_dir / result_filename(node_rank), {"program": args.program, **result})
 
 
 if __name__ == "__main__":

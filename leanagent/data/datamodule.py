@@ -1,0 +1,103 @@
+"""Lightning data module for one LeanDojo dataset folder; everything is loaded once, up front.
+
+Loading in `__init__` (not `setup`) means a bad dataset fails before the trainer spawns workers
+or touches a GPU, and every DDP rank parses the same files deterministically.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, Dataset
+
+from leanagent.config import DataConfig
+from leanagent.data.corpus import Corpus
+from leanagent.data.dataset import (
+    EvalDataset,
+    TrainDataset,
+    build_eval_examples,
+    build_train_examples,
+)
+from leanagent.data.errors import DatasetError
+from leanagent.data.theorems import Theorem, load_split
+
+
+class RetrievalDataModule(pl.LightningDataModule):
+    def __init__(
+        self,
+        dataset_dir: Path,
+        tokenizer: Any,
+        data_cfg: DataConfig,
+        premise_max_len: int,
+        seed: int,
+    ) -> None:
+        super().__init__()
+        self.dataset_dir = Path(dataset_dir)
+        self.tokenizer = tokenizer
+        self.cfg = data_cfg
+        self.premise_max_len = premise_max_len
+        self.seed = seed
+        self.corpus = Corpus.from_jsonl(self.dataset_dir / "corpus.jsonl")
+        split_dir = self.dataset_dir / data_cfg.split
+        train_file = split_dir / "train.json"
+        self.train_theorems: list[Theorem] = load_split(train_file)
+        self.val_theorems = self._load_optional(split_dir / "val.json")
+        self.test_theorems = self._load_optional(split_dir / "test.json")
+        self.train_examples = build_train_examples(self.corpus, self.train_theorems)
+        if not self.train_examples:
+            raise DatasetError(
+                f"{self.dataset_dir.name}/{data_cfg.split}/train.json: no training example "
+                f"(no tactic has a premise annotation found in the corpus)"
+            )
+        self.val_examples = build_eval_examples(self.corpus, self.val_theorems)
+        self.test_examples = build_eval_examples(self.corpus, self.test_theorems)
+
+    @staticmethod
+    def _load_optional(path: Path) -> list[Theorem]:
+        """Validation and test files are optional for training; a missing one is an empty split."""
+        return load_split(path) if path.is_file() else []
+
+    def train_dataset(self, deterministic: bool = False) -> TrainDataset:
+        return TrainDataset(
+            self.corpus,
+            self.train_examples,
+            self.tokenizer,
+            num_negatives=self.cfg.num_negatives,
+            num_in_file_negatives=self.cfg.num_in_file_negatives,
+            context_max_len=self.cfg.max_seq_len,
+            premise_max_len=self.premise_max_len,
+            seed=self.seed,
+            deterministic=deterministic,
+        )
+
+    def fisher_dataset(self) -> TrainDataset:
+        """Fixed negatives so the Fisher estimate does not depend on which worker drew what."""
+        return self.train_dataset(deterministic=True)
+
+    def _loader(self, dataset: Dataset, collate: Any, batch_size: int, shuffle: bool) -> DataLoader:
+        workers = self.cfg.num_workers
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            num_workers=workers,
+            collate_fn=collate,
+            persistent_workers=workers > 0,
+            pin_memory=False,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        ds = self.train_dataset()
+        return self._loader(ds, ds.collate, self.cfg.batch_size, shuffle=True)
+
+    def _eval_loader(self, examples: list) -> DataLoader:
+        ds = EvalDataset(self.corpus, examples, self.tokenizer, self.cfg.max_seq_len)
+        return self._loader(ds, ds.collate, self.cfg.eval_batch_size, shuffle=False)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.val_examples)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.test_examples)

@@ -1,0 +1,134 @@
+"""The rank programs end to end: real torchrun, 2 gloo ranks on CPU, a tiny ByT5 encoder, real files."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from leanagent.data.corpus import Corpus
+from leanagent.data.examples import build_train_examples
+from leanagent.data.theorems import load_split
+from leanagent.model.fisher import load_fisher
+from leanagent.train.programs import epochs_completed, read_checkpoint
+
+from .conftest import REPO_ROOT, leanagent, write_config
+
+pytestmark = pytest.mark.ddp
+
+
+def _ok(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}"
+                                  f"\nstderr:\n{proc.stderr[-4000:]}")
+    return json.loads((Path(_out_of(proc)) / "result.json").read_text())
+
+
+def _out_of(proc: subprocess.CompletedProcess) -> str:
+    return proc.args[proc.args.index("--out") + 1]
+
+
+@pytest.fixture(scope="module")
+def lifelong(ddp_assets, tmp_path_factory) -> dict:
+    """Repo A from the base model, its Fisher, then repo B from A's checkpoint with EWC, then evaluate."""
+    work = tmp_path_factory.mktemp("lifelong")
+    cfg = write_config(work / "cfg.yaml", ddp_assets["model"])
+    a = _ok(leanagent("train", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]), "--out",
+                      str(work / "a")))
+    fa = _ok(leanagent("fisher", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]), "--checkpoint",
+                       a["checkpoint"], "--out", str(work / "fa")))
+    b = _ok(leanagent("train", "--config", str(cfg), "--dataset", str(ddp_assets["repo_b"]), "--checkpoint",
+                      a["checkpoint"], "--fisher", fa["fisher"], "--out", str(work / "b")))
+    ev = _ok(leanagent("evaluate", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]), "--checkpoint",
+                       b["checkpoint"], "--out", str(work / "ev")))
+    return {"work": work, "cfg": cfg, "a": a, "fa": fa, "b": b, "ev": ev}
+
+
+def test_training_continues_epochs_across_repositories(lifelong):
+    a, b = lifelong["a"], lifelong["b"]
+    assert (a["epoch"], b["epoch"]) == (1, 2)
+    assert a["world_size"] == b["world_size"] == 2
+    assert b["global_step"] > a["global_step"]
+    assert b["ewc"] is True and a["ewc"] is False
+    for result in (a, b):
+        assert Path(result["checkpoint"]).is_file() and Path(result["last_checkpoint"]).is_file()
+        assert set(result["metrics"]) == {"Recall@1_val", "Recall@10_val", "MRR"}
+        assert 0.0 <= result["metrics"]["Recall@1_val"] <= result["metrics"]["Recall@10_val"] <= 1.0
+    # The epoch count lives in the checkpoint, not in a Python variable.
+    assert epochs_completed(read_checkpoint(Path(b["last_checkpoint"]))) == 2
+
+
+def test_ewc_penalty_was_applied_in_the_second_repository(lifelong):
+    metrics = (lifelong["work"] / "b" / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    header, *rows = metrics.splitlines()
+    col = header.split(",").index("ewc_penalty")
+    penalties = [float(r.split(",")[col]) for r in rows if r.split(",")[col]]
+    assert penalties and penalties[0] == 0.0 and max(penalties) > 0.0
+
+
+def test_fisher_file_is_a_valid_diagonal(lifelong, ddp_assets):
+    fisher, meta = load_fisher(Path(lifelong["fa"]["fisher"]))
+    values = torch.cat([t.flatten() for t in fisher.values()])
+    assert torch.isfinite(values).all() and (values >= 0).all() and values.sum() > 0
+    corpus = Corpus.from_jsonl(ddp_assets["repo_a"] / "corpus.jsonl")
+    expected = len(build_train_examples(corpus, load_split(ddp_assets["repo_a"] / "random" / "train.json")))
+    # Padding added so that both ranks get equal shards is not counted.
+    assert meta["num_examples"] == lifelong["fa"]["num_examples"] == expected
+    assert meta["world_size"] == 2 and meta["checkpoint"] == lifelong["a"]["checkpoint"]
+
+
+def test_fisher_is_the_same_on_one_and_two_ranks(lifelong, ddp_assets, tmp_path):
+    cfg1 = write_config(tmp_path / "one.yaml", ddp_assets["model"], devices=1)
+    one = _ok(leanagent("fisher", "--config", str(cfg1), "--dataset", str(ddp_assets["repo_a"]), "--checkpoint",
+                        lifelong["a"]["checkpoint"], "--out", str(tmp_path / "f1")))
+    f1, m1 = load_fisher(Path(one["fisher"]))
+    f2, m2 = load_fisher(Path(lifelong["fa"]["fisher"]))
+    assert m1["world_size"] == 1 and m2["world_size"] == 2 and m1["num_examples"] == m2["num_examples"]
+    assert f1.keys() == f2.keys()
+    for name in f1:
+        # Equal up to fp32 summation order and thread count; a double count or a square of averaged
+        # gradients would be off by a factor, not by 1e-5 of the tensor's scale.
+        scale = f1[name].abs().max()
+        assert (f1[name] - f2[name]).abs().max() <= 1e-3 * scale, name
+
+
+def test_evaluate_reports_recall_and_mrr(lifelong):
+    metrics = lifelong["ev"]["metrics"]
+    assert set(metrics) >= {"Recall@1", "Recall@10", "MRR", "num_contexts"}
+    assert metrics["num_contexts"] > 0
+    assert 0.0 <= metrics["Recall@1"] <= metrics["Recall@10"] <= 1.0 and 0.0 < metrics["MRR"] <= 1.0
+    assert lifelong["ev"]["world_size"] == 2
+
+
+def test_finished_job_is_never_overwritten(lifelong):
+    before = (lifelong["work"] / "a" / "result.json").read_text()
+    proc = leanagent("train", "--config", str(lifelong["cfg"]), "--dataset", lifelong["a"]["dataset"], "--out",
+                     str(lifelong["work"] / "a"))
+    assert proc.returncode == 1 and "result.json exists" in proc.stderr
+    assert (lifelong["work"] / "a" / "result.json").read_text() == before
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_node_launch_on_localhost(ddp_assets, tmp_path):
+    cfg = write_config(tmp_path / "cfg.yaml", ddp_assets["model"], devices=1,
+                       trainer={"num_nodes": 2, "rdzv_endpoint": f"127.0.0.1:{_free_port()}"})
+    nodes = [
+        subprocess.Popen([sys.executable, "-m", "leanagent.cli", "train", "--config", str(cfg), "--dataset",
+                          str(ddp_assets["repo_a"]), "--out", str(tmp_path / f"node{rank}"), "--node-rank", str(rank)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+        for rank in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    result = json.loads((tmp_path / "node0" / "result.json").read_text())
+    assert result["world_size"] == 2 and result["epoch"] == 1
+    assert "[rank 1]" in outputs[1] and "[rank 0]" in outputs[0]

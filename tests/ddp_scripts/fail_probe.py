@@ -1,0 +1,21 @@
+"""Run under torchrun by the launcher tests. Modes: fail (rank 1 raises), hang (all ranks sleep),
+stale (ranks beat once, then hang). Each rank writes its pid so the test can check it was ended."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+mode, out = sys.argv[1], Path(sys.argv[2])
+rank = int(os.environ["RANK"])
+out.mkdir(parents=True, exist_ok=True)
+(out / f"pid{rank}").write_text(str(os.getpid()))
+print(f"rank {rank} started in mode {mode}", flush=True)
+if mode == "fail" and rank == 1:
+    print("about to fail: the data on this rank is bad", flush=True)
+    raise RuntimeError("boom on rank 1")
+if mode == "stale":
+    from leanagent.train.heartbeat import beat
+
+    beat(out, "train", 0)
+time.sleep(600)
