@@ -80,7 +80,7 @@ def cmd_demo_data(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         return _fail(f"{out} exists and is not empty; nothing was overwritten")
-    paths = write_demo_repos(out, args.repos, seed=args.seed)
+    paths = write_demo_repos(out, args.repos, seed=args.seed, theorems_per_repo=args.theorems, scale=args.scale)
     for p in paths:
         print(p)
     return 0
@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.add_argument("--repos", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--theorems", type=int, default=40, help="theorems per repository")
+    p.add_argument("--scale", type=int, default=1, help="multiplies the premises per repository")
     p.set_defaults(func=cmd_demo_data)
 
     p = sub.add_parser("run", help="run the lifelong curriculum as a Prefect flow, in this process")

@@ -131,7 +131,7 @@ def resolve_paths(config: PipelineConfig, base: Path) -> PipelineConfig:
     update["repos"] = [r.model_copy(update={"path": _absolute(r.path, base)}) for r in config.repos]
     local_model = base / config.model.name_or_path
     if not Path(config.model.name_or_path).is_absolute() and local_model.exists():
-        update["model"] = config.model.model_copy(update={"name_or_path": str(local_model)})
+        update["model"] = config.model.model_copy(update={"name_or_path": str(local_model.resolve())})
     return config.model_copy(update=update)
 
 

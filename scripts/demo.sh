@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 LA=.venv/bin/leanagent
-[ -d demo/data ] || $LA demo-data demo/data --repos 3
+[ -d demo/data ] || $LA demo-data demo/data --repos 3 --scale 3 --theorems 90
 [ -d demo/model ] || $LA init-model demo/model --preset tiny
 $LA validate demo/data/repo_0 demo/data/repo_1 demo/data/repo_2
 $LA run --config configs/demo.yaml

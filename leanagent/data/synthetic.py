@@ -239,8 +239,13 @@ def _repo_namespace(i: int) -> str:
     return f"Repo{chr(ord('A') + i)}" if i < 26 else f"Repo{i}"
 
 
-def write_demo_repos(out: Path, num_repos: int, seed: int = 0, theorems_per_repo: int = 40) -> list[Path]:
-    """Write `num_repos` complete LeanDojo datasets ``out/repo_{i}``; identical output for identical arguments."""
+def write_demo_repos(out: Path, num_repos: int, seed: int = 0, theorems_per_repo: int = 40,
+                     scale: int = 1) -> list[Path]:
+    """Write `num_repos` complete LeanDojo datasets ``out/repo_{i}``; identical output for identical arguments.
+
+    `scale` multiplies the function symbols (and so the premises) of each repository's files: a larger
+    corpus makes retrieval harder for an untrained encoder, so training visibly helps.
+    """
     out = Path(out)
     master = random.Random(seed)
     namer = _Namer(master)
@@ -252,7 +257,7 @@ def write_demo_repos(out: Path, num_repos: int, seed: int = 0, theorems_per_repo
     for i in range(num_repos):
         rng = random.Random(f"repo-{seed}-{i}")
         ns = _repo_namespace(i)
-        files = _repo_files(ns, namer, rng)
+        files = _repo_files(ns, namer, rng, scale)
         theorems = _repo_theorems(ns, i, files, core, theorems_per_repo, fractions[i % len(fractions)], seed, rng)
         target = out / f"repo_{i}"
         _write_dataset(target, [core, *files], theorems, rng)
@@ -266,11 +271,15 @@ def _core_file(rng: random.Random) -> _File:
     return core
 
 
-def _repo_files(ns: str, namer: _Namer, rng: random.Random) -> list[_File]:
+def _repo_files(ns: str, namer: _Namer, rng: random.Random, scale: int = 1) -> list[_File]:
     """Base imports the core library, Ext imports Base, Main imports Ext and the core again (a DAG)."""
-    base = _File(f"{ns}/Base.lean", [CORE_PATH], [namer.symbol(), namer.symbol()], [namer.symbol()])
-    ext = _File(f"{ns}/Ext.lean", [base.path], [namer.symbol(), namer.symbol()], [])
-    main = _File(f"{ns}/Main.lean", [ext.path, CORE_PATH], [namer.symbol()], [namer.symbol()])
+
+    def symbols(n: int) -> list[str]:
+        return [namer.symbol() for _ in range(n * scale)]
+
+    base = _File(f"{ns}/Base.lean", [CORE_PATH], symbols(2), symbols(1))
+    ext = _File(f"{ns}/Ext.lean", [base.path], symbols(2), [])
+    main = _File(f"{ns}/Main.lean", [ext.path, CORE_PATH], symbols(1), symbols(1))
     visible = list(CORE_UNARY)
     for f in (base, ext, main):
         f.lemmas = _lemmas_for(ns, f.unary, f.binary, visible, rng)

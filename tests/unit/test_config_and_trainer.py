@@ -1,0 +1,106 @@
+"""The seed's settings as defaults, config refusal, and the Trainer the factory builds from them."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+
+from leanagent.config import ONE_YEAR_SECONDS, ConfigError, PipelineConfig, TrainerConfig, load_config
+from leanagent.train.launch import SCRUBBED_ENV, child_environment, torchrun_command
+from leanagent.train.trainer import build_fisher_trainer, build_training_trainer, ddp_strategy
+
+
+def test_seed_values_are_the_defaults():
+    cfg = PipelineConfig()
+    t = cfg.trainer
+    assert (t.accelerator, t.devices, t.precision) == ("gpu", 4, "bf16-mixed")
+    assert t.ddp_timeout_seconds == 7 * 24 * 60 * 60 * 52 == ONE_YEAR_SECONDS
+    assert (t.gradient_clip_val, t.accumulate_grad_batches, t.log_every_n_steps, t.num_sanity_val_steps) == (
+        1.0, 4, 1, 0)
+    assert (t.early_stopping_patience, t.save_top_k) == (5, -1)
+    assert cfg.model.name_or_path == "kaiyuy/leandojo-lean4-retriever-byt5-small"
+
+
+def test_seed_strategy_timeout():
+    strategy = ddp_strategy(TrainerConfig())
+    assert isinstance(strategy, DDPStrategy)
+    assert strategy._timeout == timedelta(seconds=ONE_YEAR_SECONDS)
+    assert strategy.process_group_backend == "nccl"
+
+
+@pytest.mark.parametrize(
+    "yaml_text, key",
+    [
+        ("trainer: {devcies: 2}\n", "trainer.devcies"),
+        ("trainer: {devices: two}\n", "trainer.devices"),
+        ("lifelong: {ewc_lambda: -1}\n", "lifelong.ewc_lambda"),
+        ("unknown_section: 1\n", "unknown_section"),
+        ("data: {num_negatives: 1, num_in_file_negatives: 2}\n", "data"),
+        ("trainer: {num_nodes: 2}\n", "trainer"),
+    ],
+)
+def test_bad_config_is_refused_naming_the_key(tmp_path, yaml_text, key):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value) and key in str(info.value)
+
+
+def test_relative_paths_resolve_against_the_config_file(tmp_path):
+    (tmp_path / "model").mkdir()
+    path = tmp_path / "sub" / "cfg.yaml"
+    path.parent.mkdir()
+    path.write_text("model: {name_or_path: ../model}\nrun_dir: runs\nrepos: [{path: ../data/r}]\n")
+    cfg = load_config(path)
+    assert cfg.model.name_or_path == str((tmp_path / "model").resolve())
+    assert cfg.run_dir == (tmp_path / "sub" / "runs").resolve()
+    assert cfg.repos[0].path == (tmp_path / "data" / "r").resolve() and cfg.repos[0].display_name == "r"
+
+
+def test_training_trainer_has_every_seed_setting(tmp_path):
+    cfg = TrainerConfig(accelerator="cpu", devices=1)
+    trainer = build_training_trainer(cfg, tmp_path, max_epochs=3)
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert os.environ["NCCL_TIMEOUT"] == str(ONE_YEAR_SECONDS * 1000)
+    assert trainer.gradient_clip_val == 1.0 and trainer.accumulate_grad_batches == 4
+    assert trainer.max_epochs == 3 and trainer.log_every_n_steps == 1 and trainer.num_sanity_val_steps == 0
+    assert trainer.default_root_dir == str(tmp_path)
+    assert trainer.precision == "bf16-mixed"
+    assert isinstance(trainer.strategy, DDPStrategy)
+    assert trainer.strategy._timeout == timedelta(seconds=ONE_YEAR_SECONDS)
+    lr = [c for c in trainer.callbacks if isinstance(c, LearningRateMonitor)]
+    assert lr and lr[0].logging_interval == "step"
+    ckpt = trainer.checkpoint_callback
+    assert isinstance(ckpt, ModelCheckpoint)
+    assert (ckpt.monitor, ckpt.mode, ckpt.save_top_k, ckpt._every_n_epochs) == ("Recall@10_val", "max", -1, 1)
+    stop = [c for c in trainer.callbacks if isinstance(c, EarlyStopping)]
+    assert stop and (stop[0].monitor, stop[0].patience, stop[0].mode) == ("Recall@10_val", 5, "max")
+
+
+def test_fisher_trainer_matches_strategy_precision_devices(tmp_path):
+    cfg = TrainerConfig(accelerator="cpu", devices=1)
+    trainer = build_fisher_trainer(cfg, tmp_path)
+    assert trainer.max_epochs == 1 and trainer.precision == "bf16-mixed"
+    assert trainer.strategy._timeout == timedelta(seconds=ONE_YEAR_SECONDS)
+
+
+def test_torchrun_command_single_and_multi_node():
+    single = torchrun_command(TrainerConfig(devices=4), ["train", "--config", "c.yaml"])
+    assert "--nproc-per-node=4" in single and "--standalone" in single
+    assert single[single.index("-m", 3) + 1] == "leanagent.train.programs"
+    multi = torchrun_command(TrainerConfig(devices=2, num_nodes=2, node_rank=1, rdzv_endpoint="host0:29500"),
+                             ["fisher"])
+    assert {"--nnodes=2", "--node-rank=1", "--rdzv-endpoint=host0:29500", "--nproc-per-node=2"} <= set(multi)
+    assert "--standalone" not in multi
+
+
+def test_child_environment_scrubs_inherited_ranks():
+    env = child_environment({"LOCAL_RANK": "3", "RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "x",
+                             "MASTER_PORT": "1", "NODE_RANK": "1", "PATH": "/bin"})
+    assert not set(SCRUBBED_ENV) & set(env)
+    assert env["PATH"] == "/bin"
