@@ -6,6 +6,7 @@ here so callers have one import site for the training data.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -86,7 +87,8 @@ class TrainDataset(Dataset):
         from drawing the same negatives every epoch, and different workers from drawing the same ones.
         """
         info = get_worker_info()
-        key = self.seed if info is None else info.seed
+        # In-process loading: offset by the DDP rank so that ranks do not draw identical sequences.
+        key = self.seed + _HASH_PRIME * int(os.environ.get("RANK", "0")) if info is None else info.seed
         if self._rng is None or self._rng_key != key:
             self._rng = random.Random(key)
             self._rng_key = key

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,8 +130,10 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
         raise DatasetError(f"{dataset}/{cfg.data.split}/val.json: no validation example (no tactic with a premise "
                            f"found in the corpus); Recall@10_val, which selects checkpoints, cannot be computed")
     trainer.strategy.barrier()  # before fit
+    started = time.monotonic()
     trainer.fit(model, datamodule=datamodule, ckpt_path=plan.resume_from)
     trainer.strategy.barrier()  # after fit (seed)
+    fit_seconds = time.monotonic() - started
     ckpt = trainer.checkpoint_callback
     history = model.validation_history
     best_name = Path(ckpt.best_model_path).name
@@ -148,6 +151,8 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
         "ewc": bool(fisher is not None and cfg.lifelong.ewc_lambda > 0),
         "metrics": {k: best_metrics.get(k) for k in ("Recall@1_val", "Recall@10_val", "MRR")},
         "history": history,
+        "num_train_examples": len(datamodule.train_examples),
+        "fit_seconds": fit_seconds,
     }
 
 
@@ -183,14 +188,16 @@ def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pa
     loader = DataLoader(padded, batch_size=cfg.data.batch_size, shuffle=False, collate_fn=padded.collate,
                         num_workers=cfg.data.num_workers, persistent_workers=cfg.data.num_workers > 0)
     trainer.strategy.barrier()  # before fit
+    started = time.monotonic()
     trainer.fit(module, train_dataloaders=loader)
     trainer.strategy.barrier()  # after fit
+    fit_seconds = time.monotonic() - started
     out = job_dir / FISHER_FILE
     metadata = {"dataset": str(dataset), "checkpoint": str(checkpoint), "num_examples": module.num_examples,
                 "world_size": trainer.world_size}
     if global_rank() == 0:
         save_fisher(out, module.fisher, metadata)
-    return {"fisher": str(out), **metadata}
+    return {"fisher": str(out), "fit_seconds": fit_seconds, **metadata}
 
 
 # ---- evaluate -------------------------------------------------------------------------------
