@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 
 from leanagent.config import TrainerConfig
@@ -73,6 +74,8 @@ def _common(cfg: TrainerConfig, job_dir: Path) -> dict:
         "log_every_n_steps": cfg.log_every_n_steps,
         "num_sanity_val_steps": cfg.num_sanity_val_steps,
         "default_root_dir": str(job_dir),
+        # Explicit, so the metrics file is always JOB/lightning_logs/version_N/metrics.csv.
+        "logger": CSVLogger(save_dir=str(job_dir), name="lightning_logs"),
         "enable_progress_bar": False,
     }
 
