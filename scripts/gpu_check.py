@@ -26,14 +26,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the script itself")
     args = parser.parse_args()
     out = args.out.resolve()
-    model = write_random_encoder(out / "model", "byt5-small")
+    preset = "tiny" if args.cpu_smoke else "byt5-small"
+    model = write_random_encoder(out / "model", preset)
     repo = write_demo_repos(out / "data", 1, seed=0, theorems_per_repo=400, scale=6)[0]
     cfg = PipelineConfig.model_validate({
         "model": {"name_or_path": str(model), "warmup_steps": 10, "max_seq_len": 512},
         "data": {"batch_size": 8, "max_seq_len": 512, "num_workers": 2},
-        "trainer": {"accelerator": "gpu", "devices": 1, "precision": "bf16-mixed", "accumulate_grad_batches": 1},
+        "trainer": {"accelerator": "cpu" if args.cpu_smoke else "gpu", "devices": 1, "precision": "bf16-mixed",
+                    "accumulate_grad_batches": 1},
     })
     cfg_path = out / "gpu.yaml"
     dump_config(cfg, cfg_path)
@@ -45,7 +48,7 @@ def main() -> None:
     ctx_tokens = sum(len(e.context.encode()) + 1 for e in examples) / len(examples)
     prem_tokens = sum(len(p.serialize().encode()) + 1 for p in corpus.premises) / len(corpus.premises)
     tokens_per_example = ctx_tokens + (1 + cfg.data.num_negatives) * prem_tokens
-    c = encoder_config("byt5-small")
+    c = encoder_config(preset)
     params = c.vocab_size * c.d_model + c.num_layers * (4 * c.d_model * c.d_kv * c.num_heads + 3 * c.d_model * c.d_ff)
     report = {}
     for name, result, count in (("train", train, train["num_train_examples"] * train["epoch"]),
