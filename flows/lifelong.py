@@ -1,0 +1,150 @@
+"""The lifelong curriculum as LeanAgent describes it, one repository after another.
+
+Read top to bottom: check everything, order the repositories, then per repository train from the
+previous repository's best checkpoint (EWC-anchored by its Fisher), compute the new Fisher, and
+evaluate on every repository seen so far. Each stage is recorded in the run manifest as soon as
+it finishes, so a rerun of the same config skips it without touching its files.
+"""
+
+# No `from __future__ import annotations` here: Prefect builds a pydantic model of the flow's signature
+# to validate parameters, and string annotations fail to resolve when a served runner loads the flow.
+import sys
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+from prefect import Task, flow, get_run_logger
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+from flows.report import RunReport
+from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, load_config, resolve_paths
+from leanagent.run_state import ManifestMismatchError, RunLock, RunLockedError, RunState, stage_name
+from leanagent.train.jobs import JobInputError
+from leanagent.train.launch import LaunchError
+from tasks.data import DatasetValidationError, order_curriculum, validate_datasets
+from tasks.jobs import compute_fisher, evaluate_retriever, train_retriever
+from tasks.options import JobOptions
+
+TABLE_KEY = "lifelong-retrieval-results"
+PROGRESS_KEY = "lifelong-retrieval-progress"
+SUMMARY_KEY = "lifelong-retrieval-summary"
+BAD_INPUT = (ConfigError, DatasetValidationError, ManifestMismatchError, RunLockedError, JobInputError)
+
+
+def resolve_config(config: PipelineConfig | None, config_path: str | None) -> PipelineConfig:
+    """Exactly one source; a config given inline (UI form, Python) resolves relative paths against the cwd."""
+    if (config is None) == (config_path is None):
+        raise ConfigError("give exactly one of `config` and `config_path`")
+    if config_path is not None:
+        return load_config(config_path)
+    return resolve_paths(config, Path.cwd())
+
+
+def run_stage(state: RunState, name: str, task: Task[..., dict], options: JobOptions, **kwargs: Any) -> dict:
+    """Skip a stage the manifest has finished; otherwise run its task and record the outcome either way."""
+    done = state.stage_done(name)
+    if done is not None:
+        get_run_logger().info(f"{name}: finished in an earlier run; skipped")
+        return done
+    state.start(name)
+    try:
+        result = task.with_options(task_run_name=name, retries=options.retries,
+                                   retry_delay_seconds=options.retry_delay_s)(**kwargs)
+    except BaseException as exc:
+        state.fail(name, f"{type(exc).__name__}: {exc}")
+        raise
+    state.record(name, result)
+    return result
+
+
+class _Artifacts:
+    """The table and progress artifacts, refreshed after each repository."""
+
+    def __init__(self, report: RunReport) -> None:
+        self.report = report
+        self.progress_id: UUID = create_progress_artifact(
+            progress=0.0, key=PROGRESS_KEY, description=f"repositories done of {len(report.names)}")
+
+    def repository_done(self) -> None:
+        done, total = len(self.report.rows), len(self.report.names)
+        create_table_artifact(table=self.report.rows, key=TABLE_KEY,
+                              description=f"Recall per repository after training on it ({done} of {total} done)")
+        update_progress_artifact(self.progress_id, progress=100.0 * done / total,
+                                 description=f"{done} of {total} repositories done")
+
+
+@flow(name="lifelong-retrieval")
+def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | None = None,
+                       options: JobOptions | None = None) -> dict:
+    """Train the premise retriever over the configured repositories, lifelong, and report recall."""
+    cfg = resolve_config(config, config_path)
+    options = options or JobOptions()
+    with RunLock(cfg.run_dir):
+        # Open the manifest before writing anything: a mismatched run_dir must stay untouched.
+        state = RunState(cfg.run_dir, cfg)
+        config_file = cfg.run_dir / "config.yaml"
+        dump_config(cfg, config_file)  # every rank reads the config from this file
+        validate_datasets(cfg.repos, cfg.data.split)
+        ordered = order_curriculum(cfg.repos, cfg.lifelong.curriculum, cfg.data.split)
+        state.set_order([r.display_name for r in ordered], [r.path for r in ordered])
+        report = _run_curriculum(cfg, config_file, ordered, state, options)
+    create_markdown_artifact(markdown=report.markdown(str(state.path)), key=SUMMARY_KEY,
+                             description="Lifelong retrieval: recall per repository and recall matrix")
+    return {"rows": report.rows, "matrix": report.matrix, "order": report.names,
+            "lifelong": report.lifelong_metrics(), "manifest": str(state.path), "run_dir": str(cfg.run_dir)}
+
+
+def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoConfig], state: RunState,
+                    options: JobOptions) -> RunReport:
+    names = [r.display_name for r in ordered]
+    report = RunReport(names)
+    artifacts = _Artifacts(report)
+    jobs = cfg.run_dir / "jobs"
+    ewc = cfg.lifelong.ewc_lambda > 0
+    # Validated once above; the jobs need not re-read every dataset (evaluation would do it n^2 times).
+    common = {"cfg": cfg, "config_path": config_file, "heartbeat_timeout_s": options.heartbeat_timeout_s,
+              "validate": False}
+    checkpoint: Path | None = None  # None: start from model.name_or_path
+    fisher: Path | None = None
+    for i, repo in enumerate(ordered):
+        name = stage_name(i, repo.display_name, "train")
+        train = run_stage(state, name, train_retriever, options, dataset=repo.path, out=jobs / name,
+                          checkpoint=checkpoint, fisher=fisher if ewc else None, timeout_s=options.train_timeout_s,
+                          **common)
+        checkpoint = Path(train["checkpoint"])
+        if ewc:
+            name = stage_name(i, repo.display_name, "fisher")
+            result = run_stage(state, name, compute_fisher, options, dataset=repo.path, out=jobs / name,
+                               checkpoint=checkpoint, timeout_s=options.fisher_timeout_s, **common)
+            fisher = Path(result["fisher"])
+        evaluations = []
+        for j, seen in enumerate(ordered[: i + 1]):
+            name = stage_name(i, repo.display_name, f"eval-{j:02d}-{seen.display_name}")
+            evaluations.append(run_stage(state, name, evaluate_retriever, options, dataset=seen.path,
+                                         out=jobs / name, checkpoint=checkpoint,
+                                         timeout_s=options.evaluate_timeout_s, **common))
+        report.add_repository(i, train, evaluations)
+        artifacts.repository_done()
+    return report
+
+
+def run_from_cli(config_path: str) -> int:
+    """`leanagent run --config FILE`: the flow in this process, then a plain-text summary; 1 on bad input."""
+    try:
+        load_config(config_path)  # fail in milliseconds, before Prefect starts a temporary server
+        summary = lifelong_retrieval(config_path=config_path)
+    except BAD_INPUT as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except LaunchError as exc:
+        print(f"error: a job failed after its retries: {exc}", file=sys.stderr)
+        return 2
+    report = RunReport(summary["order"], summary["rows"], summary["matrix"])
+    print(report.text())
+    print(f"\nmanifest: {summary['manifest']}")
+    return 0

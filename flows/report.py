@@ -1,0 +1,78 @@
+"""What a lifelong run reports: a row per repository and the recall matrix, as plain data and text.
+
+Kept apart from the flow (and from Prefect) so that the CLI's plain-text table, the Prefect
+artifacts and the tests all read one representation. The matrix is the point of lifelong
+learning: row i is the model after training on repository i, column j the repository it is
+evaluated on, so the column under an early repository shows what later training forgot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MATRIX_METRIC = "Recall@10"
+
+
+@dataclass
+class RunReport:
+    names: list[str]
+    rows: list[dict] = field(default_factory=list)
+    # matrix[i][j]: MATRIX_METRIC of the model trained through repository i, on repository j's test split.
+    matrix: list[list[float | None]] = field(default_factory=list)
+
+    def add_repository(self, index: int, train: dict, evaluations: list[dict]) -> None:
+        """Record repository `index` after its training and its evaluations on repositories 0..index."""
+        own = evaluations[index]["metrics"]
+        seen = [e["metrics"][MATRIX_METRIC] for e in evaluations]
+        self.rows.append({
+            "repository": self.names[index],
+            "R@1": own.get("Recall@1"),
+            "R@10": own.get("Recall@10"),
+            "MRR": own.get("MRR"),
+            "avg R@10 (seen)": sum(seen) / len(seen),
+            "epoch": train.get("epoch"),
+            "checkpoint": train.get("checkpoint"),
+        })
+        self.matrix.append(seen + [None] * (len(self.names) - len(seen)))
+
+    def lifelong_metrics(self) -> dict[str, float | None]:
+        """Average final recall, and backward transfer (negative = forgetting) over earlier repositories."""
+        if not self.matrix:
+            return {"average": None, "backward_transfer": None}
+        last = self.matrix[-1]
+        k = len(self.matrix)
+        final = [v for v in last[:k] if v is not None]
+        bwt = [last[j] - self.matrix[j][j] for j in range(k - 1)
+               if last[j] is not None and self.matrix[j][j] is not None]
+        return {"average": sum(final) / len(final) if final else None,
+                "backward_transfer": sum(bwt) / len(bwt) if bwt else None}
+
+    def markdown(self, manifest: str) -> str:
+        header = "| repository | R@1 | R@10 | MRR | epoch | checkpoint |\n|---|---|---|---|---|---|\n"
+        body = "".join(f"| {r['repository']} | {_f(r['R@1'])} | {_f(r['R@10'])} | {_f(r['MRR'])} | {r['epoch']} | "
+                       f"`{r['checkpoint']}` |\n" for r in self.rows)
+        cols = " | ".join(self.names)
+        matrix = f"| trained through \\ evaluated on | {cols} |\n|---|" + "---|" * len(self.names) + "\n"
+        matrix += "".join(f"| {self.names[i]} | " + " | ".join(_f(v) for v in row) + " |\n"
+                          for i, row in enumerate(self.matrix))
+        lm = self.lifelong_metrics()
+        return (f"# Lifelong retrieval: {len(self.rows)} of {len(self.names)} repositories\n\n"
+                f"## Per repository (on its own test split)\n\n{header}{body}\n"
+                f"## {MATRIX_METRIC} matrix\n\nRow i: the model after training on repository i; column j: the "
+                f"repository evaluated. Read a column downwards to see forgetting.\n\n{matrix}\n"
+                f"Average final {MATRIX_METRIC}: {_f(lm['average'])}; backward transfer: "
+                f"{_f(lm['backward_transfer'])}\n\nManifest: `{manifest}`\n")
+
+    def text(self) -> str:
+        """Plain text for a terminal: the per-repository table, then the matrix."""
+        lines = [f"{'repository':<24} {'R@1':>7} {'R@10':>7} {'MRR':>7} {'epoch':>5}  checkpoint"]
+        lines += [f"{r['repository']:<24} {_f(r['R@1']):>7} {_f(r['R@10']):>7} {_f(r['MRR']):>7} "
+                  f"{r['epoch']!s:>5}  {r['checkpoint']}" for r in self.rows]
+        lines += ["", f"{MATRIX_METRIC} (row: trained through; column: evaluated on)",
+                  f"{'':<24} " + " ".join(f"{n[:10]:>10}" for n in self.names)]
+        lines += [f"{self.names[i]:<24} " + " ".join(f"{_f(v):>10}" for v in row) for i, row in enumerate(self.matrix)]
+        return "\n".join(lines)
+
+
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

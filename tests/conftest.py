@@ -1,0 +1,73 @@
+"""Session fixtures shared by suites that need a Prefect server or real (tiny) training inputs.
+
+Both are session-scoped because they are the slow part: a Prefect server takes seconds to start
+on two cores, and the demo data and tiny model are inputs, not the thing under test. Neither is
+autouse, so suites that need neither (data, unit) start no server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+
+@dataclass(frozen=True)
+class DemoAssets:
+    repos: list[Path]
+    model: Path
+
+
+@pytest.fixture(scope="session")
+def prefect_harness() -> Iterator[None]:
+    """A temporary Prefect server and database for the session; request it (usefixtures) where flows run."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> DemoAssets:
+    """Three synthetic LeanDojo repositories and a tiny random ByT5 encoder, built once."""
+    from leanagent.data.synthetic import write_demo_repos
+    from leanagent.model.presets import write_random_encoder
+
+    root = tmp_path_factory.mktemp("demo")
+    repos = write_demo_repos(root / "data", 3)
+    model = root / "model"
+    write_random_encoder(model, "tiny")
+    return DemoAssets(repos=[Path(p) for p in repos], model=model)
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+@pytest.fixture(scope="session")
+def write_cpu_config(demo_assets: DemoAssets) -> Callable[..., Path]:
+    """Write a 2-rank CPU config YAML; call it as `write_cpu_config(path, run_dir, repos, **section_overrides)`."""
+
+    def write(path: Path, run_dir: Path, repos: list[Path], **overrides: Any) -> Path:
+        cfg: dict[str, Any] = {
+            "model": {"name_or_path": str(demo_assets.model), "warmup_steps": 5, "max_seq_len": 256,
+                      "num_retrieved": 100, "lr": 1e-3},
+            "data": {"batch_size": 4, "eval_batch_size": 16, "num_workers": 0, "max_seq_len": 256},
+            "trainer": {"accelerator": "cpu", "devices": 2, "precision": "bf16-mixed", "accumulate_grad_batches": 1},
+            "lifelong": {"epochs_per_repo": 1, "ewc_lambda": 0.1},
+            "run_dir": str(run_dir),
+            "repos": [{"path": str(p)} for p in repos],
+        }
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(_merge(cfg, overrides), sort_keys=False))
+        return path
+
+    return write

@@ -1,0 +1,22 @@
+"""Task options that decide how failures are handled, checked without launching anything."""
+
+from __future__ import annotations
+
+from prefect.states import Failed
+
+from leanagent.train.jobs import JobFinishedError, JobInputError
+from leanagent.train.launch import LaunchError
+from tasks.jobs import DEFAULT_RETRIES, retry_unless_bad_input, train_retriever
+
+
+def test_retries_are_not_spent_on_refused_input() -> None:
+    def retried(exc: BaseException) -> bool:
+        return retry_unless_bad_input(None, None, Failed(data=exc))  # type: ignore[arg-type]
+
+    assert retried(LaunchError("rank 1 died", 1, 1, []))
+    assert not retried(JobInputError("no such checkpoint"))
+    assert not retried(JobFinishedError("result.json exists"))
+
+
+def test_jobs_retry_twice_by_default() -> None:
+    assert train_retriever.retries == DEFAULT_RETRIES == 2
