@@ -21,8 +21,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from flows.report import RunReport
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, load_config, resolve_paths
+from leanagent.report import RunReport
 from leanagent.run_state import ManifestMismatchError, RunLock, RunLockedError, RunState, stage_name
 from leanagent.train.jobs import JobInputError
 from leanagent.train.launch import LaunchError
@@ -95,7 +95,7 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
         report = _run_curriculum(cfg, config_file, ordered, state, options)
     create_markdown_artifact(markdown=report.markdown(str(state.path)), key=SUMMARY_KEY,
                              description="Lifelong retrieval: recall per repository and recall matrix")
-    return {"rows": report.rows, "matrix": report.matrix, "order": report.names,
+    return {"rows": report.rows, "matrix": report.matrix, "baseline": report.baseline, "order": report.names,
             "lifelong": report.lifelong_metrics(), "manifest": str(state.path), "run_dir": str(cfg.run_dir)}
 
 
@@ -109,6 +109,12 @@ def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoCo
     # Validated once above; the jobs need not re-read every dataset (evaluation would do it n^2 times).
     common = {"cfg": cfg, "config_path": config_file, "heartbeat_timeout_s": options.heartbeat_timeout_s,
               "validate": False}
+    # The untrained model on every test split: the row that training gains and transfers are measured from.
+    report.set_baseline([
+        run_stage(state, name, evaluate_retriever, options, dataset=repo.path, out=jobs / name, checkpoint=None,
+                  timeout_s=options.evaluate_timeout_s, **common)
+        for name, repo in ((stage_name(j, r.display_name, "eval-untrained"), r) for j, r in enumerate(ordered))
+    ])
     checkpoint: Path | None = None  # None: start from model.name_or_path
     fisher: Path | None = None
     for i, repo in enumerate(ordered):
@@ -144,7 +150,7 @@ def run_from_cli(config_path: str) -> int:
     except LaunchError as exc:
         print(f"error: a job failed after its retries: {exc}", file=sys.stderr)
         return 2
-    report = RunReport(summary["order"], summary["rows"], summary["matrix"])
+    report = RunReport(summary["order"], summary["rows"], summary["matrix"], summary["baseline"])
     print(report.text())
     print(f"\nmanifest: {summary['manifest']}")
     return 0

@@ -81,9 +81,9 @@ def compute_fisher(cfg: PipelineConfig, config_path: Path, dataset: Path, out: P
 
 
 @task(name="evaluate-retriever", **_TASK_OPTIONS)
-def evaluate_retriever(cfg: PipelineConfig, config_path: Path, dataset: Path, out: Path, checkpoint: Path,
+def evaluate_retriever(cfg: PipelineConfig, config_path: Path, dataset: Path, out: Path, checkpoint: Path | None,
                        timeout_s: float | None = None, heartbeat_timeout_s: float | None = None,
                        validate: bool = True) -> dict:
-    """R@1, R@10 and MRR of `checkpoint` on a repository's test split."""
+    """R@1, R@10 and MRR of `checkpoint` (None: the untrained `model.name_or_path`) on a repository's test split."""
     return _run("evaluate", cfg, config_path, dataset, out, checkpoint, None, timeout_s, heartbeat_timeout_s,
                 validate)

@@ -52,9 +52,12 @@ def test_two_repositories_train_fisher_and_evaluate(two_repo_run: FinishedRun) -
     results = _job_results(two_repo_run.run_dir)
     names = two_repo_run.summary["order"]
     first, second = f"00-{names[0]}", f"01-{names[1]}"
-    assert set(results) == {f"{first}/train", f"{first}/fisher", f"{first}/eval-00-{names[0]}",
+    assert set(results) == {f"{first}/eval-untrained", f"{second}/eval-untrained",
+                            f"{first}/train", f"{first}/fisher", f"{first}/eval-00-{names[0]}",
                             f"{second}/train", f"{second}/fisher", f"{second}/eval-00-{names[0]}",
                             f"{second}/eval-01-{names[1]}"}
+    # The untrained model is scored as it is: no checkpoint.
+    assert not results[f"{first}/eval-untrained"]["checkpoint"].endswith(".ckpt")
     for key in (f"{first}/train", f"{second}/train"):
         assert Path(results[key]["checkpoint"]).is_file()
         assert results[key]["world_size"] == 2
@@ -68,6 +71,8 @@ def test_two_repositories_train_fisher_and_evaluate(two_repo_run: FinishedRun) -
     summary = two_repo_run.summary
     assert [r["repository"] for r in summary["rows"]] == names
     assert summary["matrix"][0][1] is None and all(v is not None for v in summary["matrix"][1])
+    assert len(summary["baseline"]) == 2 and all(v is not None for v in summary["baseline"])
+    assert set(summary["lifelong"]) == {"average", "gain_over_untrained", "backward_transfer"}
     stages = read_json(Path(summary["manifest"]))["repos"]
     assert all(s["status"] == "done" for repo in stages.values() for s in repo["stages"].values())
 
@@ -99,8 +104,8 @@ def test_rerun_skips_every_finished_stage(two_repo_run: FinishedRun) -> None:
     assert _files(two_repo_run.run_dir / "jobs") == before  # no job launched, no file touched
     assert read_json(two_repo_run.run_dir / "manifest.json")["repos"] == stages_before
     assert state.result()["rows"] == two_repo_run.summary["rows"]
-    messages = wait_for_logs(state.state_details.flow_run_id, lambda m: sum("skipped" in x for x in m) >= 7)
-    assert sum("finished in an earlier run; skipped" in m for m in messages) == 7
+    messages = wait_for_logs(state.state_details.flow_run_id, lambda m: sum("skipped" in x for x in m) >= 9)
+    assert sum("finished in an earlier run; skipped" in m for m in messages) == 9
     assert not any(m.startswith("[rank ") for m in messages)
 
 
