@@ -26,7 +26,7 @@ class JobFinishedError(FileExistsError):
     """The job folder already holds a result; a finished job is never overwritten."""
 
 
-def check_job(cfg: PipelineConfig, program: Program, dataset: Path, out: Path, checkpoint: Path | None = None,
+def check_job(cfg: PipelineConfig, program: Program, dataset: Path, checkpoint: Path | None = None,
               fisher: Path | None = None, validate: bool = True) -> None:
     if program == "fisher" and checkpoint is None:
         raise JobInputError("fisher needs a checkpoint")
@@ -78,7 +78,7 @@ def run_job(
             return read_json(result_file)
         raise JobFinishedError(f"{result_file} exists: this job is finished; choose a new output folder "
                                f"(nothing was overwritten)")
-    check_job(cfg, program, dataset, out, checkpoint, fisher, validate=validate)
+    check_job(cfg, program, dataset, checkpoint, fisher, validate=validate)
     argv = program_argv(program, config_path, dataset, out, checkpoint, fisher)
     return launch(cfg.trainer, argv, out, on_line=on_line, timeout_s=timeout_s,
                   heartbeat_timeout_s=heartbeat_timeout_s).result

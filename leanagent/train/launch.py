@@ -16,6 +16,7 @@ import collections
 import os
 import re
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from leanagent.atomic import read_json
 from leanagent.config import TrainerConfig
-from leanagent.train.heartbeat import stale_ranks
+from leanagent.train.heartbeat import heartbeat_dir, stale_ranks
 
 SCRUBBED_ENV = (
     "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
@@ -136,6 +137,8 @@ def launch(
     """
     job_dir = Path(job_dir)
     job_dir.mkdir(parents=True, exist_ok=True)
+    # A retry reuses the job folder: the failed attempt's heartbeats are stale by now and must not count.
+    shutil.rmtree(heartbeat_dir(job_dir), ignore_errors=True)
     emit = on_line or (lambda line: print(line, flush=True))
     log_dir = job_dir / "logs" / f"attempt-{time.strftime('%Y%m%d-%H%M%S')}"
     cmd = torchrun_command(cfg, program_args, log_dir=log_dir, entry=entry)

@@ -64,6 +64,16 @@ def test_stale_heartbeat_ends_the_job(tmp_path):
     _assert_all_gone(tmp_path)
 
 
+def test_heartbeats_of_an_earlier_attempt_do_not_count(tmp_path):
+    """A retry reuses the job folder; the failed attempt's old heartbeat must not end the new one at once."""
+    old = tmp_path / "heartbeat" / "rank0.json"
+    old.parent.mkdir()
+    old.write_text("{}")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    outcome = launch(CPU2, [], tmp_path, heartbeat_timeout_s=3, grace_s=2, entry=_probe("ok", tmp_path))
+    assert outcome.result == {"ok": True}
+
+
 def test_interrupt_of_the_supervisor_ends_the_job(tmp_path):
     """SIGTERM to a supervising process (what Prefect sends on cancel) must not orphan the ranks."""
     code = (

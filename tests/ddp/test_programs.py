@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -132,3 +133,18 @@ def test_two_node_launch_on_localhost(ddp_assets, tmp_path):
     result = json.loads((tmp_path / "node0" / "result.json").read_text())
     assert result["world_size"] == 2 and result["epoch"] == 1
     assert "[rank 1]" in outputs[1] and "[rank 0]" in outputs[0]
+
+
+def test_interrupted_training_resumes_from_its_last_checkpoint(lifelong, tmp_path):
+    """An attempt that finished epoch 1 of 2 and died: rerunning the same job resumes, it does not restart."""
+    job = tmp_path / "job"
+    shutil.copytree(lifelong["work"] / "a", job)
+    (job / "result.json").unlink()
+    plan = json.loads((job / "job.json").read_text())
+    (job / "job.json").write_text(json.dumps({**plan, "target_epochs": 2}))
+    last = job / "checkpoints" / "last.ckpt"
+    resumed = _ok(leanagent("train", "--config", str(lifelong["cfg"]), "--dataset", lifelong["a"]["dataset"],
+                            "--out", str(job)))
+    assert resumed["resumed_from"] == str(last)
+    assert resumed["epoch"] == 2 and resumed["target_epochs"] == 2
+    assert [h["epoch"] for h in resumed["history"]] == [1]  # only the missing epoch ran

@@ -1,5 +1,6 @@
 """Run under torchrun by the launcher tests. Modes: fail (rank 1 raises), hang (all ranks sleep),
-stale (ranks beat once, then hang). Each rank writes its pid so the test can check it was ended."""
+stale (ranks beat once, then hang), ok (ranks beat for 4 s, rank 0 writes result.json, all exit 0).
+Each rank writes its pid so the test can check it was ended."""
 
 import os
 import sys
@@ -14,6 +15,17 @@ print(f"rank {rank} started in mode {mode}", flush=True)
 if mode == "fail" and rank == 1:
     print("about to fail: the data on this rank is bad", flush=True)
     raise RuntimeError("boom on rank 1")
+if mode == "ok":
+    import json
+
+    from leanagent.train.heartbeat import beat
+
+    for step in range(8):
+        beat(out, "train", step)
+        time.sleep(0.5)
+    if rank == 0:
+        (out / "result.json").write_text(json.dumps({"ok": True}))
+    sys.exit(0)
 if mode == "stale":
     from leanagent.train.heartbeat import beat
 
