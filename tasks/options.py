@@ -19,5 +19,7 @@ class JobOptions(BaseModel):
     train_timeout_s: float | None = Field(None, gt=0, description="deadline of one train attempt")
     fisher_timeout_s: float | None = Field(None, gt=0, description="deadline of one Fisher attempt")
     evaluate_timeout_s: float | None = Field(None, gt=0, description="deadline of one evaluation attempt")
+    # With the seed's one-year collective timeout torch never notices a hung rank; this watchdog does.
+    # Ranks beat at every batch and while embedding the corpus, so an hour of silence is a hang.
     heartbeat_timeout_s: float | None = Field(
-        None, gt=0, description="end a job whose ranks have not reported progress for this long (hung collective)")
+        3600.0, gt=0, description="end a job whose ranks have not reported progress for this long (hung collective)")

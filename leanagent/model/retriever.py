@@ -9,6 +9,7 @@ their values at the start of training on a new repository, weighted by a diagona
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -66,6 +67,8 @@ class PremiseRetriever(pl.LightningModule):
         self._scores: list[ContextScore] = []
         self.eval_metrics: dict[str, float] = {}
         self.validation_history: list[dict[str, float]] = []
+        # Set by the Heartbeat callback: called inside long loops so a watchdog sees progress.
+        self.progress_hook: Callable[[str], None] | None = None
 
     # ---- encoding -------------------------------------------------------------------------
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -152,6 +155,8 @@ class PremiseRetriever(pl.LightningModule):
             idx = mine[start : start + step]
             ids, mask = tokenize_premises(self.tokenizer, corpus, idx, self.hparams["max_seq_len"])
             shard[start : start + len(idx)] = self.encode(ids.to(self.device), mask.to(self.device))
+            if self.progress_hook is not None:
+                self.progress_hook("embed-corpus")
         if world == 1:
             return shard[:n]
         gathered = [torch.empty_like(shard) for _ in range(world)]

@@ -59,6 +59,9 @@ class Heartbeat(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._maybe_beat(trainer, f"setup:{stage}", force=True)
+        # Long loops inside a hook (embedding a mathlib-size corpus before validation) beat through this.
+        if hasattr(pl_module, "progress_hook"):
+            pl_module.progress_hook = lambda what: self._maybe_beat(trainer, what)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._maybe_beat(trainer, "train")

@@ -59,6 +59,9 @@ def test_training_continues_epochs_across_repositories(lifelong):
         assert Path(result["checkpoint"]).is_file() and Path(result["last_checkpoint"]).is_file()
         assert set(result["metrics"]) == {"Recall@1_val", "Recall@10_val", "MRR"}
         assert 0.0 <= result["metrics"]["Recall@1_val"] <= result["metrics"]["Recall@10_val"] <= 1.0
+    # Every rank reported progress for the launcher's watchdog.
+    beats = [json.loads((lifelong["work"] / "b" / "heartbeat" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [b["rank"] for b in beats] == [0, 1] and all(b["stage"] and b["time"] > 0 for b in beats)
     # The epoch count lives in the checkpoint, not in a Python variable.
     assert epochs_completed(read_checkpoint(Path(b["last_checkpoint"]))) == 2
 
