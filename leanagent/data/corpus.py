@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import gc
 import json
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +22,8 @@ import torch
 
 from leanagent.data.errors import DatasetError
 from leanagent.data.imports import bits_to_mask, import_closures
+
+IMPORTED_CACHE_SIZE = 64
 
 Pos = tuple[int, int]
 LAKE_PREFIX = ".lake/packages/"
@@ -165,11 +167,12 @@ class Corpus:
             parts = path.split("/")
             for k in range(1, len(parts)):
                 self._by_suffix["/".join(parts[k:])].append(path)
-        self._file_arrays = {p: np.asarray(idx, dtype=np.int64) for p, idx in self._file_premises.items()}
         self._path_number = {p: k for k, p in enumerate(self.paths)}
         self._premise_file = np.asarray([self._path_number[p.path] for p in self.premises], dtype=np.int64)
         self._closure_bits: list[int] | None = None
-        self._imported: dict[str, np.ndarray] = {}
+        # Bounded: at mathlib scale a file imports ~100k premises, and 5k cached arrays would be gigabytes
+        # in every rank and loader worker. Recomputing one costs about a millisecond.
+        self._imported: OrderedDict[str, np.ndarray] = OrderedDict()
         self._resolved: dict[str, str | None] = {}
 
     @classmethod
@@ -255,15 +258,19 @@ class Corpus:
 
     def _imported_array(self, path: str) -> np.ndarray:
         arr = self._imported.get(path)
-        if arr is None:
-            k = self._path_number.get(path)
-            if k is None:
-                arr = np.empty(0, dtype=np.int64)
-            else:
-                file_mask = bits_to_mask(self._closures()[k], len(self.paths))
-                arr = np.flatnonzero(file_mask[self._premise_file]).astype(np.int64)
-            arr.setflags(write=False)
-            self._imported[path] = arr
+        if arr is not None:
+            self._imported.move_to_end(path)
+            return arr
+        k = self._path_number.get(path)
+        if k is None:
+            arr = np.empty(0, dtype=np.int64)
+        else:
+            file_mask = bits_to_mask(self._closures()[k], len(self.paths))
+            arr = np.flatnonzero(file_mask[self._premise_file]).astype(np.int64)
+        arr.setflags(write=False)
+        self._imported[path] = arr
+        if len(self._imported) > IMPORTED_CACHE_SIZE:
+            self._imported.popitem(last=False)
         return arr
 
     def imported_indices(self, path: str) -> list[int]:

@@ -6,7 +6,6 @@ here so callers have one import site for the training data.
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +16,7 @@ from torch.utils.data import Dataset, get_worker_info
 from leanagent.data.corpus import Corpus
 from leanagent.data.examples import EvalExample, TrainExample, build_eval_examples, build_train_examples
 from leanagent.data.negatives import sample_negatives
+from leanagent.ranks import global_rank
 
 __all__ = [
     "EvalDataset",
@@ -87,8 +87,9 @@ class TrainDataset(Dataset):
         from drawing the same negatives every epoch, and different workers from drawing the same ones.
         """
         info = get_worker_info()
-        # In-process loading: offset by the DDP rank so that ranks do not draw identical sequences.
-        key = self.seed + _HASH_PRIME * int(os.environ.get("RANK", "0")) if info is None else info.seed
+        # Offset by the DDP rank: seed_everything gives every rank the same base seed, so without it
+        # rank r's worker w would draw the same negatives as every other rank's worker w.
+        key = (self.seed if info is None else info.seed) + _HASH_PRIME * global_rank()
         if self._rng is None or self._rng_key != key:
             self._rng = random.Random(key)
             self._rng_key = key

@@ -83,8 +83,10 @@ class PremiseRetriever(pl.LightningModule):
         return contrastive_mse(context_emb, premise_emb, batch["label"])
 
     # ---- EWC ------------------------------------------------------------------------------
-    def set_ewc(self, fisher: dict[str, torch.Tensor], ewc_lambda: float) -> None:
-        """Arm the EWC penalty; the anchor is taken in on_fit_start, after a checkpoint is restored."""
+    def set_ewc(self, fisher: dict[str, torch.Tensor], ewc_lambda: float,
+                anchor: dict[str, torch.Tensor] | None = None) -> None:
+        """Arm the EWC penalty. theta* is `anchor` when given (a retry resuming mid-repository), otherwise
+        the parameters in on_fit_start, after the starting checkpoint is restored."""
         params = dict(self.named_parameters())
         missing = sorted(set(params) - set(fisher))
         unknown = sorted(set(fisher) - set(params))
@@ -99,6 +101,7 @@ class PremiseRetriever(pl.LightningModule):
                                  f"{tuple(params[name].shape)}")
         self._ewc_fisher = dict(fisher)
         self.ewc_lambda = float(ewc_lambda)
+        self._ewc_anchor = {n: anchor[n].detach().float().clone() for n in fisher} if anchor is not None else {}
 
     def ewc_penalty(self) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
@@ -111,12 +114,23 @@ class PremiseRetriever(pl.LightningModule):
     def on_fit_start(self) -> None:
         if self._ewc_fisher:
             self._ewc_fisher = {n: f.to(self.device, torch.float32) for n, f in self._ewc_fisher.items()}
-            self._ewc_anchor = {n: p.detach().float().clone() for n, p in self.named_parameters()}
+            if self._ewc_anchor:
+                self._ewc_anchor = {n: a.to(self.device) for n, a in self._ewc_anchor.items()}
+            else:
+                self._ewc_anchor = {n: p.detach().float().clone() for n, p in self.named_parameters()}
+
+    # The validation history rides in checkpoints so that a resumed job reports its best epoch's metrics.
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["leanagent_validation_history"] = list(self.validation_history)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.validation_history = list(checkpoint.get("leanagent_validation_history", []))
 
     # ---- training -------------------------------------------------------------------------
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.batch_loss(batch)
-        self.log("loss_train", loss, on_step=True, on_epoch=True, sync_dist=True, batch_size=len(batch["index"]))
+        # Not synced: an all-reduce per step only to log a number; the epoch mean is rank 0's.
+        self.log("loss_train", loss, on_step=True, on_epoch=True, batch_size=len(batch["index"]))
         if self._ewc_fisher and self.ewc_lambda > 0:
             penalty = self.ewc_penalty()
             self.log("ewc_penalty", penalty, on_step=True, on_epoch=False, batch_size=len(batch["index"]))

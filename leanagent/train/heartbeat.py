@@ -7,13 +7,13 @@ goes stale.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
 from leanagent.atomic import write_json_atomic
+from leanagent.ranks import global_rank
 
 
 def heartbeat_dir(job_dir: Path) -> Path:
@@ -21,7 +21,7 @@ def heartbeat_dir(job_dir: Path) -> Path:
 
 
 def beat(job_dir: Path, stage: str, step: int | None = None) -> None:
-    rank = int(os.environ.get("RANK", "0"))
+    rank = global_rank()
     write_json_atomic(heartbeat_dir(job_dir) / f"rank{rank}.json",
                       {"rank": rank, "time": time.time(), "stage": stage, "step": step})
 

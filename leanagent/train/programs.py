@@ -8,7 +8,6 @@ and after fit) really synchronize, and rank 0 writes `JOB_DIR/result.json` atomi
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,8 @@ from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.data.errors import DatasetError
 from leanagent.model.fisher import FisherModule, load_fisher, save_fisher
 from leanagent.model.retriever import PremiseRetriever
-from leanagent.train.heartbeat import Heartbeat
+from leanagent.ranks import global_rank, local_rank, node_rank
+from leanagent.train.heartbeat import Heartbeat, beat
 from leanagent.train.launch import result_filename
 from leanagent.train.trainer import (
     build_eval_trainer,
@@ -34,10 +34,6 @@ from leanagent.train.trainer import (
 
 JOB_PLAN = "job.json"
 FISHER_FILE = "fisher.safetensors"
-
-
-def global_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 def read_checkpoint(path: Path) -> dict:
@@ -61,22 +57,23 @@ def epochs_completed(checkpoint: dict) -> int:
     return int(checkpoint.get("epoch", -1)) + 1
 
 
-def build_retriever(cfg: PipelineConfig, checkpoint: Path | None) -> PremiseRetriever:
-    """From a checkpoint the architecture comes from its hparams, so no hub access is needed."""
+def load_retriever(cfg: PipelineConfig, checkpoint: Path | None, weights: bool = True) -> PremiseRetriever:
+    """The retriever for a job, reading a checkpoint once.
+
+    From a checkpoint the architecture comes from its hparams, so no hub access is needed;
+    `weights=False` when Lightning's `fit(ckpt_path=...)` restores them anyway.
+    """
+    overrides = {"lr": cfg.model.lr, "warmup_steps": cfg.model.warmup_steps, "max_seq_len": cfg.model.max_seq_len,
+                 "num_retrieved": cfg.model.num_retrieved, "eval_batch_size": cfg.data.eval_batch_size}
     if checkpoint is None:
-        return PremiseRetriever(cfg.model.name_or_path, lr=cfg.model.lr, warmup_steps=cfg.model.warmup_steps,
-                                max_seq_len=cfg.model.max_seq_len, num_retrieved=cfg.model.num_retrieved,
-                                eval_batch_size=cfg.data.eval_batch_size)
-    hparams = dict(read_checkpoint(checkpoint).get("hyper_parameters", {}))
+        return PremiseRetriever(cfg.model.name_or_path, **overrides)
+    ckpt = read_checkpoint(checkpoint)
+    hparams = dict(ckpt.get("hyper_parameters", {}))
     if "encoder_config" not in hparams:
         raise ValueError(f"{checkpoint}: not a leanagent retriever checkpoint (no encoder_config in its hparams)")
-    hparams.update(lr=cfg.model.lr, warmup_steps=cfg.model.warmup_steps, max_seq_len=cfg.model.max_seq_len,
-                   num_retrieved=cfg.model.num_retrieved, eval_batch_size=cfg.data.eval_batch_size)
-    return PremiseRetriever(**hparams)
-
-
-def load_weights(model: PremiseRetriever, checkpoint: Path) -> PremiseRetriever:
-    model.load_state_dict(read_checkpoint(checkpoint)["state_dict"])
+    model = PremiseRetriever(**{**hparams, **overrides})
+    if weights:
+        model.load_state_dict(ckpt["state_dict"])
     return model
 
 
@@ -90,8 +87,14 @@ def make_datamodule(cfg: PipelineConfig, dataset: Path, model: PremiseRetriever)
 @dataclass(frozen=True)
 class TrainPlan:
     start_checkpoint: str | None
+    start_epochs: int
     target_epochs: int
     resume_from: str | None
+
+    @property
+    def is_retry(self) -> bool:
+        """An earlier attempt of this very job left a checkpoint behind."""
+        return self.resume_from != self.start_checkpoint
 
 
 def plan_training(job_dir: Path, start_checkpoint: Path | None, epochs_per_repo: int) -> TrainPlan:
@@ -104,26 +107,38 @@ def plan_training(job_dir: Path, start_checkpoint: Path | None, epochs_per_repo:
         if saved.get("start_checkpoint") != start:
             raise ValueError(f"{plan_file}: this job started from {saved.get('start_checkpoint')}, not {start}; "
                              f"use a new --out folder")
-        target = int(saved["target_epochs"])
+        already, target = int(saved["start_epochs"]), int(saved["target_epochs"])
     else:
         already = epochs_completed(read_checkpoint(Path(start))) if start else 0
         target = already + epochs_per_repo
     last = job_dir / "checkpoints" / "last.ckpt"
     resume = str(last) if last.is_file() else start
-    return TrainPlan(start, target, resume)
+    return TrainPlan(start, already, target, resume)
+
+
+def ewc_anchor(cfg: PipelineConfig, plan: TrainPlan) -> dict[str, torch.Tensor] | None:
+    """theta*: the parameters when training on this repository began, not those of a retry's last.ckpt."""
+    if not plan.is_retry:
+        return None  # fit restores the start weights; the retriever snapshots them in on_fit_start
+    if plan.start_checkpoint is None:
+        return load_retriever(cfg, None).state_dict()
+    return read_checkpoint(Path(plan.start_checkpoint))["state_dict"]
 
 
 def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path | None,
               fisher: Path | None) -> dict:
     plan = plan_training(job_dir, checkpoint, cfg.lifelong.epochs_per_repo)
-    model = build_retriever(cfg, Path(plan.resume_from) if plan.resume_from else None)
+    model = load_retriever(cfg, Path(plan.resume_from) if plan.resume_from else None, weights=False)
     if fisher is not None and cfg.lifelong.ewc_lambda > 0:
         fisher_tensors, _ = load_fisher(fisher)
-        model.set_ewc(fisher_tensors, cfg.lifelong.ewc_lambda)
-    trainer = build_training_trainer(cfg.trainer, job_dir, plan.target_epochs, [Heartbeat(job_dir)])
+        model.set_ewc(fisher_tensors, cfg.lifelong.ewc_lambda, anchor=ewc_anchor(cfg, plan))
+    # A new repository starts early stopping afresh; a retry of this job keeps its patience count.
+    trainer = build_training_trainer(cfg.trainer, job_dir, plan.target_epochs, [Heartbeat(job_dir)],
+                                     restore_early_stopping=plan.is_retry)
     trainer.strategy.barrier()  # before loading data (seed)
     if global_rank() == 0 and not (job_dir / JOB_PLAN).is_file():
         write_json_atomic(job_dir / JOB_PLAN, {"start_checkpoint": plan.start_checkpoint,
+                                               "start_epochs": plan.start_epochs,
                                                "target_epochs": plan.target_epochs})
     datamodule = make_datamodule(cfg, dataset, model)
     if not datamodule.val_examples:
@@ -135,7 +150,8 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
     trainer.strategy.barrier()  # after fit (seed)
     fit_seconds = time.monotonic() - started
     ckpt = trainer.checkpoint_callback
-    history = model.validation_history
+    # The history travels in checkpoints (it survives a retry); keep this repository's epochs only.
+    history = [h for h in model.validation_history if h["epoch"] >= plan.start_epochs]
     best_name = Path(ckpt.best_model_path).name
     best_metrics = next((h for h in history if best_name.startswith(f"epoch={h['epoch']}-step={h['step']}-")),
                         history[-1] if history else {})
@@ -179,7 +195,7 @@ class PaddedForRanks(Dataset):
 
 
 def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path) -> dict:
-    model = load_weights(build_retriever(cfg, checkpoint), checkpoint)
+    model = load_retriever(cfg, checkpoint)
     module = FisherModule(model)
     trainer = build_fisher_trainer(cfg.trainer, job_dir, [Heartbeat(job_dir)])
     trainer.strategy.barrier()  # before loading data
@@ -204,10 +220,7 @@ def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pa
 
 def run_evaluate(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path | None) -> dict:
     """Without a checkpoint the base model (`model.name_or_path`) is scored: the lifelong baseline."""
-    if checkpoint is None:
-        model = build_retriever(cfg, None)
-    else:
-        model = load_weights(build_retriever(cfg, checkpoint), checkpoint)
+    model = load_retriever(cfg, checkpoint)
     trainer = build_eval_trainer(cfg.trainer, job_dir, [Heartbeat(job_dir)])
     trainer.strategy.barrier()
     datamodule = make_datamodule(cfg, dataset, model)
@@ -238,22 +251,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = load_config(args.config)
+    job_dir = args.out.resolve()
+    job_dir.mkdir(parents=True, exist_ok=True)
+    # First beat before anything that can hang (rendezvous, barriers, data loading), so the
+    # launcher's watchdog also covers a rank stuck before training starts.
+    beat(job_dir, f"start:{args.program}")
+    # Before the process group exists: NCCL reads these when its communicators are created.
     set_nccl_environment(cfg.trainer)
     init_process_group(cfg.trainer)
     import lightning.pytorch as pl
 
     pl.seed_everything(cfg.trainer.seed, workers=True)
-    job_dir = args.out.resolve()
-    job_dir.mkdir(parents=True, exist_ok=True)
     if args.program == "train":
         result = run_train(cfg, args.dataset, job_dir, args.checkpoint, args.fisher)
     elif args.program == "fisher":
         result = run_fisher(cfg, args.dataset, job_dir, args.checkpoint)
     else:
         result = run_evaluate(cfg, args.dataset, job_dir, args.checkpoint)
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        node_rank = 0 if global_rank() == 0 else int(os.environ.get("GROUP_RANK", "0"))
-        write_json_atomic(job_dir / result_filename(node_rank), {"program": args.program, **result})
+    if local_rank() == 0:
+        node = 0 if global_rank() == 0 else node_rank()
+        write_json_atomic(job_dir / result_filename(node), {"program": args.program, **result})
 
 
 if __name__ == "__main__":

@@ -23,6 +23,23 @@ from leanagent.config import TrainerConfig
 MONITOR = "Recall@10_val"
 
 
+class RepositoryEarlyStopping(EarlyStopping):
+    """The seed's EarlyStopping, scoped to one repository.
+
+    `fit(ckpt_path=...)` from the previous repository's checkpoint would restore its best score
+    and patience count, comparing this repository's Recall@10_val with another dataset's. A retry
+    of the same job (`restore_state=True`) keeps them.
+    """
+
+    def __init__(self, *args, restore_state: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.restore_state = restore_state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.restore_state:
+            super().load_state_dict(state_dict)
+
+
 def set_nccl_environment(cfg: TrainerConfig) -> None:
     """As the seed does, before any trainer exists. NCCL_TIMEOUT is not read by NCCL itself;
     the timeout that matters is the one passed to the process group (see `ddp_strategy`)."""
@@ -81,7 +98,8 @@ def _common(cfg: TrainerConfig, job_dir: Path) -> dict:
 
 
 def build_training_trainer(cfg: TrainerConfig, job_dir: Path, max_epochs: int,
-                           extra_callbacks: list[Callback] | None = None) -> pl.Trainer:
+                           extra_callbacks: list[Callback] | None = None,
+                           restore_early_stopping: bool = True) -> pl.Trainer:
     set_nccl_environment(cfg)
     checkpoint = ModelCheckpoint(
         dirpath=job_dir / "checkpoints",
@@ -96,7 +114,8 @@ def build_training_trainer(cfg: TrainerConfig, job_dir: Path, max_epochs: int,
     callbacks: list[Callback] = [
         LearningRateMonitor(logging_interval="step"),
         checkpoint,
-        EarlyStopping(monitor=MONITOR, patience=cfg.early_stopping_patience, mode="max"),
+        RepositoryEarlyStopping(monitor=MONITOR, patience=cfg.early_stopping_patience, mode="max",
+                                restore_state=restore_early_stopping),
         *(extra_callbacks or []),
     ]
     return pl.Trainer(

@@ -139,15 +139,23 @@ def test_two_node_launch_on_localhost(ddp_assets, tmp_path):
 
 
 def test_interrupted_training_resumes_from_its_last_checkpoint(lifelong, tmp_path):
-    """An attempt that finished epoch 1 of 2 and died: rerunning the same job resumes, it does not restart."""
+    """Repo B's job as if its attempt finished epoch 2 of 3 and died: rerunning it resumes from last.ckpt,
+    runs only the missing epoch, and keeps EWC anchored to A's weights (not to the resumed ones)."""
     job = tmp_path / "job"
-    shutil.copytree(lifelong["work"] / "a", job)
+    shutil.copytree(lifelong["work"] / "b", job)
     (job / "result.json").unlink()
     plan = json.loads((job / "job.json").read_text())
-    (job / "job.json").write_text(json.dumps({**plan, "target_epochs": 2}))
-    last = job / "checkpoints" / "last.ckpt"
-    resumed = _ok(leanagent("train", "--config", str(lifelong["cfg"]), "--dataset", lifelong["a"]["dataset"],
+    assert (plan["start_epochs"], plan["target_epochs"]) == (1, 2)
+    (job / "job.json").write_text(json.dumps({**plan, "target_epochs": 3}))
+    resumed = _ok(leanagent("train", "--config", str(lifelong["cfg"]), "--dataset", lifelong["b"]["dataset"],
+                            "--checkpoint", lifelong["a"]["checkpoint"], "--fisher", lifelong["fa"]["fisher"],
                             "--out", str(job)))
-    assert resumed["resumed_from"] == str(last)
-    assert resumed["epoch"] == 2 and resumed["target_epochs"] == 2
-    assert [h["epoch"] for h in resumed["history"]] == [1]  # only the missing epoch ran
+    assert resumed["resumed_from"] == str(job / "checkpoints" / "last.ckpt")
+    assert resumed["epoch"] == 3 and resumed["ewc"] is True
+    assert [h["epoch"] for h in resumed["history"]] == [1, 2]  # epoch 1 from the first attempt, via last.ckpt
+    assert resumed["metrics"]["Recall@10_val"] is not None
+    header, *rows = (job / "lightning_logs" / "version_1" / "metrics.csv").read_text().splitlines()
+    col = header.split(",").index("ewc_penalty")
+    penalties = [float(r.split(",")[col]) for r in rows if r.split(",")[col]]
+    # theta* is A's weights: the resumed weights already differ from them at the first step.
+    assert penalties[0] > 0.0

@@ -6,6 +6,7 @@ import os
 from datetime import timedelta
 
 import pytest
+import torch
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -80,6 +81,17 @@ def test_training_trainer_has_every_seed_setting(tmp_path):
     assert (ckpt.monitor, ckpt.mode, ckpt.save_top_k, ckpt._every_n_epochs) == ("Recall@10_val", "max", -1, 1)
     stop = [c for c in trainer.callbacks if isinstance(c, EarlyStopping)]
     assert stop and (stop[0].monitor, stop[0].patience, stop[0].mode) == ("Recall@10_val", 5, "max")
+
+
+def test_early_stopping_starts_afresh_on_a_new_repository(tmp_path):
+    cfg = TrainerConfig(accelerator="cpu", devices=1)
+    previous_repo = {"wait_count": 4, "stopped_epoch": 0, "best_score": torch.tensor(0.9), "patience": 5}
+    fresh = build_training_trainer(cfg, tmp_path / "new", 2, restore_early_stopping=False).early_stopping_callback
+    fresh.load_state_dict(previous_repo)
+    assert fresh.wait_count == 0 and fresh.best_score.item() == float("-inf")
+    retry = build_training_trainer(cfg, tmp_path / "retry", 2, restore_early_stopping=True).early_stopping_callback
+    retry.load_state_dict(previous_repo)
+    assert retry.wait_count == 4
 
 
 def test_fisher_trainer_matches_strategy_precision_devices(tmp_path):

@@ -76,6 +76,19 @@ def test_ewc_penalty_by_hand(tiny):
     assert model.ewc_penalty().item() == pytest.approx(9.0, rel=1e-5)
 
 
+def test_ewc_anchor_given_explicitly_survives_fit_start(tiny):
+    """A retry resumes from last.ckpt; theta* must stay the weights at the start of the repository."""
+    model = _retriever(tiny)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the half-trained weights a retry resumes from
+    model.set_ewc({n: torch.ones_like(p) for n, p in model.named_parameters()}, ewc_lambda=1.0, anchor=start)
+    model.on_fit_start()
+    numel = sum(p.numel() for p in model.parameters())
+    assert model.ewc_penalty().item() == pytest.approx(numel, rel=1e-4)  # sum of 1 * (1.0)^2
+
+
 def test_ewc_refuses_a_fisher_of_another_model(tiny):
     model = _retriever(tiny)
     with pytest.raises(ValueError, match="missing"):
@@ -143,10 +156,13 @@ def test_epochs_and_plan_come_from_checkpoints(tmp_path):
     plan = plan_training(job, start, epochs_per_repo=2)
     assert (plan.target_epochs, plan.resume_from) == (5, str(start.resolve()))
     # An interrupted attempt left last.ckpt: the retry resumes from it towards the same target.
-    write_json_atomic(job / "job.json", {"start_checkpoint": plan.start_checkpoint, "target_epochs": 5})
+    assert not plan.is_retry and plan.start_epochs == 3
+    write_json_atomic(job / "job.json", {"start_checkpoint": plan.start_checkpoint, "start_epochs": 3,
+                                         "target_epochs": 5})
     _fake_checkpoint((job / "checkpoints").mkdir(parents=True) or job / "checkpoints" / "last.ckpt", processed=4)
     retry = plan_training(job, start, epochs_per_repo=2)
     assert (retry.target_epochs, retry.resume_from) == (5, str(job / "checkpoints" / "last.ckpt"))
+    assert retry.is_retry and retry.start_epochs == 3
     with pytest.raises(ValueError, match="new --out"):
         plan_training(job, _fake_checkpoint(tmp_path / "other.ckpt", 1), epochs_per_repo=2)
     assert plan_training(tmp_path / "fresh", None, epochs_per_repo=2).target_epochs == 2
