@@ -87,7 +87,8 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
     with RunLock(cfg.run_dir):
         # Open the manifest before writing anything: a mismatched run_dir must stay untouched.
         state = RunState(cfg.run_dir, cfg)
-        config_file = cfg.run_dir / "config.yaml"
+        # Not config.yaml: a user may keep their own config in run_dir, and it must not be overwritten.
+        config_file = cfg.run_dir / "leanagent-run-config.yaml"
         dump_config(cfg, config_file)  # every rank reads the config from this file
         validate_datasets(cfg.repos, cfg.data.split)
         ordered = order_curriculum(cfg.repos, cfg.lifelong.curriculum, cfg.data.split)

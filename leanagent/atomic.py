@@ -1,4 +1,5 @@
-"""Atomic file writes: a reader (another rank, a rerun, a Prefect task) never sees half a file."""
+"""File writes that lose nothing: atomic replacement, so a reader (another rank, a rerun, a Prefect
+task) never sees half a file, and a refusal to write into a folder that already holds something."""
 
 from __future__ import annotations
 
@@ -27,3 +28,10 @@ def write_json_atomic(path: Path, data: Any) -> None:
 def read_json(path: Path) -> Any:
     with open(path) as f:
         return json.load(f)
+
+
+def refuse_non_empty(folder: Path) -> None:
+    """Generators write whole folders; one that holds anything may hold a user's work."""
+    folder = Path(folder)
+    if folder.exists() and any(folder.iterdir()):
+        raise FileExistsError(f"{folder} exists and is not empty; nothing was overwritten")

@@ -35,7 +35,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_job(args: argparse.Namespace) -> int:
     import json
+    import tempfile
 
+    from leanagent.config import dump_config
     from leanagent.train.jobs import JobFinishedError, JobInputError, run_job
     from leanagent.train.launch import LaunchError
 
@@ -45,18 +47,15 @@ def cmd_job(args: argparse.Namespace) -> int:
             cfg.trainer.node_rank = args.node_rank
         if args.rdzv_endpoint is not None:
             cfg.trainer.rdzv_endpoint = args.rdzv_endpoint
-        config_path = Path(args.config)
-        if args.node_rank is not None or args.rdzv_endpoint is not None:
-            # Each rank reads the YAML: hand it the overridden one, next to the job's other files.
-            from leanagent.config import dump_config
-
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            config_path = Path(args.out) / f"config.node{cfg.trainer.node_rank}.yaml"
+        with tempfile.TemporaryDirectory(prefix="leanagent-") as tmp:
+            # Each rank reads the YAML: hand it the config with the overrides, resolved paths included.
+            # It lives only as long as the job, and never in --out, which may be a finished job.
+            config_path = Path(tmp) / "config.yaml"
             dump_config(cfg, config_path)
-        result = run_job(cfg, config_path, args.program, Path(args.dataset), Path(args.out),
-                         checkpoint=Path(args.checkpoint) if args.checkpoint else None,
-                         fisher=Path(args.fisher) if getattr(args, "fisher", None) else None,
-                         timeout_s=args.timeout, heartbeat_timeout_s=args.heartbeat_timeout)
+            result = run_job(cfg, config_path, args.program, Path(args.dataset), Path(args.out),
+                             checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+                             fisher=Path(args.fisher) if getattr(args, "fisher", None) else None,
+                             timeout_s=args.timeout, heartbeat_timeout_s=args.heartbeat_timeout)
     except (ConfigError, JobInputError, JobFinishedError, LaunchError) as exc:
         return _fail(str(exc))
     print(json.dumps(result, indent=2, sort_keys=True))
@@ -75,11 +74,14 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_data(args: argparse.Namespace) -> int:
+    from leanagent.atomic import refuse_non_empty
     from leanagent.data.synthetic import write_demo_repos
 
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        return _fail(f"{out} exists and is not empty; nothing was overwritten")
+    try:
+        refuse_non_empty(out)
+    except FileExistsError as exc:
+        return _fail(str(exc))
     paths = write_demo_repos(out, args.repos, seed=args.seed, theorems_per_repo=args.theorems, scale=args.scale)
     for p in paths:
         print(p)

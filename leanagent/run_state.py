@@ -152,10 +152,6 @@ class RunState:
             self.data = {"version": MANIFEST_VERSION, "fingerprint": fingerprint, "config": fields, "order": None,
                          "repos": {}, "created_at": _now()}
 
-    @property
-    def order(self) -> list[str] | None:
-        return self.data.get("order")
-
     def set_order(self, order: list[str], paths: list[Path]) -> None:
         """Record the curriculum order, or refuse when the run_dir was started with another one."""
         known = self.data.get("order")

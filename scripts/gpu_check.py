@@ -4,7 +4,8 @@ byt5-small-shaped encoder, reporting examples/s and the fraction of the GPU's bf
     .venv/bin/python scripts/gpu_check.py OUT [--peak-tflops 989]
 
 The FLOP estimate is the usual 6 x parameters x tokens for a training step (forward + backward);
-the Fisher pass does one forward and one backward per example, so the same 6x applies.
+the Fisher pass does one forward and one backward per example, so the same 6x applies. The time
+is the whole `fit`, validation (corpus embedding) included, so the training figures are a lower bound.
 """
 
 from __future__ import annotations

@@ -23,9 +23,11 @@ from prefect.states import State
 
 from leanagent.config import PipelineConfig
 from leanagent.train.jobs import JobFinishedError, JobInputError, Program, run_job
+from tasks.options import JobOptions
 
-DEFAULT_RETRIES = 2
-DEFAULT_RETRY_DELAY_S = 10.0
+# The flow passes its JobOptions to every task; these are the same defaults for a task called on its own.
+DEFAULT_RETRIES: int = JobOptions.model_fields["retries"].default
+DEFAULT_RETRY_DELAY_S: float = JobOptions.model_fields["retry_delay_s"].default
 NOT_RETRYABLE = (JobInputError, JobFinishedError)
 
 

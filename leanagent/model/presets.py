@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
 
+from leanagent.atomic import refuse_non_empty
+
 PRESETS: dict[str, dict] = {
     "tiny": {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4},
     "byt5-small": {"d_model": 1472, "d_kv": 64, "d_ff": 3584, "num_layers": 12, "num_heads": 6},
@@ -26,8 +28,7 @@ def encoder_config(preset: str) -> T5Config:
 
 def write_random_encoder(out: Path, preset: str = "tiny", seed: int = 0) -> Path:
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty; nothing was overwritten")
+    refuse_non_empty(out)
     torch.manual_seed(seed)
     model = T5EncoderModel(encoder_config(preset))
     out.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from leanagent.atomic import read_json
@@ -61,7 +61,6 @@ class LaunchResult:
     returncode: int
     result: dict
     wall_seconds: float
-    tails: dict[int, list[str]] = field(default_factory=dict)
 
 
 PROGRAMS_ENTRY = ("-m", "leanagent.train.programs")
@@ -201,7 +200,7 @@ def launch(
     if not result_path.is_file():
         raise LaunchError(f"{job_dir}: the job exited 0 but wrote no {result_path.name}", returncode, None,
                           list(launcher_tail))
-    return LaunchResult(returncode, read_json(result_path), time.monotonic() - started, tail_map)
+    return LaunchResult(returncode, read_json(result_path), time.monotonic() - started)
 
 
 def _route(line: str, tails, launcher_tail, emit) -> None:

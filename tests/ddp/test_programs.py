@@ -109,11 +109,16 @@ def test_evaluate_reports_recall_and_mrr(lifelong):
 
 
 def test_finished_job_is_never_overwritten(lifelong):
-    before = (lifelong["work"] / "a" / "result.json").read_text()
+    job = lifelong["work"] / "a"
+
+    def files() -> dict[str, int]:
+        return {str(p.relative_to(job)): p.stat().st_mtime_ns for p in job.rglob("*")}
+
+    before = files()
     proc = leanagent("train", "--config", str(lifelong["cfg"]), "--dataset", lifelong["a"]["dataset"], "--out",
-                     str(lifelong["work"] / "a"))
+                     str(job), "--node-rank", "0")
     assert proc.returncode == 1 and "result.json exists" in proc.stderr
-    assert (lifelong["work"] / "a" / "result.json").read_text() == before
+    assert files() == before  # nothing written, not even the job's config
 
 
 def _free_port() -> int:

@@ -54,7 +54,7 @@ def test_run_dir_in_use_is_refused_naming_the_holder(demo_assets, write_cpu_conf
     config = write_cpu_config(tmp_path / "config.yaml", run_dir, demo_assets.repos[:1])
     with RunLock(run_dir), pytest.raises(RunLockedError, match=rf"pid {os.getpid()}"):
         lifelong_retrieval(config_path=str(config))
-    assert not (run_dir / "config.yaml").exists()
+    assert not (run_dir / "leanagent-run-config.yaml").exists()
 
 
 def test_exactly_one_config_source(demo_assets, write_cpu_config, tmp_path: Path) -> None:

@@ -6,7 +6,8 @@ from prefect.states import Failed
 
 from leanagent.train.jobs import JobFinishedError, JobInputError
 from leanagent.train.launch import LaunchError
-from tasks.jobs import DEFAULT_RETRIES, retry_unless_bad_input, train_retriever
+from tasks.jobs import compute_fisher, evaluate_retriever, retry_unless_bad_input, train_retriever
+from tasks.options import JobOptions
 
 
 def test_retries_are_not_spent_on_refused_input() -> None:
@@ -19,4 +20,6 @@ def test_retries_are_not_spent_on_refused_input() -> None:
 
 
 def test_jobs_retry_twice_by_default() -> None:
-    assert train_retriever.retries == DEFAULT_RETRIES == 2
+    assert JobOptions().retries == 2
+    for task in (train_retriever, compute_fisher, evaluate_retriever):
+        assert task.retries == JobOptions().retries, task.name
