@@ -124,13 +124,18 @@ def parse_json_line(line: str, where: str) -> Any:
         raise DatasetError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from exc
 
 
-def iter_jsonl(path: Path) -> Iterable[tuple[int, str, Any]]:
-    """Yield (line number, location, object); blank lines are skipped, bad JSON raises naming the line."""
+def iter_lines(path: Path) -> Iterator[tuple[int, str, str]]:
+    """Yield (line number, location such as ``corpus.jsonl:17``, text) of every non-blank line."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if line.strip():
-                where = f"{path.name}:{lineno}"
-                yield lineno, where, parse_json_line(line, where)
+                yield lineno, f"{path.name}:{lineno}", line
+
+
+def iter_jsonl(path: Path) -> Iterable[tuple[int, str, Any]]:
+    """Yield (line number, location, object); bad JSON raises naming the line."""
+    for lineno, where, line in iter_lines(path):
+        yield lineno, where, parse_json_line(line, where)
 
 
 class Corpus:

@@ -7,13 +7,13 @@ in the size of the data so that a mathlib-size dataset is checked in seconds.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from leanagent.data.corpus import Corpus, FileRecord, gc_paused, parse_json_line, parse_record
+from leanagent.data.corpus import Corpus, FileRecord, gc_paused, iter_lines, parse_json_line, parse_record
 from leanagent.data.errors import DatasetError
 from leanagent.data.examples import located_positives
+from leanagent.data.imports import strongly_connected_components
 from leanagent.data.theorems import Theorem, parse_theorem, read_split_json, split_source
 
 SPLIT_FILES = ("train.json", "val.json", "test.json")
@@ -44,18 +44,11 @@ class _Report:
         self.add(where if sep else "", message if sep else where)
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str, str]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                yield lineno, f"{path.name}:{lineno}", line
-
-
 def _read_corpus(path: Path, report: _Report) -> Corpus | None:
     records: list[FileRecord] = []
     lines: dict[str, int] = {}
     try:
-        for lineno, where, line in _lines(path):
+        for lineno, where, line in iter_lines(path):
             try:
                 rec = parse_record(parse_json_line(line, where), where)
             except DatasetError as exc:
@@ -82,38 +75,29 @@ def _read_corpus(path: Path, report: _Report) -> Corpus | None:
 
 
 def _import_cycles(graph: dict[str, list[str]]) -> list[list[str]]:
-    """Each distinct cycle once, found by an iterative depth-first search (linear, no recursion limit)."""
-    succs = {node: [s for s in targets if s in graph] for node, targets in graph.items()}
-    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    """One cycle per group of files that import each other, as a path a user can follow.
+
+    The groups are the strongly connected components that `imports.py` already computes; inside
+    one, following any import that stays in the group must come back to a file already visited.
+    """
+    nodes = list(graph)
+    number = {path: i for i, path in enumerate(nodes)}
+    succ = [[number[t] for t in graph[path] if t in number] for path in nodes]
     cycles: list[list[str]] = []
-    seen_cycles: set[frozenset[str]] = set()
-    for root in graph:
-        if root in state:
+    for component in strongly_connected_components(succ):
+        members = set(component)
+        if len(component) == 1 and component[0] not in succ[component[0]]:
             continue
-        stack: list[tuple[str, int]] = [(root, 0)]
-        path: list[str] = [root]
-        state[root] = 1
-        while stack:
-            node, k = stack[-1]
-            succ = succs[node]
-            if k < len(succ):
-                stack[-1] = (node, k + 1)
-                nxt = succ[k]
-                if state.get(nxt) == 1:
-                    cycle = path[path.index(nxt) :]
-                    key = frozenset(cycle)
-                    if key not in seen_cycles:
-                        seen_cycles.add(key)
-                        cycles.append(cycle)
-                elif nxt not in state:
-                    state[nxt] = 1
-                    stack.append((nxt, 0))
-                    path.append(nxt)
-            else:
-                state[node] = 2
-                stack.pop()
-                path.pop()
-    return cycles
+        node = min(component)  # start at the file listed first in the corpus
+        path, position = [node], {node: 0}
+        while True:
+            node = next(t for t in succ[node] if t in members)
+            if node in position:
+                cycles.append([nodes[i] for i in path[position[node]:]])
+                break
+            position[node] = len(path)
+            path.append(node)
+    return sorted(cycles, key=lambda cycle: number[cycle[0]])
 
 
 def _read_split(path: Path, report: _Report) -> list[Theorem]:
