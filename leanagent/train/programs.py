@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from leanagent.atomic import read_json, write_json_atomic
@@ -271,6 +272,18 @@ def main(argv: list[str] | None = None) -> None:
     if local_rank() == 0:
         node = 0 if global_rank() == 0 else node_rank()
         write_json_atomic(job_dir / result_filename(node), {"program": args.program, **result})
+    shutdown_process_group()
+
+
+def shutdown_process_group() -> None:
+    """Leave together and tear the group down before the interpreter exits.
+
+    Without it a rank that finishes first exits while gloo's threads are still alive and aborts
+    ("terminate called without an active exception"), failing a job whose work was done.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
