@@ -23,7 +23,17 @@ from prefect.artifacts import (
 
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, load_config, resolve_paths
 from leanagent.report import RunReport
-from leanagent.run_state import ManifestMismatchError, RunLock, RunLockedError, RunState, stage_name
+from leanagent.run_state import (
+    EVAL_UNTRAINED,
+    FISHER,
+    TRAIN,
+    ManifestMismatchError,
+    RunLock,
+    RunLockedError,
+    RunState,
+    eval_stage,
+    stage_name,
+)
 from leanagent.train.jobs import JobInputError
 from leanagent.train.launch import LaunchError
 from tasks.data import DatasetValidationError, order_curriculum, validate_datasets
@@ -114,24 +124,24 @@ def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoCo
     report.set_baseline([
         run_stage(state, name, evaluate_retriever, options, dataset=repo.path, out=jobs / name, checkpoint=None,
                   timeout_s=options.evaluate_timeout_s, **common)
-        for name, repo in ((stage_name(j, r.display_name, "eval-untrained"), r) for j, r in enumerate(ordered))
+        for name, repo in ((stage_name(j, r.display_name, EVAL_UNTRAINED), r) for j, r in enumerate(ordered))
     ])
     checkpoint: Path | None = None  # None: start from model.name_or_path
     fisher: Path | None = None
     for i, repo in enumerate(ordered):
-        name = stage_name(i, repo.display_name, "train")
+        name = stage_name(i, repo.display_name, TRAIN)
         train = run_stage(state, name, train_retriever, options, dataset=repo.path, out=jobs / name,
                           checkpoint=checkpoint, fisher=fisher if ewc else None, timeout_s=options.train_timeout_s,
                           **common)
         checkpoint = Path(train["checkpoint"])
         if ewc:
-            name = stage_name(i, repo.display_name, "fisher")
+            name = stage_name(i, repo.display_name, FISHER)
             result = run_stage(state, name, compute_fisher, options, dataset=repo.path, out=jobs / name,
                                checkpoint=checkpoint, timeout_s=options.fisher_timeout_s, **common)
             fisher = Path(result["fisher"])
         evaluations = []
         for j, seen in enumerate(ordered[: i + 1]):
-            name = stage_name(i, repo.display_name, f"eval-{j:02d}-{seen.display_name}")
+            name = stage_name(i, repo.display_name, eval_stage(j, seen.display_name))
             evaluations.append(run_stage(state, name, evaluate_retriever, options, dataset=seen.path,
                                          out=jobs / name, checkpoint=checkpoint,
                                          timeout_s=options.evaluate_timeout_s, **common))

@@ -88,6 +88,19 @@ def cmd_demo_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from leanagent.atomic import read_json
+    from leanagent.report import report_from_manifest
+    from leanagent.run_state import MANIFEST_NAME
+
+    manifest = Path(args.run_dir) / MANIFEST_NAME
+    if not manifest.is_file():
+        return _fail(f"{manifest}: no such manifest (is {args.run_dir} a run_dir of `leanagent run`?)")
+    report = report_from_manifest(read_json(manifest))
+    print(report.markdown(str(manifest)) if args.markdown else report.text())
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.lifelong import run_from_cli
 
@@ -134,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--theorems", type=int, default=40, help="theorems per repository")
     p.add_argument("--scale", type=int, default=1, help="multiplies the premises per repository")
     p.set_defaults(func=cmd_demo_data)
+
+    p = sub.add_parser("report", help="recall per repository and the lifelong recall matrix of a run_dir")
+    p.add_argument("run_dir")
+    p.add_argument("--markdown", action="store_true")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("run", help="run the lifelong curriculum as a Prefect flow, in this process")
     p.add_argument("--config", required=True)

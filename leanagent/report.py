@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from leanagent.run_state import EVAL_UNTRAINED, TRAIN, eval_stage, stage_result
+
 MATRIX_METRIC = "Recall@10"
 UNTRAINED = "(untrained)"
 
@@ -91,6 +93,22 @@ class RunReport:
         lm = self.lifelong_metrics()
         return (f"Average final {MATRIX_METRIC}: {_f(lm['average'])}; gain over untrained: "
                 f"{_f(lm['gain_over_untrained'])}; backward transfer: {_f(lm['backward_transfer'])}")
+
+
+def report_from_manifest(manifest: dict) -> RunReport:
+    """Rebuild the report of a run (finished or not) from its manifest, as `leanagent report` prints it."""
+    names = list(manifest.get("order") or [])
+    report = RunReport(names)
+    baseline = [stage_result(manifest, j, name, EVAL_UNTRAINED) for j, name in enumerate(names)]
+    if names and all(b is not None for b in baseline):
+        report.set_baseline(baseline)
+    for i, name in enumerate(names):
+        train = stage_result(manifest, i, name, TRAIN)
+        evaluations = [stage_result(manifest, i, name, eval_stage(j, names[j])) for j in range(i + 1)]
+        if train is None or any(e is None for e in evaluations):
+            break  # the run stopped here; later repositories have nothing to report yet
+        report.add_repository(i, train, evaluations)
+    return report
 
 
 def _mean(values: list[float]) -> float | None:

@@ -72,6 +72,14 @@ def repo_key(index: int, name: str) -> str:
     return f"{index:02d}-{name}"
 
 
+TRAIN, FISHER, EVAL_UNTRAINED = "train", "fisher", "eval-untrained"
+
+
+def eval_stage(target_index: int, target_name: str) -> str:
+    """The evaluation, after training on a repository, of the model on repository `target_index`'s test split."""
+    return f"eval-{target_index:02d}-{target_name}"
+
+
 def stage_name(index: int, name: str, stage: str) -> str:
     """`00-name/train`, `00-name/fisher`, `00-name/eval-01-other`: also the job folder under run_dir/jobs."""
     return f"{repo_key(index, name)}/{stage}"
@@ -200,3 +208,9 @@ class RunState:
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def stage_result(manifest: dict[str, Any], index: int, name: str, stage: str) -> dict | None:
+    """A finished stage's result from a manifest read from disk; None if it has not finished."""
+    entry = manifest.get("repos", {}).get(repo_key(index, name), {}).get("stages", {}).get(stage)
+    return entry["result"] if entry and entry.get("status") == "done" else None

@@ -7,6 +7,8 @@ second run of the same config launches nothing and touches no file of the first.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from uuid import UUID
@@ -16,6 +18,7 @@ import yaml
 
 from flows.lifelong import PROGRESS_KEY, SUMMARY_KEY, TABLE_KEY, lifelong_retrieval
 from leanagent.atomic import read_json
+from leanagent.report import RunReport
 from leanagent.run_state import ManifestMismatchError
 from tests.prefect.prefect_api import flow_run_artifacts, wait_for_logs
 
@@ -75,6 +78,16 @@ def test_two_repositories_train_fisher_and_evaluate(two_repo_run: FinishedRun) -
     assert set(summary["lifelong"]) == {"average", "gain_over_untrained", "backward_transfer"}
     stages = read_json(Path(summary["manifest"]))["repos"]
     assert all(s["status"] == "done" for repo in stages.values() for s in repo["stages"].values())
+
+
+def test_report_command_rebuilds_the_run_report_from_the_manifest(two_repo_run: FinishedRun) -> None:
+    summary = two_repo_run.summary
+    expected = RunReport(summary["order"], summary["rows"], summary["matrix"], summary["baseline"]).text()
+    proc = subprocess.run([sys.executable, "-m", "leanagent.cli", "report", str(two_repo_run.run_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == expected.strip()
+    assert "(untrained)" in proc.stdout and "backward transfer" in proc.stdout
 
 
 def test_artifacts_are_on_the_server(two_repo_run: FinishedRun) -> None:
