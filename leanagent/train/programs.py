@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
@@ -260,8 +261,6 @@ def main(argv: list[str] | None = None) -> None:
     # Before the process group exists: NCCL reads these when its communicators are created.
     set_nccl_environment(cfg.trainer)
     init_process_group(cfg.trainer)
-    import lightning.pytorch as pl
-
     pl.seed_everything(cfg.trainer.seed, workers=True)
     if args.program == "train":
         result = run_train(cfg, args.dataset, job_dir, args.checkpoint, args.fisher)
