@@ -180,8 +180,7 @@ class RunState:
 
     def stage_done(self, name: str) -> dict | None:
         """The result of a finished stage, or None when it still has to run."""
-        entry = self._stage(name)
-        return entry["result"] if entry and entry.get("status") == "done" else None
+        return _finished_result(self._stage(name))
 
     def start(self, name: str) -> None:
         self._set(name, {"status": "running", "started_at": _now()})
@@ -212,5 +211,9 @@ def _now() -> str:
 
 def stage_result(manifest: dict[str, Any], index: int, name: str, stage: str) -> dict | None:
     """A finished stage's result from a manifest read from disk; None if it has not finished."""
-    entry = manifest.get("repos", {}).get(repo_key(index, name), {}).get("stages", {}).get(stage)
+    return _finished_result(manifest.get("repos", {}).get(repo_key(index, name), {}).get("stages", {}).get(stage))
+
+
+def _finished_result(entry: dict[str, Any] | None) -> dict | None:
+    """What "finished" means, for the flow resuming a run and for a report read from disk alike."""
     return entry["result"] if entry and entry.get("status") == "done" else None
