@@ -1,9 +1,10 @@
 """The lifelong curriculum as LeanAgent describes it, one repository after another.
 
 Read top to bottom: check everything, order the repositories, then per repository train from the
-previous repository's best checkpoint (EWC-anchored by its Fisher), compute the new Fisher, and
-evaluate on every repository seen so far. Each stage is recorded in the run manifest as soon as
-it finishes, so a rerun of the same config skips it without touching its files.
+previous repository's checkpoint (the newest, as LeanAgent, or the best; EWC-anchored by its
+Fisher when `ewc_lambda > 0`), compute the new Fisher, and evaluate on every repository seen so far.
+Each stage is recorded in the run manifest as soon as it finishes, so a rerun of the same config
+skips it without touching its files.
 """
 
 # No `from __future__ import annotations` here: Prefect builds a pydantic model of the flow's signature
@@ -133,12 +134,12 @@ def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoCo
         train = run_stage(state, name, train_retriever, options, dataset=repo.path, out=jobs / name,
                           checkpoint=checkpoint, fisher=fisher if ewc else None, timeout_s=options.train_timeout_s,
                           **common)
-        checkpoint = Path(train["checkpoint"])
-        if ewc:
-            name = stage_name(i, repo.display_name, FISHER)
-            result = run_stage(state, name, compute_fisher, options, dataset=repo.path, out=jobs / name,
-                               checkpoint=checkpoint, timeout_s=options.fisher_timeout_s, **common)
-            fisher = Path(result["fisher"])
+        checkpoint = Path(train["checkpoint"])  # the newest (LeanAgent) or the best: lifelong.checkpoint
+        # Always, as LeanAgent does, so that EWC can be switched on for a later repository.
+        name = stage_name(i, repo.display_name, FISHER)
+        result = run_stage(state, name, compute_fisher, options, dataset=repo.path, out=jobs / name,
+                           checkpoint=checkpoint, timeout_s=options.fisher_timeout_s, **common)
+        fisher = Path(result["fisher"])
         evaluations = []
         for j, seen in enumerate(ordered[: i + 1]):
             name = stage_name(i, repo.display_name, eval_stage(j, seen.display_name))

@@ -10,10 +10,12 @@ from __future__ import annotations
 import bisect
 import gc
 import json
+import re
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +40,38 @@ class Premise:
     end: Pos
     kind: str | None = None
 
+    @cached_property
+    def text(self) -> str:
+        """`serialize()`, computed once: collate and corpus embedding ask for it again and again."""
+        return serialize_premise(self.full_name, self.code)
+
     def serialize(self) -> str:
-        """The text the retriever encodes; the name is tagged as in annotated tactics so both sides match."""
-        return f"<a>{self.full_name}</a>\n{self.code}"
+        return self.text
+
+
+MARK_START, MARK_END = "<a>", "</a>"
+
+
+def serialize_premise(full_name: str, code: str) -> str:
+    """The text the retriever encodes: the code with the premise's own name tagged where it is declared.
+
+    LeanDojo, ReProver and LeanAgent tag the name *inside* the code (``protected theorem
+    <a>Nat.add_comm</a> : ...``), and the published retrievers were trained on that text, so we
+    produce it byte for byte: first ``_root_.NAME`` is tagged; then the longest dotted suffix of
+    the name (the whole name, then without its first component, ...) that occurs after whitespace,
+    optionally in «guillemets», is tagged at every such occurrence, and the search stops there.
+    The replacement is literal (the reference passes it as a regex template, which would
+    misread a backslash in a «name»).
+    """
+    tagged = f"{MARK_START}{full_name}{MARK_END}"
+    code = code.replace(f"_root_.{full_name}", tagged)
+    fields = full_name.split(".")
+    for i in range(len(fields)):
+        pattern = re.compile(r"(?<=\s)«?" + re.escape(".".join(fields[i:])) + "»?")
+        new_code = pattern.sub(lambda _: tagged, code)
+        if new_code != code:
+            return new_code
+    return code
 
 
 @dataclass
@@ -179,6 +210,7 @@ class Corpus:
         # in every rank and loader worker. Recomputing one costs about a millisecond.
         self._imported: OrderedDict[str, np.ndarray] = OrderedDict()
         self._resolved: dict[str, str | None] = {}
+        self._located: dict[tuple[str, Pos], int | None] = {}
 
     @classmethod
     def from_jsonl(cls, path: str | Path) -> Corpus:
@@ -227,6 +259,38 @@ class Corpus:
         self._resolved[file_path] = result
         return result
 
+    def locate_at(self, def_path: str, def_pos: Pos) -> int | None:
+        """The premise an annotation points at, found by position as LeanDojo does: the first premise of
+        `def_path` (in corpus order) whose [start, end] contains `def_pos`.
+
+        The name is not used, so annotations of generated declarations (``to_additive`` and the like,
+        whose names are not in the corpus) still find the declaration that generated them.
+        """
+        key = (def_path, def_pos)
+        if key in self._located:
+            return self._located[key]
+        path = def_path[2:] if def_path.startswith("./") else def_path
+        resolved = self.resolve_path(path)
+        hit = None
+        if resolved is not None:
+            for i in self._file_premises[resolved]:
+                p = self.premises[i]
+                if p.start <= def_pos <= p.end:
+                    hit = i
+                    break
+        self._located[key] = hit
+        return hit
+
+    def file_range(self, path: str) -> range:
+        """A file's premises are contiguous in the corpus: their global indices as a range."""
+        idx = self._file_premises.get(path, [])
+        return range(idx[0], idx[-1] + 1) if idx else range(0)
+
+    def imports_file(self, path: str, other: str) -> bool:
+        """Whether `path` imports `other`, directly or transitively."""
+        k, j = self._path_number.get(path), self._path_number.get(other)
+        return k is not None and j is not None and bool((self._closures()[k] >> j) & 1)
+
     def locate(self, full_name: str, def_path: str | None = None) -> int | None:
         """Index of a premise; the name alone is trusted only when unique, since overloads across files exist."""
         if def_path is not None:
@@ -254,11 +318,16 @@ class Corpus:
         mask = bits_to_mask(self._closures()[k], len(self.paths))
         return {self.paths[i] for i in np.flatnonzero(mask)}
 
-    def in_file_indices(self, path: str, before: Pos | None = None) -> list[int]:
+    def in_file_indices(self, path: str, before: Pos | None = None, strict: bool = False) -> list[int]:
+        """Premises of `path`, those ending at or before `before` (strictly before, if `strict`).
+
+        Retrieval (LeanDojo's accessibility) admits a premise ending exactly where the theorem starts;
+        LeanAgent's negative sampling admits only those ending strictly before it.
+        """
         ends, ordered = self._by_end.get(path, ([], []))
         if before is None:
             return sorted(ordered)
-        cut = bisect.bisect_right(ends, tuple(before))
+        cut = (bisect.bisect_left if strict else bisect.bisect_right)(ends, tuple(before))
         return sorted(ordered[:cut])
 
     def _imported_array(self, path: str) -> np.ndarray:

@@ -76,7 +76,8 @@ class RetrievalDataModule(pl.LightningDataModule):
         """Fixed negatives so the Fisher estimate does not depend on which worker drew what."""
         return self.train_dataset(deterministic=True)
 
-    def _loader(self, dataset: Dataset, collate: Any, batch_size: int, shuffle: bool) -> DataLoader:
+    def _loader(self, dataset: Dataset, collate: Any, batch_size: int, shuffle: bool, drop_last: bool = False
+                ) -> DataLoader:
         workers = self.cfg.num_workers
         return DataLoader(
             dataset,
@@ -86,11 +87,17 @@ class RetrievalDataModule(pl.LightningDataModule):
             collate_fn=collate,
             persistent_workers=workers > 0,
             pin_memory=False,
+            drop_last=drop_last,
         )
 
     def train_dataloader(self) -> DataLoader:
+        """Shuffled, with `drop_last` as in LeanAgent: every training batch has `batch_size` examples."""
         ds = self.train_dataset()
-        return self._loader(ds, ds.collate, self.cfg.batch_size, shuffle=True)
+        return self._loader(ds, ds.collate, self.cfg.batch_size, shuffle=True, drop_last=True)
+
+    def unsharded_train_batches(self) -> int:
+        """Batches per epoch of the training loader before DDP shards it: LeanAgent's LR horizon unit."""
+        return len(self.train_examples) // self.cfg.batch_size
 
     def _eval_loader(self, examples: list) -> DataLoader:
         ds = EvalDataset(self.corpus, examples, self.tokenizer, self.cfg.max_seq_len)

@@ -15,7 +15,7 @@ from typing import Any
 from leanagent.data.corpus import Pos, gc_paused, parse_pos
 from leanagent.data.errors import DatasetError
 
-_GOAL_COUNT = re.compile(r"\A\d+ goals?\n")
+_GOAL_COUNT = re.compile(r"\d+ goals")
 THEOREM_KEYS = ("full_name", "file_path", "start", "end", "traced_tactics")
 TACTIC_KEYS = ("tactic", "state_before", "state_after")
 ANNOTATION_KEYS = ("full_name", "def_path", "def_pos", "def_end_pos")
@@ -135,8 +135,10 @@ def load_split(path: Path) -> list[Theorem]:
 
 
 def strip_goal_count(state: str) -> str:
-    """Drop LeanDojo's ``2 goals`` header: it carries no premise information and costs context tokens."""
-    return _GOAL_COUNT.sub("", state, count=1)
+    """The context text, as LeanDojo formats a state: a leading ``N goals`` header is dropped and the rest
+    stripped; a state without that header is kept as it is (not stripped), exactly as the reference does."""
+    m = _GOAL_COUNT.match(state)
+    return state[m.end():].strip() if m is not None else state
 
 
 def format_context(tactic: Tactic) -> str:

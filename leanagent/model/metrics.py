@@ -1,8 +1,10 @@
 """Retrieval metrics as ReProver and LeanAgent report them.
 
 Recall@k is the fraction of a context's ground-truth premises found in its top k, averaged
-over contexts; MRR is the mean reciprocal rank of the first ground-truth premise (0 when
-none is retrieved). Contexts without ground truth are not scored at all.
+over contexts and reported in percent (LeanAgent logs `Recall@10_val` = 62.93, and its paper and
+checkpoint names use the same unit); MRR is the mean reciprocal rank of the first ground-truth
+premise (0 when none is retrieved), a fraction as in the reference. Contexts without ground
+truth are not scored at all.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def score_context(index: int, retrieved: Sequence[int], positives: Iterable[int]
 
 
 def aggregate(scores: Iterable[ContextScore]) -> dict[str, float]:
-    """Average per-context scores, counting each context index once (DistributedSampler pads with repeats)."""
+    """Recall@1/10 in percent and MRR, counting each context index once (DistributedSampler pads with repeats)."""
     unique: dict[int, ContextScore] = {}
     for s in scores:
         unique.setdefault(s.index, s)
@@ -45,8 +47,8 @@ def aggregate(scores: Iterable[ContextScore]) -> dict[str, float]:
         return {"Recall@1": 0.0, "Recall@10": 0.0, "MRR": 0.0, "num_contexts": 0}
     vals = unique.values()
     return {
-        "Recall@1": sum(s.recall_at_1 for s in vals) / n,
-        "Recall@10": sum(s.recall_at_10 for s in vals) / n,
+        "Recall@1": 100.0 * sum(s.recall_at_1 for s in vals) / n,
+        "Recall@10": 100.0 * sum(s.recall_at_10 for s in vals) / n,
         "MRR": sum(s.reciprocal_rank for s in vals) / n,
         "num_contexts": n,
     }

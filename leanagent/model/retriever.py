@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoTokenizer, ByT5Tokenizer, T5Config, T5EncoderModel
 
+from leanagent.model.lr_schedule import build_optimizer_and_schedule, reference_horizon
 from leanagent.model.metrics import ContextScore, aggregate, score_context
 
 BYT5_VOCAB_SIZE = 384
@@ -40,9 +41,9 @@ class PremiseRetriever(pl.LightningModule):
     def __init__(
         self,
         name_or_path: str,
-        lr: float = 1e-4,
-        warmup_steps: int = 2000,
-        max_seq_len: int = 1024,
+        lr: float = 1e-3,
+        warmup_steps: int = 1000,
+        max_seq_len: int = 512,
         num_retrieved: int = 100,
         eval_batch_size: int = 64,
         encoder_config: dict[str, Any] | None = None,
@@ -138,18 +139,14 @@ class PremiseRetriever(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"])
-        total = max(int(self.trainer.estimated_stepping_batches), 1)
-        warmup = self.hparams["warmup_steps"]
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        trainer = self.trainer
+        if trainer.max_steps != -1:
+            horizon = trainer.max_steps
+        else:
+            horizon = reference_horizon(trainer.max_epochs, trainer.datamodule.unsharded_train_batches(),
+                                        trainer.accumulate_grad_batches)
+        return build_optimizer_and_schedule(self.parameters(), self.hparams["lr"], self.hparams["warmup_steps"],
+                                            horizon)
 
     # ---- retrieval evaluation (validation and test share it) ------------------------------
     @torch.no_grad()

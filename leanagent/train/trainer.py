@@ -103,7 +103,7 @@ def build_training_trainer(cfg: TrainerConfig, job_dir: Path, max_epochs: int,
     set_nccl_environment(cfg)
     checkpoint = ModelCheckpoint(
         dirpath=job_dir / "checkpoints",
-        filename="{epoch}-{step}-{Recall@10_val:.4f}",
+        filename="{epoch}-{step}-{Recall@10_val:.2f}",  # percent, as LeanAgent names them
         monitor=MONITOR,
         mode="max",
         every_n_epochs=1,

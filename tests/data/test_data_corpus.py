@@ -15,7 +15,7 @@ def test_dropped_premises_take_no_index(hand_corpus: Corpus) -> None:
     assert [p.full_name for p in hand_corpus.premises] == ["a1", "a2", "b1", "b2", "c1", "c2", "c3", "x1", "y1"]
     assert len(hand_corpus) == 9
     assert hand_corpus.file_of(3) == "B.lean"
-    assert hand_corpus.premises[0].serialize() == "<a>a1</a>\ntheorem a1 : True"
+    assert hand_corpus.premises[0].serialize() == "theorem <a>a1</a> : True"
 
 
 def test_in_file_premises_end_before_the_theorem(hand_corpus: Corpus) -> None:

@@ -92,9 +92,12 @@ def test_ldv2_variant(split: str, counts: tuple[int, int, int]) -> None:
 
 
 def test_strip_goal_count() -> None:
+    # As LeanDojo's format_state: a leading "N goals" is dropped and the rest stripped; anything else is kept.
     assert strip_goal_count("2 goals\nx : Nat\n⊢ p\n\n⊢ q") == "x : Nat\n⊢ p\n\n⊢ q"
-    assert strip_goal_count("1 goal\n⊢ p") == "⊢ p"
+    assert strip_goal_count("12 goals \n ⊢ p \n") == "⊢ p"
+    assert strip_goal_count("1 goal\n⊢ p") == "1 goal\n⊢ p"  # LeanDojo never writes it; the reference keeps it
     assert strip_goal_count("x : Nat\n⊢ 2 goals\n") == "x : Nat\n⊢ 2 goals\n"
+    assert strip_goal_count(" ⊢ p\n") == " ⊢ p\n"  # no header: not stripped either
 
 
 def test_has_sorry() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -58,7 +59,11 @@ def test_training_continues_epochs_across_repositories(lifelong):
     for result in (a, b):
         assert Path(result["checkpoint"]).is_file() and Path(result["last_checkpoint"]).is_file()
         assert set(result["metrics"]) == {"Recall@1_val", "Recall@10_val", "MRR"}
-        assert 0.0 <= result["metrics"]["Recall@1_val"] <= result["metrics"]["Recall@10_val"] <= 1.0
+        # lifelong.checkpoint: latest (LeanAgent continues from, and evaluates, the newest checkpoint)
+        assert result["checkpoint"] == result["latest_checkpoint"]
+        assert Path(result["checkpoint"]).name.startswith(f"epoch={result['epoch'] - 1}-")
+        assert re.search(r"Recall@10_val=\d+\.\d\d\.ckpt$", result["checkpoint"])  # percent, 2 decimals
+        assert 0.0 <= result["metrics"]["Recall@1_val"] <= result["metrics"]["Recall@10_val"] <= 100.0
     # Every rank reported progress for the launcher's watchdog.
     beats = [json.loads((lifelong["work"] / "b" / "heartbeat" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [b["rank"] for b in beats] == [0, 1] and all(b["stage"] and b["time"] > 0 for b in beats)
@@ -104,7 +109,7 @@ def test_evaluate_reports_recall_and_mrr(lifelong):
     metrics = lifelong["ev"]["metrics"]
     assert set(metrics) >= {"Recall@1", "Recall@10", "MRR", "num_contexts"}
     assert metrics["num_contexts"] > 0
-    assert 0.0 <= metrics["Recall@1"] <= metrics["Recall@10"] <= 1.0 and 0.0 < metrics["MRR"] <= 1.0
+    assert 0.0 <= metrics["Recall@1"] <= metrics["Recall@10"] <= 100.0 and 0.0 < metrics["MRR"] <= 1.0
     assert lifelong["ev"]["world_size"] == 2
 
 

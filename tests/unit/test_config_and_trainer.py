@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,23 @@ def test_seed_values_are_the_defaults():
         1.0, 4, 1, 0)
     assert (t.early_stopping_patience, t.save_top_k) == (5, -1)
     assert cfg.model.name_or_path == "kaiyuy/leandojo-lean4-retriever-byt5-small"
+
+
+def test_leanagent_hyper_parameters_are_the_defaults():
+    """leanagent.py: lr 1e-3, warmup 1000, batch 4, eval batch 64, 3 negatives (1 in-file), 4 workers, seed 3407,
+    1024-byte training sequences, the corpus embedded at the model's 512, EWC off, the newest checkpoint."""
+    cfg = PipelineConfig()
+    m, d, life = cfg.model, cfg.data, cfg.lifelong
+    assert (m.lr, m.warmup_steps, m.max_seq_len, m.num_retrieved) == (1e-3, 1000, 512, 100)
+    assert (d.batch_size, d.eval_batch_size, d.num_negatives, d.num_in_file_negatives, d.max_seq_len,
+            d.num_workers) == (4, 64, 3, 1, 1024, 4)
+    assert cfg.trainer.seed == 3407
+    assert (life.ewc_lambda, life.fisher_estimator, life.checkpoint, life.epochs_per_repo) == (
+        0.0, "per_example", "latest", 1)
+    ewc = load_config(Path(__file__).resolve().parents[2] / "configs" / "leanagent-ewc.yaml")
+    assert ewc.lifelong.ewc_lambda == 0.1
+    assert ewc.model_dump(exclude={"lifelong", "run_dir", "repos"}) == cfg.model_dump(exclude={"lifelong", "run_dir",
+                                                                                               "repos"})
 
 
 def test_seed_strategy_timeout():

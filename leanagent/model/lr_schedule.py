@@ -1,0 +1,26 @@
+"""LeanAgent's learning-rate schedule: AdamW under transformers' cosine schedule with linear warmup.
+
+The horizon is the reference's, not the length of this job: `max_epochs` (cumulative over the
+curriculum, as the trainer counts them) times the batches of the *unsharded* training loader
+(`examples // batch_size`, drop_last), divided by the gradient-accumulation steps. Under DDP each
+rank takes fewer steps than that, and a repository ends well before the horizon, so the LR is
+still high when the next repository starts; that is what LeanAgent trains with. On a resumed
+fit the step count comes from the checkpoint and the horizon from the new job.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import get_cosine_schedule_with_warmup
+
+
+def reference_horizon(max_epochs: int, unsharded_batches: int, accumulate_grad_batches: int) -> int:
+    return max_epochs * unsharded_batches // accumulate_grad_batches
+
+
+def build_optimizer_and_schedule(params, lr: float, warmup_steps: int, horizon: int) -> dict:
+    """The dict Lightning's `configure_optimizers` returns; the scheduler steps once per optimizer step."""
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=warmup_steps,
+                                                num_training_steps=horizon)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
