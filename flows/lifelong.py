@@ -33,6 +33,7 @@ from leanagent.run_state import (
     RunLockedError,
     RunState,
     eval_stage,
+    repo_key,
     stage_name,
 )
 from leanagent.train.jobs import JobInputError
@@ -71,6 +72,42 @@ def run_stage(state: RunState, name: str, task: Task[..., dict], options: JobOpt
         raise
     state.record(name, result)
     return result
+
+
+def run_evaluations(state: RunState, stages: list[tuple[str, Path]], out: Path, checkpoint: Path | None,
+                    options: JobOptions, **kwargs: Any) -> list[dict]:
+    """Evaluate one model on several repositories in ONE job, each recorded as its own stage.
+
+    One torchrun start and one model load per repository stage, so a run of T repositories
+    launches T + 1 evaluation jobs, not T(T+1)/2 + T. Finished stages are skipped; the job folder
+    is named by the stages it runs, so a rerun after a partial record never mixes two sets.
+    """
+    logger = get_run_logger()
+    pending, numbers = [], []
+    for k, (name, dataset) in enumerate(stages):
+        if state.stage_done(name) is not None:
+            logger.info(f"{name}: finished in an earlier run; skipped")
+        else:
+            pending.append((name, dataset))
+            numbers.append(f"{k:02d}")
+    if pending:
+        suffix = "-".join(numbers)
+        for name, _ in pending:
+            state.start(name)
+        try:
+            result = evaluate_retriever.with_options(
+                task_run_name=f"{out.parent.name}/{out.name}-{suffix}", retries=options.retries,
+                retry_delay_seconds=options.retry_delay_s,
+            )(datasets=[d for _, d in pending], out=out.with_name(f"{out.name}-{suffix}"), checkpoint=checkpoint,
+              **kwargs)
+        except BaseException as exc:
+            for name, _ in pending:
+                state.fail(name, f"{type(exc).__name__}: {exc}")
+            raise
+        for (name, _), evaluation in zip(pending, result["evaluations"], strict=True):
+            state.record(name, {**evaluation, "checkpoint": result["checkpoint"],
+                                "world_size": result["world_size"]})
+    return [state.stage_done(name) for name, _ in stages]
 
 
 class _Artifacts:
@@ -122,11 +159,9 @@ def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoCo
     common = {"cfg": cfg, "config_path": config_file, "heartbeat_timeout_s": options.heartbeat_timeout_s,
               "validate": False}
     # The untrained model on every test split: the row that training gains and transfers are measured from.
-    report.set_baseline([
-        run_stage(state, name, evaluate_retriever, options, dataset=repo.path, out=jobs / name, checkpoint=None,
-                  timeout_s=options.evaluate_timeout_s, **common)
-        for name, repo in ((stage_name(j, r.display_name, EVAL_UNTRAINED), r) for j, r in enumerate(ordered))
-    ])
+    report.set_baseline(run_evaluations(
+        state, [(stage_name(j, r.display_name, EVAL_UNTRAINED), r.path) for j, r in enumerate(ordered)],
+        jobs / "untrained" / "evaluate", None, options, timeout_s=options.evaluate_timeout_s, **common))
     checkpoint: Path | None = None  # None: start from model.name_or_path
     fisher: Path | None = None
     for i, repo in enumerate(ordered):
@@ -140,12 +175,11 @@ def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoCo
         result = run_stage(state, name, compute_fisher, options, dataset=repo.path, out=jobs / name,
                            checkpoint=checkpoint, timeout_s=options.fisher_timeout_s, **common)
         fisher = Path(result["fisher"])
-        evaluations = []
-        for j, seen in enumerate(ordered[: i + 1]):
-            name = stage_name(i, repo.display_name, eval_stage(j, seen.display_name))
-            evaluations.append(run_stage(state, name, evaluate_retriever, options, dataset=seen.path,
-                                         out=jobs / name, checkpoint=checkpoint,
-                                         timeout_s=options.evaluate_timeout_s, **common))
+        evaluations = run_evaluations(
+            state, [(stage_name(i, repo.display_name, eval_stage(j, seen.display_name)), seen.path)
+                    for j, seen in enumerate(ordered[: i + 1])],
+            jobs / repo_key(i, repo.display_name) / "evaluate", checkpoint, options,
+            timeout_s=options.evaluate_timeout_s, **common)
         report.add_repository(i, train, evaluations)
         artifacts.repository_done()
     return report

@@ -33,6 +33,31 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_curriculum(args: argparse.Namespace) -> int:
+    from leanagent.atomic import write_json_atomic
+    from leanagent.data.curriculum import curriculum_of_datasets, describe
+    from leanagent.data.errors import DatasetError
+
+    datasets: dict[str, Path] = {}
+    for d in args.datasets:
+        path = Path(d).resolve()
+        if not (path / args.split).is_dir():
+            return _fail(f"{d}: no split folder {args.split!r} ({path / args.split})")
+        if path.name in datasets:
+            return _fail(f"two datasets are both named {path.name!r} ({datasets[path.name]} and {path}); "
+                         f"the curriculum names repositories by folder name")
+        datasets[path.name] = path
+    try:
+        curriculum = curriculum_of_datasets(datasets, split=args.split)
+    except DatasetError as exc:
+        return _fail(str(exc))
+    for line in describe(curriculum):
+        print(line)
+    if args.json:
+        write_json_atomic(Path(args.json), curriculum.to_json())
+    return 0
+
+
 def cmd_job(args: argparse.Namespace) -> int:
     import json
     import tempfile
@@ -52,13 +77,52 @@ def cmd_job(args: argparse.Namespace) -> int:
             # It lives only as long as the job, and never in --out, which may be a finished job.
             config_path = Path(tmp) / "config.yaml"
             dump_config(cfg, config_path)
-            result = run_job(cfg, config_path, args.program, Path(args.dataset), Path(args.out),
+            datasets = args.dataset if isinstance(args.dataset, list) else [args.dataset]
+            result = run_job(cfg, config_path, args.program, [Path(d) for d in datasets], Path(args.out),
                              checkpoint=Path(args.checkpoint) if args.checkpoint else None,
                              fisher=Path(args.fisher) if getattr(args, "fisher", None) else None,
                              timeout_s=args.timeout, heartbeat_timeout_s=args.heartbeat_timeout)
     except (ConfigError, JobInputError, JobFinishedError, LaunchError) as exc:
         return _fail(str(exc))
     print(json.dumps(result, indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_examples(args: argparse.Namespace) -> int:
+    from leanagent.atomic import refuse_non_empty
+    from leanagent.config import PipelineConfig
+    from leanagent.data.errors import DatasetError
+    from leanagent.data.example_files import write_example_files
+
+    try:
+        cfg = load_config(args.config) if args.config else PipelineConfig()
+        data = cfg.data.model_copy(update={"split": args.split}) if args.split else cfg.data
+        refuse_non_empty(Path(args.out))
+        counts = write_example_files(Path(args.dataset), Path(args.out), data,
+                                     seed=cfg.trainer.seed if args.seed is None else args.seed)
+    except (ConfigError, DatasetError, FileExistsError) as exc:
+        return _fail(str(exc))
+    for split, n in counts.items():
+        print(f"{Path(args.out) / (split + '.jsonl')}: {n} example(s)")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from leanagent.bench import format_table, run_bench, write_json
+
+    dataset = Path(args.dataset)
+    if not (dataset / "corpus.jsonl").is_file():
+        return _fail(f"{dataset}: no corpus.jsonl (write one with `leanagent demo-data OUT --mathlib-scale`)")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return _fail("--device cuda: torch sees no CUDA device")
+    results = run_bench(dataset, args.model, args.preset, args.device, split=args.split,
+                        min_seconds=args.min_seconds, embed_sample=args.embed_sample, launch=not args.no_launch)
+    print(format_table(results))
+    if args.json:
+        write_json(results, Path(args.json))
     return 0
 
 
@@ -76,28 +140,52 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 def cmd_demo_data(args: argparse.Namespace) -> int:
     from leanagent.atomic import refuse_non_empty
     from leanagent.data.synthetic import write_demo_repos
+    from leanagent.data.synthetic_scale import MATHLIB_SCALE, ScaleSpec, write_scale_dataset
 
     out = Path(args.out)
+    large = args.mathlib_scale or args.files is not None or args.premises is not None
+    if large and (args.repos is not None or args.scale is not None):
+        return _fail("--repos and --scale are for the small demo; --mathlib-scale/--files/--premises write one dataset")
+    try:
+        spec = ScaleSpec(files=MATHLIB_SCALE.files if args.files is None else args.files,
+                         premises=MATHLIB_SCALE.premises if args.premises is None else args.premises,
+                         theorems=args.theorems, seed=args.seed) if large else None
+    except ValueError as exc:
+        return _fail(str(exc))
     try:
         refuse_non_empty(out)
     except FileExistsError as exc:
         return _fail(str(exc))
-    paths = write_demo_repos(out, args.repos, seed=args.seed, theorems_per_repo=args.theorems, scale=args.scale)
+    if spec is not None:
+        print(write_scale_dataset(out, spec))
+        return 0
+    paths = write_demo_repos(out, 3 if args.repos is None else args.repos, seed=args.seed,
+                             theorems_per_repo=40 if args.theorems is None else args.theorems,
+                             scale=1 if args.scale is None else args.scale)
     for p in paths:
         print(p)
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from leanagent.atomic import read_json
-    from leanagent.report import report_from_manifest
+    from leanagent.atomic import write_json_atomic
+    from leanagent.report import SourceError, comparison_json, comparison_text, load_run, write_png
     from leanagent.run_state import MANIFEST_NAME
 
-    manifest = Path(args.run_dir) / MANIFEST_NAME
-    if not manifest.is_file():
-        return _fail(f"{manifest}: no such manifest (is {args.run_dir} a run_dir of `leanagent run`?)")
-    report = report_from_manifest(read_json(manifest))
-    print(report.markdown(str(manifest)) if args.markdown else report.text())
+    try:
+        runs = [load_run(source) for source in args.sources]
+    except SourceError as exc:
+        return _fail(str(exc))
+    only = runs[0].report if len(runs) == 1 else None
+    if only is not None:  # one run_dir: its full report, as before
+        manifest = Path(runs[0].source) / MANIFEST_NAME
+        print(only.markdown(str(manifest)) if args.markdown else only.text())
+    else:
+        print(comparison_text(runs, markdown=args.markdown))
+    if args.json:
+        write_json_atomic(Path(args.json), comparison_json(runs))
+    if args.png:
+        write_png(runs, Path(args.png))
     return 0
 
 
@@ -116,12 +204,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="random")
     p.set_defaults(func=cmd_validate)
 
+    p = sub.add_parser("curriculum", help="LeanAgent's repository order: Easy/Medium/Hard counts and percentiles")
+    p.add_argument("datasets", nargs="+", help="dataset folders; repositories are named by folder name")
+    p.add_argument("--split", default="random")
+    p.add_argument("--json", help="also write {order, counts, percentiles} to this file")
+    p.set_defaults(func=cmd_curriculum)
+
     for name, helptext in (("train", "train the retriever on one repository (DDP under torchrun)"),
                            ("fisher", "compute the diagonal Fisher of a checkpoint on a repository"),
                            ("evaluate", "R@1, R@10, MRR of a checkpoint on a repository's test split")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--config", required=True)
-        p.add_argument("--dataset", required=True)
+        if name == "evaluate":
+            p.add_argument("--dataset", required=True, action="append",
+                           help="repeat to score the model on several datasets in one job (loaded once)")
+        else:
+            p.add_argument("--dataset", required=True)
         p.add_argument("--out", required=True, help="job folder; result.json is written here")
         p.add_argument("--checkpoint", required=name == "fisher",
                        help="start (train) or scored (fisher, evaluate) checkpoint; evaluate without one "
@@ -134,23 +232,60 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--heartbeat-timeout", type=float, help="end the job when a rank is silent this long")
         p.set_defaults(func=cmd_job, program=name)
 
+    p = sub.add_parser("examples", help="write exactly what the retriever is fed: DIR/{train,val,test}.jsonl")
+    p.add_argument("dataset")
+    p.add_argument("--out", required=True, help="a new or empty folder")
+    p.add_argument("--split", help="split folder (default: data.split of the config, random)")
+    p.add_argument("--config", help="config YAML for data.num_negatives etc. (default: LeanAgent's settings)")
+    p.add_argument("--seed", type=int, help="negative-sampling seed (default: trainer.seed, 3407)")
+    p.set_defaults(func=cmd_examples)
+
+    p = sub.add_parser("bench", help="measure the data path, embedding, retrieval, training vs Fisher, launch")
+    p.add_argument("--dataset", required=True, help="a LeanDojo dataset (e.g. from `leanagent demo-data`)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--model", help="HF model folder or id (default: a random --preset encoder)")
+    group.add_argument("--preset", default="tiny", choices=["tiny", "byt5-small"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--split", default="random")
+    p.add_argument("--json", help="write every figure here")
+    p.add_argument("--min-seconds", type=float, default=3.0, help="time each rate for at least this long")
+    p.add_argument("--embed-sample", type=int, help="premises embedded (default 512 on cpu, 4096 on cuda)")
+    p.add_argument("--no-launch", action="store_true", help="skip the job-launch measurement")
+    p.set_defaults(func=cmd_bench)
+
     p = sub.add_parser("init-model", help="write a random ByT5-architecture encoder (offline)")
     p.add_argument("out")
     p.add_argument("--preset", default="tiny", choices=["tiny", "byt5-small"])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_init_model)
 
-    p = sub.add_parser("demo-data", help="write synthetic LeanDojo-format repositories")
+    p = sub.add_parser("demo-data", help="write synthetic LeanDojo-format repositories (or one mathlib-size dataset)",
+                       description="Without size flags: small, learnable repositories OUT/repo_0, OUT/repo_1, ... "
+                                   "With --mathlib-scale, --files or --premises: ONE dataset in OUT (corpus.jsonl, "
+                                   "random/{train,val,test}.json) shaped like mathlib for measuring the data path: "
+                                   "thousands of files, an import DAG hundreds of files deep, premise code with a "
+                                   "long tail of lengths. Same arguments, same bytes.")
     p.add_argument("out")
-    p.add_argument("--repos", type=int, default=3)
+    p.add_argument("--repos", type=int, help="small demo: number of repositories (default 3)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--theorems", type=int, default=40, help="theorems per repository")
-    p.add_argument("--scale", type=int, default=1, help="multiplies the premises per repository")
+    p.add_argument("--theorems", type=int,
+                   help="small demo: theorems per repository (default 40); large dataset: theorems in all "
+                        "(default premises // 16)")
+    p.add_argument("--scale", type=int, help="small demo: multiplies the premises per repository (default 1)")
+    p.add_argument("--mathlib-scale", action="store_true",
+                   help="one dataset of 2,000 files and 76,000 premises (about 35 MB, seconds to write)")
+    p.add_argument("--files", type=int, help="large dataset: corpus files (default 2000)")
+    p.add_argument("--premises", type=int, help="large dataset: premises in all (default 76000)")
     p.set_defaults(func=cmd_demo_data)
 
-    p = sub.add_parser("report", help="recall per repository and the lifelong recall matrix of a run_dir")
-    p.add_argument("run_dir")
-    p.add_argument("--markdown", action="store_true")
+    p = sub.add_parser("report", help="recall matrices and LeanAgent's lifelong metrics of runs, side by side")
+    p.add_argument("sources", nargs="+", metavar="SOURCE",
+                   help="a run_dir (with manifest.json) or a JSON file {names, test_recall_at_10 (lower-triangular "
+                        "rows, percent), val_recall_at_10}")
+    p.add_argument("--markdown", action="store_true", help="print markdown instead of plain text")
+    p.add_argument("--json", metavar="OUT", help="write {runs: [{source, WF5, FM, EBWT, WP5, IP, CFR, composite, "
+                                                 "avg, ...}]} here, in the order given")
+    p.add_argument("--png", metavar="OUT", help="draw each run's recall matrix and its average/validation curves")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("run", help="run the lifelong curriculum as a Prefect flow, in this process")

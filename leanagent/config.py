@@ -28,7 +28,7 @@ class ModelConfig(_Section):
     name_or_path: str = Field(DEFAULT_MODEL, description="HF hub id or local directory of a T5 encoder")
     lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(1000, ge=0)
-    max_seq_len: int = Field(512, gt=0, description="token budget of premises when the corpus is embedded for retrieval")
+    max_seq_len: int = Field(512, gt=0, description="token budget of premises when the corpus is embedded")
     num_retrieved: int = Field(100, gt=0, description="premises retrieved per context at evaluation")
 
 
@@ -38,7 +38,7 @@ class DataConfig(_Section):
     eval_batch_size: int = Field(64, gt=0)
     num_negatives: int = Field(3, ge=0)
     num_in_file_negatives: int = Field(1, ge=0)
-    max_seq_len: int = Field(1024, gt=0, description="token budget of contexts, and of the premises of training examples")
+    max_seq_len: int = Field(1024, gt=0, description="token budget of contexts and of training premises")
     num_workers: int = Field(4, ge=0)
 
     @model_validator(mode="after")

@@ -11,7 +11,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from leanagent.config import RepoConfig
-from leanagent.data.curriculum import categorize, load_repo_theorems, order_repositories
+from leanagent.data.curriculum import curriculum_of_datasets, describe
 from leanagent.data.validate import validate_dataset
 
 
@@ -53,18 +53,17 @@ def validate_datasets(repos: list[RepoConfig], split: str = "random", max_listed
 
 @task(name="order-curriculum", cache_policy=NO_CACHE)
 def order_curriculum(repos: list[RepoConfig], curriculum: bool, split: str = "random") -> list[RepoConfig]:
-    """LeanAgent's order (most Easy theorems first, ties keep the given order) or the given order."""
+    """LeanAgent's order (most Easy theorems first, ties keep the given order) or the given order.
+
+    The same `curriculum_of_datasets` as `leanagent curriculum`, so the command shows what a run will do.
+    """
     logger = get_run_logger()
     if not curriculum:
         logger.info("curriculum off: repositories in the given order: " + ", ".join(r.display_name for r in repos))
         return list(repos)
     _check_unique_names(repos)
     by_name = {r.display_name: r for r in repos}
-    theorems = {name: load_repo_theorems(r.path, split=split) for name, r in by_name.items()}
-    counts = categorize(theorems)
-    order = order_repositories(theorems)
-    for name in order:
-        c = counts[name]
-        logger.info(f"curriculum: {name}: easy {c.easy}, medium {c.medium}, hard {c.hard}")
-    logger.info("curriculum order: " + ", ".join(order))
-    return [by_name[name] for name in order]
+    result = curriculum_of_datasets({name: r.path for name, r in by_name.items()}, split=split)
+    for line in describe(result):
+        logger.info(f"curriculum: {line}")
+    return [by_name[name] for name in result.order]

@@ -47,12 +47,12 @@ def forward_to_run_logger() -> Callable[[str], None]:
     return on_line
 
 
-def _run(program: Program, cfg: PipelineConfig, config_path: Path, dataset: Path, out: Path,
+def _run(program: Program, cfg: PipelineConfig, config_path: Path, dataset: Path | list[Path], out: Path,
          checkpoint: Path | None, fisher: Path | None, timeout_s: float | None,
          heartbeat_timeout_s: float | None, validate: bool) -> dict:
     # reuse_finished: a job whose result.json landed just before a crash (and before the manifest
     # recorded it) is taken as it is, not refused and not rerun.
-    return run_job(cfg, Path(config_path), program, Path(dataset), Path(out), checkpoint=checkpoint, fisher=fisher,
+    return run_job(cfg, Path(config_path), program, dataset, Path(out), checkpoint=checkpoint, fisher=fisher,
                    on_line=forward_to_run_logger(), timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
                    reuse_finished=True, validate=validate)
 
@@ -83,9 +83,10 @@ def compute_fisher(cfg: PipelineConfig, config_path: Path, dataset: Path, out: P
 
 
 @task(name="evaluate-retriever", **_TASK_OPTIONS)
-def evaluate_retriever(cfg: PipelineConfig, config_path: Path, dataset: Path, out: Path, checkpoint: Path | None,
-                       timeout_s: float | None = None, heartbeat_timeout_s: float | None = None,
-                       validate: bool = True) -> dict:
-    """R@1, R@10 and MRR of `checkpoint` (None: the untrained `model.name_or_path`) on a repository's test split."""
-    return _run("evaluate", cfg, config_path, dataset, out, checkpoint, None, timeout_s, heartbeat_timeout_s,
-                validate)
+def evaluate_retriever(cfg: PipelineConfig, config_path: Path, datasets: list[Path], out: Path,
+                       checkpoint: Path | None, timeout_s: float | None = None,
+                       heartbeat_timeout_s: float | None = None, validate: bool = True) -> dict:
+    """R@1, R@10 and MRR of `checkpoint` (None: the untrained `model.name_or_path`) on the test split of each of
+    `datasets`, in one job that loads the model once; the result's `evaluations` lists them in order."""
+    return _run("evaluate", cfg, config_path, list(datasets), out, checkpoint, None, timeout_s,
+                heartbeat_timeout_s, validate)

@@ -1,78 +1,155 @@
 """LeanAgent's curriculum: learn repositories with many easy theorems first.
 
-A theorem's difficulty is e^(number of tactics), so long proofs dominate; unproved theorems
-(sorry) are Hard, and theorems without traced tactics carry no signal and are spread evenly
-over the three classes. Class boundaries are the 33rd and 67th percentiles over every finite
-difficulty of every repository, so one repository is judged relative to the others.
+This is LeanAgent's `calculate_difficulty` / `categorize_difficulty` /
+`sort_repositories_by_difficulty` (leanagent.py), rule for rule:
+
+* A theorem's difficulty is e^S, S its number of traced tactics. A theorem with a tactic that
+  contains "sorry" is rated infinitely hard (inf); one with no tactic is unrated (None).
+* The 33rd and 67th percentiles are `numpy.percentile(rated, [33, 67])` over every rated
+  difficulty of every repository together, inf included, so one repository is judged relative
+  to the others. numpy's linear interpolation is kept as it is: a percentile that falls between
+  a finite value and inf is inf, and one that falls between two infs is nan (then every finite
+  theorem compares false and is Hard), exactly as in the reference.
+* inf is "hard, no proof", a class of its own (not counted in Hard). Otherwise Easy is
+  `<= p33`, Medium `<= p67`, Hard above.
+* Per repository the unrated theorems are cut into three chunks of `n // 3`: Easy gets the
+  first, Medium the second, Hard the rest (so the remainder goes to Hard).
+* Repositories are sorted by their Easy count, descending; the sort is stable, so ties keep the
+  given order.
+
+Where the reference would crash, we do not:
+
+* More than 709 tactics: `math.exp` raises OverflowError (the reference crashes). We rate such a
+  theorem `sys.float_info.max`: still rated and finite, larger than every other finite rating,
+  so it is Hard (it is a long proof, not a missing one; inf would wrongly make it "hard, no
+  proof"). It can only be Medium or Easy if more than a third of all rated theorems are that long.
+* No rated theorem at all: `numpy.percentile([])` raises; we report no percentiles (None) and
+  only distribute the unrated theorems.
+* A repository with no theorem never enters the reference's table and silently drops out of its
+  order; we keep it, with all counts 0 (so it sorts among the repositories with 0 Easy).
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from leanagent.data.theorems import Theorem, has_sorry, load_split
+from leanagent.data.theorems import Theorem, load_split
 
 SPLIT_NAMES = ("train", "val", "test")
+PERCENTILES = (33, 67)
+# e^S for S > 709 does not fit in a float; see the module docstring.
+LARGEST_RATING = sys.float_info.max
+
+EASY, MEDIUM, HARD, HARD_NO_PROOF, TO_DISTRIBUTE = "easy", "medium", "hard", "hard_no_proof", "to_distribute"
 
 
 def difficulty(theorem: Theorem) -> float | None:
-    if has_sorry(theorem):
+    """e^(number of traced tactics); inf for a proof with "sorry" in a tactic; None without tactics."""
+    # The reference's own test, kept here so that the curriculum cannot drift from it.
+    if any("sorry" in t.tactic for t in theorem.tactics):
         return math.inf
     if not theorem.tactics:
         return None
     try:
         return math.exp(len(theorem.tactics))
-    except OverflowError:  # > 709 tactics: beyond float range, and certainly Hard
-        return math.inf
+    except OverflowError:
+        return LARGEST_RATING
 
 
-@dataclass
+def category(rating: float | None, percentiles: tuple[float, float] | None) -> str:
+    """LeanAgent's `categorize_difficulty`: one of EASY, MEDIUM, HARD, HARD_NO_PROOF, TO_DISTRIBUTE."""
+    if rating is None:
+        return TO_DISTRIBUTE
+    if rating == math.inf:
+        return HARD_NO_PROOF
+    assert percentiles is not None, "a rated theorem implies percentiles"
+    if rating <= percentiles[0]:
+        return EASY
+    if rating <= percentiles[1]:
+        return MEDIUM
+    return HARD
+
+
+@dataclass(frozen=True)
 class RepoDifficulty:
+    """A repository's theorem counts per class, unrated theorems already distributed."""
+
     name: str
     easy: int
     medium: int
     hard: int
+    hard_no_proof: int = 0
+
+    def counts(self) -> dict[str, int]:
+        return {EASY: self.easy, MEDIUM: self.medium, HARD: self.hard, HARD_NO_PROOF: self.hard_no_proof}
 
 
-def _thirds(n: int) -> tuple[int, int, int]:
-    """Sizes numpy.array_split gives for 3 chunks: the first n % 3 chunks get one extra."""
-    base, extra = divmod(n, 3)
-    sizes = [base + (1 if k < extra else 0) for k in range(3)]
-    return sizes[0], sizes[1], sizes[2]
+@dataclass(frozen=True)
+class Curriculum:
+    """The order LeanAgent learns repositories in, and why."""
+
+    order: list[str]
+    counts: dict[str, RepoDifficulty]
+    # (p33, p67) over all rated difficulties; None when no theorem of any repository is rated.
+    percentiles: tuple[float, float] | None
+
+    def to_json(self) -> dict:
+        return {
+            "order": list(self.order),
+            "counts": {name: self.counts[name].counts() for name in self.order},
+            "percentiles": list(self.percentiles) if self.percentiles is not None else None,
+        }
 
 
-def categorize(repos: dict[str, list[Theorem]]) -> dict[str, RepoDifficulty]:
-    scores = {name: [difficulty(t) for t in thms] for name, thms in repos.items()}
-    finite = [d for ds in scores.values() for d in ds if d is not None and math.isfinite(d)]
-    p33, p67 = (float(np.percentile(finite, q)) for q in (33, 67)) if finite else (math.inf, math.inf)
-    result = {}
-    for name, ds in scores.items():
-        easy = medium = hard = 0
-        for d in ds:
-            if d is None:
-                continue
-            if d < p33:
-                easy += 1
-            elif d < p67:
-                medium += 1
-            else:
-                hard += 1
-        e, m, h = _thirds(sum(d is None for d in ds))
-        result[name] = RepoDifficulty(name, easy + e, medium + m, hard + h)
-    return result
+def rate_percentiles(rated: Sequence[float]) -> tuple[float, float] | None:
+    """`numpy.percentile(rated, [33, 67])`, called as the reference calls it (inf included)."""
+    if not rated:
+        return None
+    with np.errstate(invalid="ignore"):  # inf - inf inside numpy's interpolation: nan, as in the reference
+        p33, p67 = np.percentile(rated, list(PERCENTILES))
+    return float(p33), float(p67)
 
 
-def order_repositories(repos: dict[str, list[Theorem]]) -> list[str]:
-    """Most Easy theorems first; Python's sort is stable, so ties keep the given order."""
-    counts = categorize(repos)
-    return sorted(repos, key=lambda name: -counts[name].easy)
+def _distribute(n: int) -> tuple[int, int, int]:
+    """The reference's split of n unrated theorems: n // 3 to Easy, n // 3 to Medium, the rest to Hard."""
+    chunk = n // 3
+    return chunk, chunk, n - 2 * chunk
+
+
+def build_curriculum(repos: Mapping[str, Sequence[Theorem]]) -> Curriculum:
+    """The one implementation behind the flow's order-curriculum task and `leanagent curriculum`."""
+    ratings = {name: [difficulty(t) for t in theorems] for name, theorems in repos.items()}
+    rated = [r for rs in ratings.values() for r in rs if r is not None]
+    percentiles = rate_percentiles(rated)
+    counts: dict[str, RepoDifficulty] = {}
+    for name, rs in ratings.items():
+        tally = dict.fromkeys((EASY, MEDIUM, HARD, HARD_NO_PROOF, TO_DISTRIBUTE), 0)
+        for r in rs:
+            tally[category(r, percentiles)] += 1
+        e, m, h = _distribute(tally[TO_DISTRIBUTE])
+        counts[name] = RepoDifficulty(name, tally[EASY] + e, tally[MEDIUM] + m, tally[HARD] + h, tally[HARD_NO_PROOF])
+    # sorted() is stable: repositories with equal Easy counts keep the given order.
+    order = sorted(repos, key=lambda name: counts[name].easy, reverse=True)
+    return Curriculum(order, counts, percentiles)
+
+
+def categorize(repos: Mapping[str, Sequence[Theorem]]) -> dict[str, RepoDifficulty]:
+    return build_curriculum(repos).counts
+
+
+def order_repositories(repos: Mapping[str, Sequence[Theorem]]) -> list[str]:
+    """Most Easy theorems first; ties keep the given order."""
+    return build_curriculum(repos).order
 
 
 def load_repo_theorems(dataset_dir: Path, split: str = "random") -> list[Theorem]:
+    """Every theorem of the split folder: train.json, val.json and test.json (a missing file adds none)."""
     folder = Path(dataset_dir) / split
     theorems: list[Theorem] = []
     for name in SPLIT_NAMES:
@@ -80,3 +157,21 @@ def load_repo_theorems(dataset_dir: Path, split: str = "random") -> list[Theorem
         if path.is_file():
             theorems += load_split(path)
     return theorems
+
+
+def curriculum_of_datasets(datasets: Mapping[str, Path], split: str = "random") -> Curriculum:
+    """The curriculum of dataset folders, keyed by the names given (display names, folder names)."""
+    return build_curriculum({name: load_repo_theorems(path, split=split) for name, path in datasets.items()})
+
+
+def describe(curriculum: Curriculum) -> list[str]:
+    """Human-readable lines: the percentiles, one line per repository in order, the order."""
+    p = curriculum.percentiles
+    lines = [f"percentiles: p33 = {p[0]:.6g}, p67 = {p[1]:.6g}" if p is not None
+             else "percentiles: none (no theorem has traced tactics)"]
+    for k, name in enumerate(curriculum.order, 1):
+        c = curriculum.counts[name]
+        lines.append(f"{k}. {name}: easy {c.easy}, medium {c.medium}, hard {c.hard}, "
+                     f"hard (no proof) {c.hard_no_proof}")
+    lines.append("order: " + ", ".join(curriculum.order))
+    return lines

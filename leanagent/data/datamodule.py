@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from leanagent.config import DataConfig
@@ -86,7 +87,8 @@ class RetrievalDataModule(pl.LightningDataModule):
             num_workers=workers,
             collate_fn=collate,
             persistent_workers=workers > 0,
-            pin_memory=False,
+            # Page-locked batches let Lightning's non-blocking copy to the GPU overlap the step.
+            pin_memory=torch.cuda.is_available(),
             drop_last=drop_last,
         )
 

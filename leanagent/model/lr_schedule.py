@@ -18,9 +18,17 @@ def reference_horizon(max_epochs: int, unsharded_batches: int, accumulate_grad_b
     return max_epochs * unsharded_batches // accumulate_grad_batches
 
 
-def build_optimizer_and_schedule(params, lr: float, warmup_steps: int, horizon: int) -> dict:
-    """The dict Lightning's `configure_optimizers` returns; the scheduler steps once per optimizer step."""
-    optimizer = torch.optim.AdamW(params, lr=lr)
+def build_optimizer_and_schedule(params, lr: float, warmup_steps: int, horizon: int,
+                                 fused: bool | None = None) -> dict:
+    """The dict Lightning's `configure_optimizers` returns; the scheduler steps once per optimizer step.
+
+    `fused=None` fuses AdamW's update into one kernel when every parameter is on a GPU (the same
+    update, without a kernel launch per tensor); on CPU the plain loop is used.
+    """
+    params = list(params)
+    if fused is None:
+        fused = bool(params) and all(p.is_cuda for p in params)
+    optimizer = torch.optim.AdamW(params, lr=lr, fused=fused or None)
     scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=warmup_steps,
                                                 num_training_steps=horizon)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

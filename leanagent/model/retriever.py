@@ -8,11 +8,11 @@ their values at the start of training on a new repository, weighted by a diagona
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, ByT5Tokenizer, T5Config, T5EncoderModel
 
 from leanagent.model.lr_schedule import build_optimizer_and_schedule, reference_horizon
 from leanagent.model.metrics import ContextScore, aggregate, score_context
+from leanagent.model.retrieval import top_k_accessible
 
 BYT5_VOCAB_SIZE = 384
 
@@ -29,6 +30,30 @@ def load_tokenizer(name_or_path: str, vocab_size: int):
     if vocab_size == BYT5_VOCAB_SIZE:
         return ByT5Tokenizer()
     return AutoTokenizer.from_pretrained(name_or_path)
+
+
+def premise_token_lengths(corpus, max_len: int) -> np.ndarray:
+    """ByT5 tokens of each premise (its UTF-8 bytes and `</s>`), capped at `max_len`."""
+    return np.minimum(np.fromiter((len(p.text.encode("utf-8")) + 1 for p in corpus.premises), dtype=np.int64,
+                                  count=len(corpus.premises)), max_len)
+
+
+def length_order(corpus, max_len: int) -> np.ndarray:
+    """Premise indices by token length (stable): neighbours in this order pad little against each other."""
+    return np.argsort(premise_token_lengths(corpus, max_len), kind="stable")
+
+
+def token_budget_batches(lengths: np.ndarray, budget: int) -> list[tuple[int, int]]:
+    """[lo, hi) runs of a length-sorted sequence whose padded size (count x longest) stays within `budget`."""
+    batches, lo, longest = [], 0, 0
+    for i, length in enumerate(lengths.tolist()):
+        longest = max(longest, length)
+        if i > lo and (i + 1 - lo) * longest > budget:
+            batches.append((lo, i))
+            lo, longest = i, length
+    if lo < len(lengths):
+        batches.append((lo, len(lengths)))
+    return batches
 
 
 def contrastive_mse(context_emb: torch.Tensor, premise_emb: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
@@ -53,10 +78,13 @@ class PremiseRetriever(pl.LightningModule):
         if encoder_config is None:
             # First load from the hub or a local dir; the architecture is then kept in the
             # checkpoint so that resuming never needs the hub again.
-            self.encoder = T5EncoderModel.from_pretrained(name_or_path)
+            # SDPA attention: transformers' T5 supports it (the relative position bias goes in as the mask).
+            self.encoder = T5EncoderModel.from_pretrained(name_or_path, attn_implementation="sdpa")
             self.hparams["encoder_config"] = self.encoder.config.to_dict()
         else:
-            self.encoder = T5EncoderModel(T5Config.from_dict(encoder_config))
+            config = T5Config.from_dict(encoder_config)
+            config._attn_implementation = "sdpa"
+            self.encoder = T5EncoderModel(config)
         # from_pretrained returns eval mode; Lightning >= 2.4 keeps module modes as it finds them,
         # so without this dropout would silently stay off during training.
         self.encoder.train()
@@ -151,31 +179,45 @@ class PremiseRetriever(pl.LightningModule):
     # ---- retrieval evaluation (validation and test share it) ------------------------------
     @torch.no_grad()
     def embed_corpus(self, corpus) -> torch.Tensor:
-        """Each rank embeds a strided shard of the corpus; the shards are gathered so all ranks hold all of it."""
+        """Every premise's embedding, in corpus order, on every rank.
+
+        Premises are ordered by length and dealt round-robin to the ranks, so each rank gets a
+        similar share of long ones; each rank encodes its share in token-budget batches of similar
+        lengths, so little compute goes to padding (taken in corpus order, about a quarter of the
+        tokens of a real corpus are padding). The shards are then gathered and put back in corpus
+        order. Embeddings are the same as unsorted batching up to float tolerance: padding is masked.
+        On a GPU they are kept in bf16 (retrieval scores are bf16 under bf16-mixed anyway), halving
+        the memory of a 180k-premise corpus.
+        """
         from leanagent.data.dataset import tokenize_premises
 
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         rank = dist.get_rank() if world > 1 else 0
+        max_len = self.hparams["max_seq_len"]
         n = len(corpus)
-        shard_len = math.ceil(n / world)
-        mine = list(range(rank, n, world))
+        order = length_order(corpus, max_len)
+        shards = [order[r::world] for r in range(world)]
+        mine = shards[rank]
+        shard_len = -(-n // world)
         dim = self.encoder.config.d_model
-        shard = torch.zeros(shard_len, dim, device=self.device)
-        step = self.hparams["eval_batch_size"]
-        for start in range(0, len(mine), step):
-            idx = mine[start : start + step]
-            ids, mask = tokenize_premises(self.tokenizer, corpus, idx, self.hparams["max_seq_len"])
-            shard[start : start + len(idx)] = self.encode(ids.to(self.device), mask.to(self.device))
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        shard = torch.zeros(shard_len, dim, device=self.device, dtype=dtype)
+        lengths = premise_token_lengths(corpus, max_len)
+        for lo, hi in token_budget_batches(lengths[mine], self.hparams["eval_batch_size"] * max_len):
+            ids, mask = tokenize_premises(self.tokenizer, corpus, mine[lo:hi], max_len)
+            shard[lo:hi] = self.encode(ids.to(self.device, non_blocking=True),
+                                       mask.to(self.device, non_blocking=True)).to(dtype)
             if self.progress_hook is not None:
                 self.progress_hook("embed-corpus")
+        full = torch.empty(n, dim, device=self.device, dtype=dtype)
         if world == 1:
-            return shard[:n]
+            full[torch.from_numpy(mine).to(self.device)] = shard[: len(mine)]
+            return full
         gathered = [torch.empty_like(shard) for _ in range(world)]
         dist.all_gather(gathered, shard)
-        full = torch.empty(shard_len * world, dim, device=self.device)
-        for r, part in enumerate(gathered):
-            full[r::world] = part
-        return full[:n]
+        for part, idx in zip(gathered, shards, strict=True):
+            full[torch.from_numpy(idx).to(self.device)] = part[: len(idx)]
+        return full
 
     def _start_eval(self) -> None:
         self._scores = []
@@ -184,11 +226,8 @@ class PremiseRetriever(pl.LightningModule):
     def _eval_step(self, batch: dict[str, Any]) -> None:
         assert self._corpus_emb is not None
         context_emb = self.encode(batch["context_ids"], batch["context_mask"])
-        scores = context_emb @ self._corpus_emb.t()
-        mask = batch["accessible_mask"].to(scores.device)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        k = min(self.hparams["num_retrieved"], scores.shape[1])
-        top_scores, top_idx = scores.topk(k, dim=1)
+        top_scores, top_idx = top_k_accessible(context_emb, self._corpus_emb, batch["accessible_mask"],
+                                               self.hparams["num_retrieved"])
         for row, index in enumerate(batch["index"].tolist()):
             # Fewer accessible premises than k is normal (first file of a repo): keep only real hits.
             retrieved = top_idx[row][torch.isfinite(top_scores[row])].tolist()

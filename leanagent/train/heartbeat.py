@@ -50,6 +50,9 @@ class Heartbeat(Callback):
         self.job_dir = Path(job_dir)
         self.interval_s = interval_s
         self._last = 0.0
+        # Wall-clock time of this process's first finished training batch: `leanagent bench` measures
+        # the launch overhead (torchrun, imports, rendezvous, data and model loading) up to it.
+        self.first_train_batch_time: float | None = None
 
     def _maybe_beat(self, trainer, stage: str, force: bool = False) -> None:
         now = time.monotonic()
@@ -64,6 +67,8 @@ class Heartbeat(Callback):
             pl_module.progress_hook = lambda what: self._maybe_beat(trainer, what)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.first_train_batch_time is None:
+            self.first_train_batch_time = time.time()
         self._maybe_beat(trainer, "train")
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:

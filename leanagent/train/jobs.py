@@ -6,7 +6,7 @@ accelerator time is spent (config, dataset, input files, finished job) are the s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -26,24 +26,37 @@ class JobFinishedError(FileExistsError):
     """The job folder already holds a result; a finished job is never overwritten."""
 
 
-def check_job(cfg: PipelineConfig, program: Program, dataset: Path, checkpoint: Path | None = None,
+def as_datasets(dataset: Path | Sequence[Path]) -> list[Path]:
+    """One dataset or several (evaluate scores a model on several in one job)."""
+    return [Path(dataset)] if isinstance(dataset, (str, Path)) else [Path(d) for d in dataset]
+
+
+def check_job(cfg: PipelineConfig, program: Program, dataset: Path | Sequence[Path], checkpoint: Path | None = None,
               fisher: Path | None = None, validate: bool = True) -> None:
+    datasets = as_datasets(dataset)
+    if not datasets:
+        raise JobInputError(f"{program} needs a dataset")
+    if program != "evaluate" and len(datasets) != 1:
+        raise JobInputError(f"{program} takes exactly one dataset, got {len(datasets)}")
     if program == "fisher" and checkpoint is None:
         raise JobInputError("fisher needs a checkpoint")
     for name, value in (("checkpoint", checkpoint), ("fisher", fisher)):
         if value is not None and not Path(value).is_file():
             raise JobInputError(f"{name} {value}: no such file")
     if validate:
-        problems = validate_dataset(Path(dataset), split=cfg.data.split)
-        if problems:
-            listing = "\n".join(f"  {p}" for p in problems)
-            raise JobInputError(f"{dataset}: {len(problems)} problem(s); nothing was launched:\n{listing}")
+        for d in datasets:
+            problems = validate_dataset(d, split=cfg.data.split)
+            if problems:
+                listing = "\n".join(f"  {p}" for p in problems)
+                raise JobInputError(f"{d}: {len(problems)} problem(s); nothing was launched:\n{listing}")
 
 
-def program_argv(program: Program, config_path: Path, dataset: Path, out: Path, checkpoint: Path | None = None,
-                 fisher: Path | None = None) -> list[str]:
-    argv = [program, "--config", str(Path(config_path).resolve()), "--dataset", str(Path(dataset).resolve()),
-            "--out", str(Path(out).resolve())]
+def program_argv(program: Program, config_path: Path, dataset: Path | Sequence[Path], out: Path,
+                 checkpoint: Path | None = None, fisher: Path | None = None) -> list[str]:
+    argv = [program, "--config", str(Path(config_path).resolve())]
+    for d in as_datasets(dataset):
+        argv += ["--dataset", str(d.resolve())]
+    argv += ["--out", str(Path(out).resolve())]
     if checkpoint is not None:
         argv += ["--checkpoint", str(Path(checkpoint).resolve())]
     if fisher is not None:
@@ -55,7 +68,7 @@ def run_job(
     cfg: PipelineConfig,
     config_path: Path,
     program: Program,
-    dataset: Path,
+    dataset: Path | Sequence[Path],
     out: Path,
     checkpoint: Path | None = None,
     fisher: Path | None = None,

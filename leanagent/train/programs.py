@@ -21,7 +21,7 @@ from leanagent.atomic import read_json, write_json_atomic
 from leanagent.config import PipelineConfig, load_config
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.data.errors import DatasetError
-from leanagent.model.fisher import FisherModule, load_fisher, save_fisher
+from leanagent.model.fisher import FisherModule, ReferenceFisherModule, load_fisher, save_fisher
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.ranks import global_rank, local_rank, node_rank
 from leanagent.train.heartbeat import Heartbeat, beat
@@ -80,7 +80,9 @@ def load_retriever(cfg: PipelineConfig, checkpoint: Path | None, weights: bool =
 
 
 def make_datamodule(cfg: PipelineConfig, dataset: Path, model: PremiseRetriever) -> RetrievalDataModule:
-    return RetrievalDataModule(Path(dataset), model.tokenizer, cfg.data, premise_max_len=cfg.model.max_seq_len,
+    # Training premises are cut at data.max_seq_len (1024 in LeanAgent), like contexts; the corpus is
+    # embedded for retrieval at model.max_seq_len (the model's 512).
+    return RetrievalDataModule(Path(dataset), model.tokenizer, cfg.data, premise_max_len=cfg.data.max_seq_len,
                                seed=cfg.trainer.seed)
 
 
@@ -135,7 +137,8 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
         fisher_tensors, _ = load_fisher(fisher)
         model.set_ewc(fisher_tensors, cfg.lifelong.ewc_lambda, anchor=ewc_anchor(cfg, plan))
     # A new repository starts early stopping afresh; a retry of this job keeps its patience count.
-    trainer = build_training_trainer(cfg.trainer, job_dir, plan.target_epochs, [Heartbeat(job_dir)],
+    heartbeat = Heartbeat(job_dir)
+    trainer = build_training_trainer(cfg.trainer, job_dir, plan.target_epochs, [heartbeat],
                                      restore_early_stopping=plan.is_retry)
     trainer.strategy.barrier()  # before loading data (seed)
     if global_rank() == 0 and not (job_dir / JOB_PLAN).is_file():
@@ -157,8 +160,12 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
     best_name = Path(ckpt.best_model_path).name
     best_metrics = next((h for h in history if best_name.startswith(f"epoch={h['epoch']}-step={h['step']}-")),
                         history[-1] if history else {})
+    latest = latest_epoch_checkpoint(ckpt)
     return {
-        "checkpoint": ckpt.best_model_path,
+        # What the next repository starts from and what is evaluated: LeanAgent takes the newest.
+        "checkpoint": latest if cfg.lifelong.checkpoint == "latest" else ckpt.best_model_path,
+        "best_checkpoint": ckpt.best_model_path,
+        "latest_checkpoint": latest,
         "last_checkpoint": ckpt.last_model_path,
         "epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
@@ -171,7 +178,21 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
         "history": history,
         "num_train_examples": len(datamodule.train_examples),
         "fit_seconds": fit_seconds,
+        "first_train_batch_time": heartbeat.first_train_batch_time,
     }
+
+
+def latest_epoch_checkpoint(callback) -> str:
+    """The checkpoint of the last epoch trained: the newest epoch file kept, else `last.ckpt` (same weights)."""
+    kept = [Path(p) for p in callback.best_k_models if Path(p).is_file()]
+    if kept:
+        return str(max(kept, key=_epoch_step))
+    return callback.last_model_path
+
+
+def _epoch_step(path: Path) -> tuple[int, int]:
+    fields = dict(part.split("=", 1) for part in path.stem.split("-") if "=" in part)
+    return int(fields.get("epoch", -1)), int(fields.get("step", -1))
 
 
 # ---- fisher ---------------------------------------------------------------------------------
@@ -197,14 +218,20 @@ class PaddedForRanks(Dataset):
 
 
 def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path) -> dict:
+    """`lifelong.fisher_estimator`: per_example (FisherModule) or reference (LeanAgent's compute_fisher)."""
+    estimator = cfg.lifelong.fisher_estimator
     model = load_retriever(cfg, checkpoint)
-    module = FisherModule(model)
+    module = ReferenceFisherModule(model) if estimator == "reference" else FisherModule(model)
     trainer = build_fisher_trainer(cfg.trainer, job_dir, [Heartbeat(job_dir)])
     trainer.strategy.barrier()  # before loading data
     datamodule = make_datamodule(cfg, dataset, model)
-    padded = PaddedForRanks(datamodule.fisher_dataset(), trainer.world_size)
-    loader = DataLoader(padded, batch_size=cfg.data.batch_size, shuffle=False, collate_fn=padded.collate,
-                        num_workers=cfg.data.num_workers, persistent_workers=cfg.data.num_workers > 0)
+    if estimator == "reference":
+        # The very loader training uses (shuffle, drop_last, random negatives); Lightning adds the DistributedSampler.
+        loader = datamodule.train_dataloader()
+    else:
+        padded = PaddedForRanks(datamodule.fisher_dataset(), trainer.world_size)
+        loader = DataLoader(padded, batch_size=cfg.data.batch_size, shuffle=False, collate_fn=padded.collate,
+                            num_workers=cfg.data.num_workers, persistent_workers=cfg.data.num_workers > 0)
     trainer.strategy.barrier()  # before fit
     started = time.monotonic()
     trainer.fit(module, train_dataloaders=loader)
@@ -212,7 +239,9 @@ def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pa
     fit_seconds = time.monotonic() - started
     out = job_dir / FISHER_FILE
     metadata = {"dataset": str(dataset), "checkpoint": str(checkpoint), "num_examples": module.num_examples,
-                "world_size": trainer.world_size}
+                "world_size": trainer.world_size, "estimator": estimator}
+    if estimator == "reference":
+        metadata["steps"] = module.num_steps
     if global_rank() == 0:
         save_fisher(out, module.fisher, metadata)
     return {"fisher": str(out), "fit_seconds": fit_seconds, **metadata}
@@ -220,21 +249,34 @@ def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pa
 
 # ---- evaluate -------------------------------------------------------------------------------
 
-def run_evaluate(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path | None) -> dict:
-    """Without a checkpoint the base model (`model.name_or_path`) is scored: the lifelong baseline."""
+def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, checkpoint: Path | None) -> dict:
+    """Score one model on the test split of every dataset given, loading it once.
+
+    The lifelong flow evaluates every repository seen so far after each one: one job (one torchrun
+    start, one model load) per repository stage, not one per (model, dataset) pair. Without a
+    checkpoint the base model (`model.name_or_path`) is scored: the lifelong baseline.
+    """
     model = load_retriever(cfg, checkpoint)
     trainer = build_eval_trainer(cfg.trainer, job_dir, [Heartbeat(job_dir)])
     trainer.strategy.barrier()
-    datamodule = make_datamodule(cfg, dataset, model)
-    if not datamodule.test_examples:
-        raise DatasetError(f"{dataset}/{cfg.data.split}/test.json: no test example (no tactic with a premise "
-                           f"found in the corpus)")
+    modules = []
+    for dataset in datasets:
+        datamodule = make_datamodule(cfg, dataset, model)
+        if not datamodule.test_examples:
+            raise DatasetError(f"{dataset}/{cfg.data.split}/test.json: no test example (no tactic with a premise "
+                               f"found in the corpus)")
+        modules.append(datamodule)
+    evaluations = []
+    for dataset, datamodule in zip(datasets, modules, strict=True):
+        trainer.strategy.barrier()
+        trainer.test(model, datamodule=datamodule, verbose=False)
+        evaluations.append({"dataset": str(dataset), "metrics": model.eval_metrics})
     trainer.strategy.barrier()
-    trainer.test(model, datamodule=datamodule, verbose=False)
-    trainer.strategy.barrier()
-    return {"metrics": model.eval_metrics, "world_size": trainer.world_size,
-            "checkpoint": str(checkpoint) if checkpoint else cfg.model.name_or_path,
-            "dataset": str(dataset)}
+    result = {"evaluations": evaluations, "world_size": trainer.world_size,
+              "checkpoint": str(checkpoint) if checkpoint else cfg.model.name_or_path}
+    if len(evaluations) == 1:
+        result.update(evaluations[0])
+    return result
 
 
 # ---- entry point ----------------------------------------------------------------------------
@@ -243,7 +285,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m leanagent.train.programs")
     parser.add_argument("program", choices=["train", "fisher", "evaluate"])
     parser.add_argument("--config", required=True, type=Path)
-    parser.add_argument("--dataset", required=True, type=Path)
+    parser.add_argument("--dataset", required=True, type=Path, action="append",
+                        help="evaluate takes several; train and fisher exactly one")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--fisher", type=Path)
@@ -262,10 +305,12 @@ def main(argv: list[str] | None = None) -> None:
     set_nccl_environment(cfg.trainer)
     init_process_group(cfg.trainer)
     pl.seed_everything(cfg.trainer.seed, workers=True)
+    if args.program != "evaluate" and len(args.dataset) != 1:
+        raise SystemExit(f"{args.program} takes exactly one --dataset, got {len(args.dataset)}")
     if args.program == "train":
-        result = run_train(cfg, args.dataset, job_dir, args.checkpoint, args.fisher)
+        result = run_train(cfg, args.dataset[0], job_dir, args.checkpoint, args.fisher)
     elif args.program == "fisher":
-        result = run_fisher(cfg, args.dataset, job_dir, args.checkpoint)
+        result = run_fisher(cfg, args.dataset[0], job_dir, args.checkpoint)
     else:
         result = run_evaluate(cfg, args.dataset, job_dir, args.checkpoint)
     if local_rank() == 0:

@@ -205,7 +205,8 @@ def test_examples_command_writes_what_the_retriever_is_fed(tmp_path: Path) -> No
     train, val, test = (_read(out / f"{s}.jsonl") for s in ("train", "val", "test"))
     mul_one = {"full_name": "A.mul_one", "path": "Lib/A.lean", "start": [3, 1],
                "text": "@[to_additive]\ntheorem <a>A.mul_one</a> (a : M) : a * 1 = a := by\n  simp"}
-    two = {"full_name": "B.two", "path": "Lib/B.lean", "start": [4, 1], "text": "theorem <a>B.two</a> : True := trivial"}
+    two = {"full_name": "B.two", "path": "Lib/B.lean", "start": [4, 1],
+           "text": "theorem <a>B.two</a> : True := trivial"}
     assert [(t["tactic_index"], t["positive"]["full_name"]) for t in train] == [
         (0, "A.mul_one"), (0, "B.two"), (3, "C.second")]
     first = train[0]

@@ -70,7 +70,7 @@ def test_heartbeats_of_an_earlier_attempt_do_not_count(tmp_path):
     old.parent.mkdir()
     old.write_text("{}")
     os.utime(old, (time.time() - 3600, time.time() - 3600))
-    outcome = launch(CPU2, [], tmp_path, heartbeat_timeout_s=3, grace_s=2, entry=_probe("ok", tmp_path))
+    outcome = launch(CPU2, [], tmp_path, heartbeat_timeout_s=30, grace_s=2, entry=_probe("ok", tmp_path))
     assert outcome.result == {"ok": True}
 
 

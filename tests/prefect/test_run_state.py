@@ -58,7 +58,7 @@ def test_failed_stage_is_not_done(tmp_path: Path) -> None:
 
 def test_changed_config_is_refused_naming_the_key(tmp_path: Path) -> None:
     _started(_cfg(tmp_path))
-    with pytest.raises(ManifestMismatchError, match=r"lifelong\.ewc_lambda: 0\.1 -> 0\.3"):
+    with pytest.raises(ManifestMismatchError, match=r"lifelong\.ewc_lambda: 0\.0 -> 0\.3"):
         RunState(tmp_path / "run", _cfg(tmp_path, ewc_lambda=0.3))
 
 

@@ -1,0 +1,355 @@
+"""`leanagent bench`: how fast each stage of the data and model path runs, measured in one process.
+
+A benchmark, not a test: it prints a table and writes JSON, and its numbers are meant to be
+compared as ratios within one run (these machines are noisy). Each figure isolates one piece of
+what a lifelong run spends its time on:
+
+- corpus load (time and resident memory), premise tokenization;
+- training examples: negative sampling + collate, batch 4, 3 negatives, 1024 bytes, one process;
+- corpus embedding with the given model, sorted into token-budget batches and, for comparison,
+  in corpus order (the straightforward way);
+- retrieval: the top 100 accessible premises per context, batched, at the model's width;
+- a training step and the Fisher pass, per example, on the same examples;
+- the launch overhead of a real job, from its start to its first training step (on the demo);
+- with `--device cuda`: training throughput of a byt5-small-shaped encoder in bf16 at L = 512
+  and 1024, with tokens/s and model FLOP utilisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from leanagent.config import DataConfig
+
+H200_BF16_PEAK_TFLOPS = 989.0
+# Forward FLOPs of one byt5-small encoder sequence of L tokens: 2 x (weights touched per token) x L plus the
+# attention products (QK^T and AV over 12 layers x 6 heads x 64 dims, twice, x2 FLOPs per MAC): 434.1M L + 18,432 L^2.
+BYT5_SMALL_FLOPS_PER_TOKEN = 434.1e6
+BYT5_SMALL_FLOPS_PER_TOKEN_SQ = 18_432
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _rate(fn: Callable[[], int], min_seconds: float, min_calls: int = 3) -> float:
+    """Items per second of `fn` (which returns how many items it did), after one warm-up call."""
+    fn()
+    done, calls, start = 0, 0, time.perf_counter()
+    while calls < min_calls or time.perf_counter() - start < min_seconds:
+        done += fn()
+        calls += 1
+    return done / (time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_corpus(dataset: Path) -> tuple[Any, dict[str, float]]:
+    from leanagent.data.corpus import Corpus
+
+    before = _rss_mb()
+    start = time.perf_counter()
+    corpus = Corpus.from_jsonl(dataset / "corpus.jsonl")
+    seconds = time.perf_counter() - start
+    return corpus, {"corpus_load_s": seconds, "corpus_rss_mb": _rss_mb() - before,
+                    "num_premises": len(corpus), "num_files": len(corpus.paths)}
+
+
+def bench_data(dataset: Path, corpus, split: str, min_seconds: float) -> tuple[dict, list, list]:
+    from transformers import ByT5Tokenizer
+
+    from leanagent.data.dataset import TrainDataset, build_eval_examples, build_train_examples, tokenize_premises
+    from leanagent.data.theorems import load_split
+
+    tokenizer = ByT5Tokenizer()
+    cfg = DataConfig()  # LeanAgent's: batch 4, 3 negatives (1 in-file), 1024 bytes
+    train = build_train_examples(corpus, load_split(dataset / split / "train.json"))
+    evals: list = []
+    for name in ("test", "val"):
+        path = dataset / split / f"{name}.json"
+        if path.is_file():
+            evals += build_eval_examples(corpus, load_split(path))
+    ds = TrainDataset(corpus, train, tokenizer, cfg.num_negatives, cfg.num_in_file_negatives, cfg.max_seq_len,
+                      cfg.max_seq_len, seed=0)
+    rng = random.Random(0)
+
+    def one_batch() -> int:
+        items = [ds[rng.randrange(len(ds))] for _ in range(cfg.batch_size)]
+        ds.collate(items)
+        return cfg.batch_size
+
+    sample = rng.sample(range(len(corpus)), min(len(corpus), 4096))
+
+    def tokenize() -> int:
+        for i in range(0, len(sample), 64):
+            tokenize_premises(tokenizer, corpus, sample[i: i + 64], cfg.max_seq_len)
+        return len(sample)
+
+    figures = {"num_train_examples": len(train), "train_examples_per_s": _rate(one_batch, min_seconds),
+               "tokenize_premises_per_s": _rate(tokenize, min_seconds, min_calls=1)}
+    return figures, train, evals
+
+
+def _sub_corpus(corpus, indices: list[int]):
+    """A corpus of some premises only (one file), for timing the embedding on a sample."""
+    from leanagent.data.corpus import Corpus, FileRecord
+
+    return Corpus([FileRecord("bench.lean", [], [dataclasses.replace(corpus.premises[i], path="bench.lean")
+                                                 for i in indices])])
+
+
+def bench_embedding(model, corpus, device: torch.device, sample: int, precision_dtype: torch.dtype | None,
+                    min_seconds: float) -> dict[str, float]:
+    """Premises/s of `embed_corpus` (length-sorted, token budget) and of corpus-order batches, same sample."""
+    from leanagent.data.dataset import tokenize_premises
+
+    rng = random.Random(1)
+    picked = sorted(rng.sample(range(len(corpus)), min(sample, len(corpus))))
+    sub = _sub_corpus(corpus, picked)
+    max_len, step = model.hparams["max_seq_len"], model.hparams["eval_batch_size"]
+    autocast = torch.autocast(device.type, dtype=precision_dtype, enabled=precision_dtype is not None)
+
+    def sorted_run() -> int:
+        with autocast:
+            model.embed_corpus(sub)
+        _sync(device)
+        return len(sub)
+
+    @torch.no_grad()
+    def unsorted_run() -> int:
+        with autocast:
+            for i in range(0, len(sub), step):
+                ids, mask = tokenize_premises(model.tokenizer, sub, range(i, min(i + step, len(sub))), max_len)
+                model.encode(ids.to(device), mask.to(device))
+        _sync(device)
+        return len(sub)
+
+    fast = _rate(sorted_run, min_seconds, min_calls=1)
+    slow = _rate(unsorted_run, min_seconds, min_calls=1)
+    lengths = np.minimum([len(p.text.encode()) + 1 for p in sub.premises], max_len)
+    padded = sum(len(lengths[i: i + step]) * lengths[i: i + step].max() for i in range(0, len(lengths), step))
+    return {"embed_premises_per_s": fast, "embed_unsorted_premises_per_s": slow, "embed_speedup": fast / slow,
+            "embed_sample": len(sub), "corpus_order_padding_fraction": 1 - lengths.sum() / padded}
+
+
+def bench_retrieval(corpus, evals: list, width: int, device: torch.device, precision_dtype: torch.dtype | None,
+                    min_seconds: float, k: int = 100, batch: int = 64) -> dict[str, float]:
+    """ms per context of the top-k accessible premises, the accessibility masks included (as evaluation does)."""
+    from leanagent.model.retrieval import top_k_accessible
+
+    if not evals:
+        return {}
+    g = torch.Generator().manual_seed(0)
+    dtype = precision_dtype or torch.float32
+    corpus_emb = torch.nn.functional.normalize(torch.randn(len(corpus), width, generator=g), dim=1).to(device, dtype)
+    contexts = evals[: 4 * batch]
+    ctx_emb = torch.nn.functional.normalize(torch.randn(len(contexts), width, generator=g), dim=1).to(device)
+
+    def run() -> int:
+        for i in range(0, len(contexts), batch):
+            part = contexts[i: i + batch]
+            mask = torch.stack([corpus.accessible_mask(e.file_path, e.theorem_start) for e in part])
+            top_k_accessible(ctx_emb[i: i + len(part)], corpus_emb, mask.to(device), k)
+        _sync(device)
+        return len(contexts)
+
+    return {"retrieval_ms_per_context": 1000.0 / _rate(run, min_seconds), "retrieval_width": width}
+
+
+def bench_train_vs_fisher(model, corpus, train: list, device: torch.device, precision_dtype: torch.dtype | None,
+                          examples: int) -> dict[str, float]:
+    """Seconds per example of a training step (forward, backward, AdamW) and of the per-example Fisher pass."""
+    from leanagent.data.dataset import TrainDataset
+    from leanagent.model.fisher import FisherModule
+
+    cfg = DataConfig()
+    ds = TrainDataset(corpus, train, model.tokenizer, cfg.num_negatives, cfg.num_in_file_negatives,
+                      cfg.max_seq_len, cfg.max_seq_len, seed=0, deterministic=True)
+    picked = random.Random(2).sample(range(len(ds)), min(examples, len(ds)))
+    batches = [ds.collate([ds[i] for i in picked[j: j + cfg.batch_size]]) for j in range(0, len(picked),
+                                                                                      cfg.batch_size)]
+    batches = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
+    autocast = torch.autocast(device.type, dtype=precision_dtype, enabled=precision_dtype is not None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model.train()
+
+    def train_pass() -> None:
+        for b in batches:
+            with autocast:
+                loss = model.batch_loss(b)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    fisher = FisherModule(model)
+
+    def fisher_pass() -> None:
+        fisher.on_train_epoch_start()
+        for b in batches:
+            with autocast:
+                fisher.training_step({**b, "is_padding": torch.zeros(len(b["index"]), dtype=torch.bool)}, 0)
+
+    timings = {}
+    for name, fn in (("train", train_pass), ("fisher", fisher_pass)):
+        fn()  # warm-up
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        timings[name] = (time.perf_counter() - start) / len(picked)
+    return {"train_s_per_example": timings["train"], "fisher_s_per_example": timings["fisher"],
+            "fisher_over_train": timings["fisher"] / timings["train"]}
+
+
+def bench_launch(workdir: Path) -> dict[str, float]:
+    """From the start of a real `train` job (torchrun, 1 CPU rank) to its first training batch, on the demo."""
+    from leanagent.config import PipelineConfig, dump_config
+    from leanagent.data.synthetic import write_demo_repos
+    from leanagent.model.presets import write_random_encoder
+    from leanagent.train.jobs import run_job
+
+    repo = write_demo_repos(workdir / "data", 1, seed=0)[0]
+    model = write_random_encoder(workdir / "model", "tiny")
+    cfg = PipelineConfig.model_validate({
+        "model": {"name_or_path": str(model), "max_seq_len": 128, "warmup_steps": 1},
+        "data": {"num_workers": 0, "max_seq_len": 128},
+        "trainer": {"accelerator": "cpu", "devices": 1, "accumulate_grad_batches": 1},
+    })
+    cfg_path = workdir / "cfg.yaml"
+    dump_config(cfg, cfg_path)
+    start = time.time()
+    result = run_job(cfg, cfg_path, "train", repo, workdir / "job", on_line=lambda line: None)
+    return {"launch_overhead_s": result["first_train_batch_time"] - start,
+            "launch_total_s": time.time() - start}
+
+
+def bench_cuda_training(batch_sizes: tuple[int, ...] = (4, 32), lengths: tuple[int, ...] = (512, 1024),
+                        steps: int = 10, peak_tflops: float = H200_BF16_PEAK_TFLOPS) -> list[dict[str, float]]:
+    """Training steps of a byt5-small-shaped retriever in bf16 on random bytes: examples/s, tokens/s, MFU.
+
+    Each example is a context and 4 premises (1 positive, 3 negatives), all of length L, as the
+    worst case of LeanAgent's 1024-byte budget; FLOPs per example = 3 x 5 x (434.1M L + 18,432 L^2).
+    """
+    from transformers import T5EncoderModel
+
+    from leanagent.model.lr_schedule import build_optimizer_and_schedule
+    from leanagent.model.presets import encoder_config
+    from leanagent.model.retriever import contrastive_mse
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    encoder = T5EncoderModel(encoder_config("byt5-small")).to(device).train()
+    opt = build_optimizer_and_schedule(encoder.parameters(), 1e-4, 10, 1000, fused=True)["optimizer"]
+
+    def encode(ids: torch.Tensor) -> torch.Tensor:
+        hidden = encoder(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+        return torch.nn.functional.normalize(hidden.float().mean(dim=1), dim=1)
+
+    rows = []
+    for length in lengths:
+        for b in batch_sizes:
+            ctx = torch.randint(3, 259, (b, length), device=device)
+            prem = torch.randint(3, 259, (4 * b, length), device=device)
+            label = torch.zeros(b, 4 * b, device=device)
+            label[torch.arange(b), torch.arange(b)] = 1.0
+
+            def step(ctx: torch.Tensor = ctx, prem: torch.Tensor = prem, label: torch.Tensor = label) -> None:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = contrastive_mse(encode(ctx), encode(prem), label)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(encoder.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            for _ in range(3):
+                step()
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            _sync(device)
+            per_s = b * steps / (time.perf_counter() - start)
+            flops = 3 * 5 * (BYT5_SMALL_FLOPS_PER_TOKEN * length + BYT5_SMALL_FLOPS_PER_TOKEN_SQ * length ** 2)
+            rows.append({"length": length, "batch_size": b, "examples_per_s": per_s,
+                         "tokens_per_s": per_s * 5 * length, "tflops": per_s * flops / 1e12,
+                         "mfu": per_s * flops / 1e12 / peak_tflops})
+    return rows
+
+
+def run_bench(dataset: Path, model_path: str | None, preset: str | None, device_name: str, split: str = "random",
+              min_seconds: float = 3.0, embed_sample: int | None = None, fisher_examples: int = 8,
+              launch: bool = True) -> dict[str, Any]:
+    from leanagent.model.presets import write_random_encoder
+    from leanagent.model.retriever import PremiseRetriever
+
+    device = torch.device(device_name)
+    results: dict[str, Any] = {"dataset": str(dataset), "device": device_name,
+                               "torch": torch.__version__, "threads": torch.get_num_threads()}
+    corpus, figures = bench_corpus(dataset)
+    results.update(figures)
+    figures, train, evals = bench_data(dataset, corpus, split, min_seconds)
+    results.update(figures)
+    precision = torch.bfloat16  # the seed's bf16-mixed
+    with tempfile.TemporaryDirectory(prefix="leanagent-bench-") as tmp:
+        tmp_path = Path(tmp)
+        if model_path is None:
+            model_path = str(write_random_encoder(tmp_path / "model", preset or "tiny"))
+            results["model"] = f"random {preset or 'tiny'}"
+        else:
+            results["model"] = model_path
+        model = PremiseRetriever(model_path).to(device)
+        results["params"] = sum(p.numel() for p in model.parameters())
+        model.eval()
+        sample = embed_sample or (4096 if device.type == "cuda" else 512)
+        results.update(bench_embedding(model, corpus, device, sample, precision, min_seconds))
+        results.update(bench_retrieval(corpus, evals, model.encoder.config.d_model, device, precision, min_seconds))
+        results.update(bench_train_vs_fisher(model, corpus, train, device, precision, fisher_examples))
+        if launch:
+            results.update(bench_launch(tmp_path / "launch"))
+    if device.type == "cuda":
+        results["cuda_device"] = torch.cuda.get_device_name(device)
+        results["cuda_training"] = bench_cuda_training()
+    return results
+
+
+LABELS = [
+    ("corpus_load_s", "corpus load (s)"), ("corpus_rss_mb", "corpus resident memory (MB)"),
+    ("train_examples_per_s", "negatives + collate (examples/s)"), ("tokenize_premises_per_s", "tokenize (premises/s)"),
+    ("embed_premises_per_s", "embed corpus, sorted (premises/s)"),
+    ("embed_unsorted_premises_per_s", "embed corpus, corpus order (premises/s)"),
+    ("embed_speedup", "embedding speed-up from sorting"),
+    ("retrieval_ms_per_context", "retrieval, top 100 accessible (ms/context)"),
+    ("train_s_per_example", "training step (s/example)"), ("fisher_s_per_example", "Fisher pass (s/example)"),
+    ("fisher_over_train", "Fisher / training per example"), ("launch_overhead_s", "job start to first step (s)"),
+]
+
+
+def format_table(results: dict[str, Any]) -> str:
+    lines = [f"leanagent bench: {results['dataset']} ({results.get('num_premises')} premises, "
+             f"{results.get('num_files')} files), model {results.get('model')}, device {results['device']}"]
+    for key, label in LABELS:
+        if key in results:
+            lines.append(f"  {label:<46} {results[key]:>12.4g}")
+    for row in results.get("cuda_training", []):
+        lines.append(f"  cuda training L={row['length']:<5} batch {row['batch_size']:<3} {row['examples_per_s']:>9.1f} "
+                     f"ex/s {row['tokens_per_s']:>12.0f} tok/s  MFU {100 * row['mfu']:.1f}%")
+    return "\n".join(lines)
+
+
+def write_json(results: dict[str, Any], path: Path) -> None:
+    Path(path).write_text(json.dumps(results, indent=2, sort_keys=True, default=str))

@@ -1,0 +1,306 @@
+"""A mathlib-size LeanDojo-format dataset, for measuring the data path (not for learning anything).
+
+`write_demo_repos` (``synthetic.py``) writes small, learnable repositories; this module writes ONE
+dataset with the shape that makes a real corpus expensive: thousands of files, tens of thousands of
+premises, an import DAG whose longest chain is hundreds of files deep (so most files import most of
+the corpus), premise code with a long tail of lengths (most a few hundred bytes, some many
+kilobytes, multi-byte Unicode throughout), and code that declares its own name, so the premise
+text is tagged (``theorem <a>Ns.foo_bar</a> ...``) as in LeanDojo.
+
+Layout, as LeanDojo writes it: the files' topological order is *not* the corpus order (records are
+sorted by path, the first tenth of the DAG lives under ``.lake/packages/``), every theorem is also
+a premise of its file, and annotations point at premises by position (``def_pos`` on the declared
+name, inside the premise's span) in the theorem's own file before it or in a file it imports.
+Everything is drawn from one seed: the same arguments write the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LAKE_ROOT = ".lake/packages/lean4/src/lean/"
+_ONSETS = ("b", "c", "d", "f", "g", "gr", "h", "k", "l", "m", "n", "p", "pr", "r", "s", "st", "t", "tr", "v", "z")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ou")
+_CODAS = ("", "n", "r", "s", "l", "m", "x", "nd", "rt", "ck")
+_DIRS = ("Algebra", "Analysis", "CategoryTheory", "Combinatorics", "Data", "Geometry", "GroupTheory",
+         "LinearAlgebra", "Logic", "MeasureTheory", "NumberTheory", "Order", "RingTheory", "SetTheory",
+         "Topology", "Probability", "FieldTheory", "Dynamics", "ModelTheory", "Computability")
+_SUBDIRS = ("Basic", "Defs", "Lemmas", "Order", "Group", "Ring", "Module", "Field", "Hom", "Instances",
+            "Finset", "List", "Nat", "Int", "Real", "Set", "Filter", "Monoid", "Ideal", "Polynomial")
+_SYMBOLS = ("=", "+", "*", "≤", "<", "→", "↔", "∀", "∃", "ℕ", "ℝ", "(", ")", "⟨", "⟩", ":", ",", "fun", "=>",
+            "·", "∘", "∈", "⊆", "∑", "⁻¹", "|", "^", "0", "1", "2", "x", "y", "a", "b", "n", "s", "f", "g",
+            "simp", "rw", "exact", "intro", "at", "apply", "refine", "obtain", "with", "have", "by", "show")
+_KEYWORDS = ("theorem", "theorem", "theorem", "lemma", "def", "instance", "abbrev", "structure")
+_KINDS = {"theorem": "commonTheorem", "lemma": "commonTheorem", "def": "definition", "instance": "instance",
+          "abbrev": "definition", "structure": "structure"}
+_ATTRIBUTES = ("@[simp]\n", "@[to_additive]\n", "@[simp, norm_cast]\n", "@[ext]\n")
+_HYPS = ("α : Type u_1", "inst✝ : Group α", "s t : Set α", "n m : ℕ", "f : α → β", "hx : x ∈ s", "h : a ≤ b")
+WORDS_PER_LINE = 12
+
+
+@dataclass(frozen=True)
+class ScaleSpec:
+    """How big: `files` corpus files, `premises` premises in all, `theorems` theorems (default premises // 16)."""
+
+    files: int = 2000
+    premises: int = 76000
+    theorems: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.files < 2 or self.premises < self.files:
+            raise ValueError(f"need at least 2 files and one premise per file, got {self.files} files "
+                             f"and {self.premises} premises")
+        if self.theorems is not None and self.theorems < 3:
+            raise ValueError(f"need at least 3 theorems (one per split), got {self.theorems}")
+
+    @property
+    def num_theorems(self) -> int:
+        return self.theorems if self.theorems is not None else max(3, self.premises // 16)
+
+
+MATHLIB_SCALE = ScaleSpec()
+
+
+@dataclass
+class _Decl:
+    full_name: str
+    code: str
+    kind: str
+    start: tuple[int, int]
+    end: tuple[int, int]
+    name_pos: tuple[int, int]  # where the declared name starts: annotations point here
+    name_len: int
+
+
+def _word(rng: random.Random, parts: int) -> str:
+    return "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(parts))
+
+
+def _syllable_namer(rng: random.Random):
+    """Distinct pronounceable words (file stems must not collide)."""
+    used: set[str] = set()
+
+    def name(parts: int) -> str:
+        while True:
+            s = _word(rng, parts)
+            if s not in used:
+                used.add(s)
+                return s
+
+    return name
+
+
+def plan_imports(num_files: int, seed: int) -> list[list[int]]:
+    """Imports of each file by topological number (a file imports only lower numbers).
+
+    Every file imports one of the few files just before it (a geometric gap, mean 5), which makes
+    chains hundreds of files deep (~400 of 2,000), and up to three files anywhere before it, which makes the
+    transitive closures large, as in mathlib.
+    """
+    rng = np.random.default_rng([seed, 1])
+    gaps = rng.geometric(0.2, size=num_files)
+    far_counts = rng.integers(0, 4, size=num_files)
+    far_draws = rng.random((num_files, 3))
+    imports: list[list[int]] = [[]]
+    for t in range(1, num_files):
+        chosen = [max(0, t - int(gaps[t]))]
+        for u in far_draws[t, : far_counts[t]]:
+            j = int(u * t)
+            if j not in chosen:
+                chosen.append(j)
+        imports.append(chosen)
+    return imports
+
+
+def import_depth(imports: list[list[int]]) -> int:
+    """Files on the longest import chain (topological numbers, as `plan_imports` gives them)."""
+    depth = [0] * len(imports)
+    for t, imps in enumerate(imports):
+        depth[t] = 1 + max((depth[j] for j in imps), default=0)
+    return max(depth, default=0)
+
+
+def _file_paths(num_files: int, rng: random.Random) -> list[str]:
+    namer = _syllable_namer(rng)
+    lake = max(1, num_files // 10)
+    paths = []
+    for t in range(num_files):
+        stem = namer(2).capitalize()
+        if t < lake:
+            paths.append(f"{LAKE_ROOT}Init/{rng.choice(_SUBDIRS)}/{stem}.lean")
+        else:
+            paths.append(f"Mathlib/{rng.choice(_DIRS)}/{rng.choice(_SUBDIRS)}/{stem}.lean")
+    return paths
+
+
+def _premise_counts(spec: ScaleSpec, rng: np.random.Generator) -> np.ndarray:
+    """At least one premise per file, a long tail of big files, summing to exactly `spec.premises`."""
+    weights = rng.lognormal(0.0, 0.9, size=spec.files)
+    extra = spec.premises - spec.files
+    share = weights / weights.sum() * extra
+    counts = np.floor(share).astype(np.int64)
+    left = extra - int(counts.sum())
+    counts[np.argsort(-(share - counts), kind="stable")[:left]] += 1
+    return counts + 1
+
+
+def _code_lengths(n: int, rng: np.random.Generator) -> np.ndarray:
+    """Target bytes of each premise's code: median ~180, about 1% over 2 kB, a few near 12 kB."""
+    return np.clip(rng.lognormal(np.log(180.0), 1.0, size=n), 40, 12000).astype(np.int64)
+
+
+def _words(rng: random.Random, vocabulary: list[str], count: int) -> list[str]:
+    return rng.choices(vocabulary, k=count)
+
+
+def _lines(words: list[str], indent: str) -> str:
+    return f"\n{indent}".join(" ".join(words[i : i + WORDS_PER_LINE]) for i in range(0, len(words), WORDS_PER_LINE))
+
+
+def _file_decls(path: str, namespace: str, count: int, lengths: np.ndarray, first_line: int,
+                vocabulary: list[str], word_bytes: int, rng: random.Random) -> list[_Decl]:
+    decls: list[_Decl] = []
+    line = first_line
+    for k in range(count):
+        keyword = rng.choice(_KEYWORDS)
+        short = f"{_word(rng, rng.randint(1, 2))}_{_word(rng, 1)}_{k}"
+        attribute = rng.choice(_ATTRIBUTES) if keyword in ("theorem", "lemma") and rng.random() < 0.3 else ""
+        # Mostly the short name inside the file's namespace; sometimes the full name, as `protected` ones are.
+        declared = f"{namespace}.{short}" if rng.random() < 0.1 else short
+        head = f"{keyword} {declared}"
+        binders = " ".join(_words(rng, ["(a b : α)", "[Group α]", "{s : Set α}", "(n : ℕ)", "(hf : f x = y)"],
+                                  rng.randint(0, 3)))
+        header = f"{head} {binders} :" if binders else f"{head} :"
+        target = int(lengths[k])
+        n_words = max(3, (target - len(header)) // word_bytes)
+        body = _lines(_words(rng, vocabulary, n_words), "    ")
+        code = f"{attribute}{header}\n    {body}"
+        if keyword in ("theorem", "lemma") and rng.random() < 0.2:
+            code += f"\n  exact {short} _"  # the name again in the body: tagged there too, as LeanDojo does
+        name_line = line + attribute.count("\n")
+        name_col = len(keyword) + 2  # columns are 1-based: after "keyword "
+        n_lines = code.count("\n") + 1
+        last = code[code.rfind("\n") + 1 :]
+        end = (line + n_lines - 1, len(last) + 1)
+        decls.append(_Decl(f"{namespace}.{short}", code, _KINDS[keyword], (line, 1), end, (name_line, name_col),
+                           len(declared)))
+        line += n_lines + 1
+    return decls
+
+
+def _state(rng: random.Random, vocabulary: list[str], np_rng: np.random.Generator) -> str:
+    hyps = rng.sample(_HYPS, rng.randint(0, 4))
+    n_words = int(np.clip(np_rng.lognormal(np.log(30.0), 0.9), 3, 600))
+    goal = _lines(_words(rng, vocabulary, n_words), "  ")
+    state = "\n".join([*hyps, f"⊢ {goal}"])
+    return state
+
+
+def _walk(file: int, imports: list[list[int]], rng: random.Random) -> int:
+    """A file that `file` imports transitively: a few random steps down its imports (-1 if it imports none)."""
+    current = -1
+    for _ in range(1 + min(int(rng.expovariate(0.15)), 200)):
+        options = imports[file if current < 0 else current]
+        if not options:
+            break
+        current = rng.choice(options)
+    return current
+
+
+def write_scale_dataset(out: Path, spec: ScaleSpec = MATHLIB_SCALE) -> Path:
+    """Write ``out/corpus.jsonl`` and ``out/random/{train,val,test}.json``; return `out`."""
+    out = Path(out)
+    rng = random.Random(f"scale-{spec.seed}")
+    np_rng = np.random.default_rng([spec.seed, 0])
+    imports = plan_imports(spec.files, spec.seed)
+    paths = _file_paths(spec.files, rng)
+    counts = _premise_counts(spec, np_rng)
+    lengths = _code_lengths(spec.premises, np_rng)
+    vocabulary = [_word(rng, rng.randint(1, 3)) for _ in range(3000)] + list(_SYMBOLS) * 20
+    word_bytes = round(sum(len(w.encode()) + 1 for w in vocabulary) / len(vocabulary))
+    files: list[list[_Decl]] = []
+    offset = 0
+    for t in range(spec.files):
+        namespace = paths[t].rsplit("/", 1)[1][: -len(".lean")]
+        n = int(counts[t])
+        files.append(_file_decls(paths[t], namespace, n, lengths[offset : offset + n], 3 + len(imports[t]),
+                                 vocabulary, word_bytes, rng))
+        offset += n
+    theorems = _theorems(spec, paths, imports, files, vocabulary, rng, np_rng)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "corpus.jsonl", "w", encoding="utf-8") as fh:
+        for t in sorted(range(spec.files), key=lambda t: paths[t]):
+            record = {
+                "path": paths[t],
+                "imports": [paths[j] for j in imports[t]],
+                "premises": [{"full_name": d.full_name, "code": d.code, "start": list(d.start), "end": list(d.end),
+                              "kind": d.kind} for d in files[t]],
+            }
+            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+    rng.shuffle(theorems)
+    n_eval = max(1, round(0.05 * len(theorems)))
+    parts = {"val": theorems[:n_eval], "test": theorems[n_eval : 2 * n_eval], "train": theorems[2 * n_eval :]}
+    (out / "random").mkdir(exist_ok=True)
+    for name, part in parts.items():
+        (out / "random" / f"{name}.json").write_text(json.dumps(part, ensure_ascii=False, indent=1), encoding="utf-8")
+    return out
+
+
+def _annotation(path: str, decl: _Decl, rng: random.Random) -> dict[str, Any]:
+    line, col = decl.name_pos
+    # A few annotations name a generated declaration (to_additive and the like) that is not in the corpus:
+    # only the position finds the premise.
+    name = decl.full_name if rng.random() < 0.97 else decl.full_name + "_add"
+    return {"full_name": name, "def_path": path, "def_pos": [line, col], "def_end_pos": [line, col + decl.name_len]}
+
+
+def _theorems(spec: ScaleSpec, paths: list[str], imports: list[list[int]], files: list[list[_Decl]],
+              vocabulary: list[str], rng: random.Random, np_rng: np.random.Generator) -> list[dict[str, Any]]:
+    """Theorems of the repository's own files (not ``.lake``), each one of its file's premises."""
+    own = [t for t in range(spec.files) if not paths[t].startswith(".lake/")]
+    candidates = [(t, k) for t in own for k, d in enumerate(files[t]) if d.kind == "commonTheorem"]
+    picked = rng.sample(candidates, min(spec.num_theorems, len(candidates)))
+    theorems = []
+    for t, k in picked:
+        decl = files[t][k]
+        tactics = []
+        for _ in range(1 + min(int(rng.expovariate(0.4)), 30)):
+            annotations = []
+            for _ in range(rng.choice((0, 1, 1, 1, 2, 2, 3, 4))):
+                if k > 0 and rng.random() < 0.3:
+                    target_file, target = t, files[t][rng.randrange(k)]  # own file, strictly before the theorem
+                else:
+                    target_file = _walk(t, imports, rng)
+                    if target_file < 0:
+                        continue
+                    target = rng.choice(files[target_file])
+                annotations.append(_annotation(paths[target_file], target, rng))
+            names = [a["full_name"].rsplit(".", 1)[1] for a in annotations]
+            tactic = f"simp [{', '.join(names)}]" if names else rng.choice(("intro x", "ring", "omega", "constructor"))
+            annotated = f"simp [{', '.join(f'<a>{n}</a>' for n in names)}]" if names else tactic
+            before = _state(rng, vocabulary, np_rng)
+            if rng.random() < 0.1:
+                before = f"2 goals\n{before}\n\n{_state(rng, vocabulary, np_rng)}"
+            tactics.append({"tactic": tactic, "annotated_tactic": [annotated, annotations], "state_before": before,
+                            "state_after": ""})
+        for a, b in zip(tactics, tactics[1:], strict=False):
+            a["state_after"] = b["state_before"]
+        tactics[-1]["state_after"] = "no goals"
+        theorems.append({
+            "url": "https://github.com/leanagent-demo/mathlib-scale",
+            "commit": f"{spec.seed:040x}"[-40:],
+            "file_path": paths[t],
+            "full_name": decl.full_name,
+            "theorem_statement": decl.code.split("\n", 1)[0],
+            "start": list(decl.start),
+            "end": list(decl.end),
+            "traced_tactics": tactics,
+        })
+    return theorems

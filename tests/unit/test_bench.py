@@ -1,0 +1,36 @@
+"""`leanagent bench` runs end to end on a small dataset and reports every figure it promises (not a timing test)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from leanagent.cli import main as cli_main
+from leanagent.data.synthetic import write_demo_repos
+
+EXPECTED = ("corpus_load_s", "corpus_rss_mb", "train_examples_per_s", "tokenize_premises_per_s",
+            "embed_premises_per_s", "embed_unsorted_premises_per_s", "retrieval_ms_per_context",
+            "train_s_per_example", "fisher_s_per_example", "fisher_over_train")
+
+
+def test_bench_writes_every_figure(tmp_path, capsys):
+    repo = write_demo_repos(tmp_path / "data", 1, seed=2)[0]
+    out = tmp_path / "bench.json"
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["bench", "--dataset", str(repo), "--min-seconds", "0.05", "--embed-sample", "32", "--no-launch",
+                  "--json", str(out)])
+    assert stop.value.code == 0
+    results = json.loads(out.read_text())
+    for key in EXPECTED:
+        assert isinstance(results[key], float) and math.isfinite(results[key]) and results[key] >= 0, key
+    assert results["num_premises"] > 0 and results["device"] == "cpu"
+    assert "negatives + collate" in capsys.readouterr().out
+
+
+def test_bench_refuses_a_folder_without_a_corpus(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["bench", "--dataset", str(tmp_path)])
+    assert stop.value.code == 1
+    assert "no corpus.jsonl" in capsys.readouterr().err

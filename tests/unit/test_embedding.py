@@ -1,0 +1,58 @@
+"""Corpus embedding sorted by length into token-budget batches equals the plain, corpus-order definition."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import ByT5Tokenizer
+
+from leanagent.data.corpus import Corpus
+from leanagent.data.synthetic import write_demo_repos
+from leanagent.model.presets import write_random_encoder
+from leanagent.model.retriever import PremiseRetriever, length_order, premise_token_lengths, token_budget_batches
+
+
+def test_token_budget_batches_cover_everything_within_budget():
+    rng = np.random.default_rng(0)
+    lengths = np.sort(rng.integers(1, 300, size=500))
+    batches = token_budget_batches(lengths, budget=1024)
+    assert batches[0][0] == 0 and batches[-1][1] == 500
+    assert all(a[1] == b[0] for a, b in zip(batches, batches[1:], strict=False))
+    for lo, hi in batches:
+        assert (hi - lo) * lengths[lo:hi].max() <= 1024 or hi - lo == 1
+    assert token_budget_batches(np.array([5000, 6000]), budget=100) == [(0, 1), (1, 2)]  # one over budget: alone
+    assert token_budget_batches(np.array([], dtype=np.int64), budget=10) == []
+
+
+def test_sorted_embedding_equals_corpus_order_batches(tmp_path):
+    repo = write_demo_repos(tmp_path / "data", 1, seed=4, scale=2)[0]
+    corpus = Corpus.from_jsonl(repo / "corpus.jsonl")
+    model_dir = write_random_encoder(tmp_path / "model", "tiny", seed=1)
+    torch.manual_seed(0)
+    model = PremiseRetriever(str(model_dir), max_seq_len=48, eval_batch_size=8).eval()
+    lengths = premise_token_lengths(corpus, 48)
+    assert lengths.max() == 48 and lengths.min() < 48  # some premises are cut, some are not
+    assert np.all(np.diff(lengths[length_order(corpus, 48)]) >= 0)
+    fast = model.embed_corpus(corpus)
+    tok = ByT5Tokenizer()
+    plain = []
+    with torch.no_grad():
+        for i in range(0, len(corpus), 7):  # the straightforward definition: corpus order, padded per batch
+            enc = tok([p.serialize() for p in corpus.premises[i : i + 7]], padding="longest", truncation=True,
+                      max_length=48, return_tensors="pt")
+            plain.append(model.encode(enc["input_ids"], enc["attention_mask"]))
+    plain = torch.cat(plain)
+    assert fast.shape == plain.shape == (len(corpus), model.encoder.config.d_model)
+    assert torch.allclose(fast, plain, atol=1e-5), (fast - plain).abs().max()
+    assert torch.equal(fast.norm(dim=1).round(decimals=4), torch.ones(len(corpus)))
+
+
+@pytest.mark.parametrize("budget_rows", [1, 3])
+def test_a_tiny_budget_still_embeds_each_premise_alone(tmp_path, budget_rows):
+    repo = write_demo_repos(tmp_path / "data", 1, seed=5)[0]
+    corpus = Corpus.from_jsonl(repo / "corpus.jsonl")
+    model = PremiseRetriever(str(write_random_encoder(tmp_path / "model", "tiny")), max_seq_len=32,
+                             eval_batch_size=budget_rows).eval()
+    emb = model.embed_corpus(corpus)
+    assert torch.isfinite(emb).all() and emb.shape[0] == len(corpus)

@@ -1,0 +1,239 @@
+"""The vectorised per-example Fisher (one forward and backward per batch) against the loop (one per example).
+
+Both accumulate sum over the non-padding examples of (d loss_e / d theta)^2 in fp32; the vectorised
+path rebuilds each example's gradient from activations and output gradients, so it must give the
+loop's sums for every parameter up to float tolerance: tight in fp32, looser under bf16 autocast
+(each path rounds its own bf16 activations and weight gradients).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import T5Config
+
+from leanagent.config import DataConfig
+from leanagent.data.datamodule import RetrievalDataModule
+from leanagent.data.synthetic import write_demo_repos
+from leanagent.model import fisher as fisher_mod
+from leanagent.model.fisher import FisherModule, accumulate_squared_example_grads, joint_batch, unsupported_modules
+from leanagent.model.presets import write_random_encoder
+from leanagent.model.retriever import PremiseRetriever
+from leanagent.train.programs import PaddedForRanks
+
+BATCH_SIZE = 4
+COLUMNS = 4  # the positive and 3 negatives
+
+
+def tiny_t5(dropout: float = 0.0, seed: int = 0) -> PremiseRetriever:
+    torch.manual_seed(seed)
+    config = T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                      feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+                      tie_word_embeddings=False, dropout_rate=dropout)
+    model = PremiseRetriever("tiny-t5", max_seq_len=512, encoder_config=config.to_dict())
+    # Not the initial values: layer norms at exactly 1 would hide a wrong layer-norm gradient less well.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def hand_batch(context_lens: list[int], premise_lens: list[int], padding: list[bool], seed: int = 0) -> dict:
+    """A collated batch (right padding, slot-major premise columns), with lengths chosen by the test."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(context_lens)
+    assert len(premise_lens) == b * COLUMNS
+
+    def tokens(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, n in enumerate(lengths):
+            ids[row, :n] = torch.randint(3, 384, (n,), generator=g)
+            ids[row, n - 1] = 1  # </s>
+            mask[row, :n] = 1
+        return ids, mask
+
+    context_ids, context_mask = tokens(context_lens)
+    premise_ids, premise_mask = tokens(premise_lens)
+    label = torch.zeros(b, b * COLUMNS)
+    label[torch.arange(b), torch.arange(b)] = 1.0  # each example's own positive (column 0)
+    label[0, b + 1] = 1.0  # and another example's premise that example 0 also uses
+    return {"context_ids": context_ids, "context_mask": context_mask, "premise_ids": premise_ids,
+            "premise_mask": premise_mask, "label": label, "index": torch.arange(b),
+            "is_padding": torch.tensor(padding, dtype=torch.bool)}
+
+
+# Very different lengths: a 3-token context beside a 200-token one; premises from 2 to 230 tokens.
+LENGTHS = ([3, 200, 41, 17], [2, 230, 9, 64, 120, 5, 33, 7, 18, 99, 150, 3, 71, 12, 230, 44])
+
+
+def sums_by(method: str, model: PremiseRetriever, batches: list[dict], bf16: bool = False) -> tuple[dict, int]:
+    module = FisherModule(model, method=method)
+    module.on_train_epoch_start()
+    for i, batch in enumerate(batches):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            module.training_step(batch, i)
+    return module.sums, module.count
+
+
+def assert_same_sums(expected: dict, actual: dict, rel: float) -> None:
+    """Every parameter, relative to the size of its own sums (entries near 0 compare against that scale)."""
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        e, a = expected[name], actual[name]
+        assert a.dtype == torch.float32 and a.shape == e.shape
+        scale = e.abs().max()
+        assert scale > 0, name
+        err = (a - e).abs().max()
+        assert err <= rel * scale, f"{name}: max error {err:.3g} vs scale {scale:.3g}"
+
+
+def test_vectorised_equals_the_loop_in_fp32_with_padding_items_and_uneven_lengths() -> None:
+    model = tiny_t5()
+    batches = [hand_batch(*LENGTHS, padding=[False, False, True, False]),
+               hand_batch([60, 5, 7, 130], [12, 3, 90, 8] * 4, padding=[False] * 4, seed=1)]
+    loop, loop_count = sums_by("loop", model, batches)
+    vec, vec_count = sums_by("vectorised", model, batches)
+    assert loop_count == vec_count == 7  # the padding item is skipped by both
+    assert_same_sums(loop, vec, rel=2e-5)
+    # Every trainable parameter got a gradient, the relative attention bias and the embedding included.
+    assert all(float(s.sum()) > 0 for s in vec.values())
+    assert any("relative_attention_bias" in n for n in vec) and any(n.endswith("shared.weight") for n in vec)
+
+
+def test_vectorised_equals_the_loop_under_bf16_autocast() -> None:
+    model = tiny_t5()
+    batches = [hand_batch(*LENGTHS, padding=[False, True, False, False])]
+    loop, _ = sums_by("loop", model, batches, bf16=True)
+    vec, _ = sums_by("vectorised", model, batches, bf16=True)
+    assert_same_sums(loop, vec, rel=5e-2)
+    # Both are bf16 estimates of the same fp32 quantity, and equally close to it.
+    exact, _ = sums_by("loop", model, batches)
+    total = sum(float(s.sum()) for s in exact.values())
+    for sums in (loop, vec):
+        assert sum(float(s.sum()) for s in sums.values()) == pytest.approx(total, rel=2e-2)
+
+
+def test_dropout_stays_off_and_parameters_do_not_move() -> None:
+    model = tiny_t5(dropout=0.5)
+    model.train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batches = [hand_batch(*LENGTHS, padding=[False] * 4)]
+    loop, _ = sums_by("loop", model, batches)
+    vec, _ = sums_by("vectorised", model, batches)
+    assert not any(m.training for m in model.modules())
+    assert_same_sums(loop, vec, rel=2e-5)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert all(p.grad is None for p in model.parameters())  # nothing accumulated into .grad
+    assert not model.encoder.encoder.block[0].layer[0].SelfAttention._forward_pre_hooks  # hooks removed
+
+
+def test_an_all_padding_batch_adds_nothing() -> None:
+    model = tiny_t5()
+    sums, count = sums_by("vectorised", model, [hand_batch(*LENGTHS, padding=[True] * 4)])
+    assert count == 0 and all(float(s.abs().sum()) == 0 for s in sums.values())
+
+
+def test_joint_batch_is_example_major_and_cut_to_the_longest_real_sequence() -> None:
+    batch = hand_batch(*LENGTHS, padding=[False, False, True, False])
+    ids, mask, label, seqs = joint_batch(batch)
+    assert seqs == 1 + COLUMNS and ids.shape == (3 * seqs, 230) == mask.shape
+    for e, i in enumerate([0, 1, 3]):  # example e is batch item i: its context, then premise rows i, i+4, i+8, i+12
+        rows = [("context", i)] + [("premise", i + BATCH_SIZE * j) for j in range(COLUMNS)]
+        for s, (kind, r) in enumerate(rows):
+            n = int(batch[f"{kind}_mask"][r].sum())
+            assert torch.equal(ids[e * seqs + s, :n], batch[f"{kind}_ids"][r, :n])
+            assert int(mask[e * seqs + s].sum()) == n
+        assert torch.equal(label[e], batch["label"][i, [i + BATCH_SIZE * j for j in range(COLUMNS)]])
+
+
+# ---- real batches from the data module, through Lightning -------------------------------------------
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("fisher_vec")
+    return {"repo": write_demo_repos(root / "data", 1, seed=3)[0],
+            "model_dir": write_random_encoder(root / "model", "tiny", seed=0)}
+
+
+def fit_fisher(model: PremiseRetriever, repo: Path, method: str, world_size: int, examples: int,
+               precision: str = "32-true") -> FisherModule:
+    cfg = DataConfig(batch_size=BATCH_SIZE, num_workers=0, max_seq_len=256)
+    dm = RetrievalDataModule(repo, model.tokenizer, cfg, premise_max_len=256, seed=5)
+    dm.train_examples = dm.train_examples[:examples]
+    padded = PaddedForRanks(dm.fisher_dataset(), world_size)  # as run_fisher builds it: flagged padding items
+    loader = DataLoader(padded, batch_size=BATCH_SIZE, shuffle=False, collate_fn=padded.collate)
+    module = FisherModule(model, method=method)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, precision=precision, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=loader)
+    return module
+
+
+@pytest.mark.parametrize("precision, rel", [("32-true", 2e-5), ("bf16-mixed", 5e-2)])
+def test_vectorised_equals_the_loop_on_data_module_batches(real: dict, precision: str, rel: float) -> None:
+    # 9 examples padded for 4 ranks: 12 items, the last 3 padding, in a batch of their own beside one real example.
+    results = {}
+    for method in ("loop", "vectorised"):
+        torch.manual_seed(0)
+        model = PremiseRetriever(str(real["model_dir"]), max_seq_len=256)
+        results[method] = fit_fisher(model, real["repo"], method, world_size=4, examples=9, precision=precision)
+    loop, vec = results["loop"], results["vectorised"]
+    assert loop.num_examples == vec.num_examples == 9
+    assert loop.fisher.keys() == vec.fisher.keys() == {n for n, _ in model.named_parameters()}
+    assert_same_sums(loop.fisher, vec.fisher, rel=rel)
+
+
+# ---- choosing the method -----------------------------------------------------------------------
+
+def test_auto_picks_vectorised_on_cuda_and_the_measured_one_on_cpu() -> None:
+    module = FisherModule(tiny_t5())
+    assert module.method == "auto"
+    assert module.resolved_method(torch.device("cuda", 0)) == "vectorised"
+    assert module.resolved_method(torch.device("cpu")) == fisher_mod.CPU_METHOD
+    assert FisherModule(tiny_t5(), method="loop").resolved_method(torch.device("cuda")) == "loop"
+    with pytest.raises(ValueError, match="unknown Fisher method"):
+        FisherModule(tiny_t5(), method="vmap")
+
+
+def test_a_layer_it_does_not_know_falls_back_to_the_loop() -> None:
+    model = tiny_t5()
+    assert unsupported_modules(model) == []
+    model.extra = nn.Conv1d(2, 2, 1)  # a trainable parameter the hooks would not cover
+    assert unsupported_modules(model) == ["extra (Conv1d)"]
+    assert FisherModule(model).resolved_method(torch.device("cuda")) == "loop"
+    with pytest.raises(ValueError, match="does not cover"):
+        FisherModule(model, method="vectorised")
+
+
+def test_frozen_parameters_are_left_out() -> None:
+    model = tiny_t5()
+    model.encoder.encoder.final_layer_norm.weight.requires_grad_(False)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    sums = {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
+    model.eval()
+    assert accumulate_squared_example_grads(model, hand_batch(*LENGTHS, padding=[False] * 4), sums) == 4
+    assert sorted(sums) == sorted(names) and "encoder.encoder.final_layer_norm.weight" not in sums
+    loop, _ = sums_by("loop", model, [hand_batch(*LENGTHS, padding=[False] * 4)])
+    assert_same_sums(loop, sums, rel=2e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("bf16, rel", [(False, 1e-3), (True, 5e-2)])
+def test_vectorised_equals_the_loop_on_cuda(bf16: bool, rel: float) -> None:
+    model = tiny_t5().cuda()
+    batch = {k: v.cuda() for k, v in hand_batch(*LENGTHS, padding=[False, False, True, False]).items()}
+    results = {}
+    for method in ("loop", "vectorised"):
+        module = FisherModule(model, method=method)
+        module.on_train_epoch_start()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            module.training_step(batch, 0)
+        results[method] = module.sums
+    # TF32 may be on for fp32 matmuls on the GPU: a looser tolerance than on the CPU.
+    assert_same_sums(results["loop"], results["vectorised"], rel=rel)
