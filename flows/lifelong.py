@@ -111,10 +111,12 @@ def run_evaluations(state: RunState, stages: list[tuple[str, Path]], out: Path, 
 
 
 class _Artifacts:
-    """The table and progress artifacts, refreshed after each repository."""
+    """The table, summary and progress artifacts, refreshed after each repository: a run of days shows
+    its recall matrix and lifelong metrics as they grow, not only at the end."""
 
-    def __init__(self, report: RunReport) -> None:
+    def __init__(self, report: RunReport, manifest: Path) -> None:
         self.report = report
+        self.manifest = manifest
         self.progress_id: UUID = create_progress_artifact(
             progress=0.0, key=PROGRESS_KEY, description=f"repositories done of {len(report.names)}")
 
@@ -122,8 +124,14 @@ class _Artifacts:
         done, total = len(self.report.rows), len(self.report.names)
         create_table_artifact(table=self.report.rows, key=TABLE_KEY,
                               description=f"Recall per repository after training on it ({done} of {total} done)")
+        publish_summary(self.report, self.manifest)
         update_progress_artifact(self.progress_id, progress=100.0 * done / total,
                                  description=f"{done} of {total} repositories done")
+
+
+def publish_summary(report: RunReport, manifest: Path) -> None:
+    create_markdown_artifact(markdown=report.markdown(str(manifest)), key=SUMMARY_KEY,
+                             description="Lifelong retrieval: recall per repository, recall matrix, lifelong metrics")
 
 
 @flow(name="lifelong-retrieval")
@@ -142,8 +150,6 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
         ordered = order_curriculum(cfg.repos, cfg.lifelong.curriculum, cfg.data.split)
         state.set_order([r.display_name for r in ordered], [r.path for r in ordered])
         report = _run_curriculum(cfg, config_file, ordered, state, options)
-    create_markdown_artifact(markdown=report.markdown(str(state.path)), key=SUMMARY_KEY,
-                             description="Lifelong retrieval: recall per repository and recall matrix")
     return {"rows": report.rows, "matrix": report.matrix, "baseline": report.baseline, "order": report.names,
             "lifelong": report.lifelong_metrics(), "manifest": str(state.path), "run_dir": str(cfg.run_dir)}
 
@@ -152,7 +158,7 @@ def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoCo
                     options: JobOptions) -> RunReport:
     names = [r.display_name for r in ordered]
     report = RunReport(names)
-    artifacts = _Artifacts(report)
+    artifacts = _Artifacts(report, state.path)
     jobs = cfg.run_dir / "jobs"
     ewc = cfg.lifelong.ewc_lambda > 0
     # Validated once above; the jobs need not re-read every dataset (evaluation would do it n^2 times).

@@ -66,6 +66,10 @@ class TrainerConfig(_Section):
     early_stopping_patience: int = Field(5, ge=0)
     save_top_k: int = Field(-1, ge=-1)
     seed: int = 3407
+    checkpoint_every_n_steps: int | None = Field(
+        None, gt=0, description="also write the job's last.ckpt every N optimizer steps, mid-epoch (atomic)")
+    checkpoint_every_minutes: float | None = Field(
+        None, gt=0, description="also write the job's last.ckpt every this many minutes, mid-epoch (atomic)")
 
     @model_validator(mode="after")
     def _multi_node_needs_endpoint(self) -> TrainerConfig:
@@ -88,6 +92,9 @@ class LifelongConfig(_Section):
         "per_example",
         description="per_example: mean of squared per-example gradients; reference: LeanAgent's compute_fisher "
                     "(squared DDP-averaged batch gradients, summed over steps, divided by the dataset size)")
+    keep_checkpoints: Literal["all", "best_and_last"] = Field(
+        "all", description="all: the seed's save_top_k=-1; best_and_last: once a repository's stages are done, "
+                           "delete its other epoch checkpoints")
     checkpoint: Literal["latest", "best"] = Field(
         "latest", description="which checkpoint of a repository the next one starts from and is evaluated: "
                               "the newest (LeanAgent) or the best by Recall@10_val")

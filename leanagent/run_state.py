@@ -94,10 +94,20 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def describe_differences(old: dict[str, Any], new: dict[str, Any], limit: int = 10) -> str:
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for every difference that matters.
+
+    A key absent from the stored config whose new value is its default is a knob added by a later
+    version of leanagent, at the value that reproduces the old behaviour: not a change.
+    """
     a, b = _flatten(old), _flatten(new)
-    diffs = [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in sorted(a.keys() | b.keys())
-             if a.get(k) != b.get(k)]
+    defaults = _flatten(fingerprint_fields(PipelineConfig()))
+    return [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in sorted(a.keys() | b.keys())
+            if a.get(k) != b.get(k) and not (k not in a and k in defaults and b.get(k) == defaults[k])]
+
+
+def describe_differences(old: dict[str, Any], new: dict[str, Any], limit: int = 10) -> str:
+    diffs = config_changes(old, new)
     more = f" (and {len(diffs) - limit} more)" if len(diffs) > limit else ""
     return "; ".join(diffs[:limit]) + more
 
@@ -152,10 +162,13 @@ class RunState:
         if self.path.is_file():
             self.data: dict[str, Any] = read_json(self.path)
             if self.data.get("fingerprint") != fingerprint:
-                changes = describe_differences(self.data.get("config", {}), fields)
-                raise ManifestMismatchError(
-                    f"{self.path} belongs to a run of a different config ({changes}); resuming it would mix two "
-                    f"experiments. Restore the config or choose another run_dir.")
+                if config_changes(self.data.get("config", {}), fields):
+                    changes = describe_differences(self.data.get("config", {}), fields)
+                    raise ManifestMismatchError(
+                        f"{self.path} belongs to a run of a different config ({changes}); resuming it would mix "
+                        f"two experiments. Restore the config or choose another run_dir.")
+                # Only knobs added since, at their defaults: the same experiment, recorded in today's terms.
+                self.data["fingerprint"], self.data["config"] = fingerprint, fields
         else:
             self.data = {"version": MANIFEST_VERSION, "fingerprint": fingerprint, "config": fields, "order": None,
                          "repos": {}, "created_at": _now()}

@@ -26,6 +26,7 @@ from leanagent.data.errors import DatasetError
 from leanagent.data.imports import bits_to_mask, import_closures
 
 IMPORTED_CACHE_SIZE = 64
+IMPORTED_RANGES_BUDGET = 1 << 20  # ranges held by the imported-ranges cache (24 bytes each), in every process
 
 Pos = tuple[int, int]
 LAKE_PREFIX = ".lake/packages/"
@@ -67,11 +68,51 @@ def serialize_premise(full_name: str, code: str) -> str:
     code = code.replace(f"_root_.{full_name}", tagged)
     fields = full_name.split(".")
     for i in range(len(fields)):
-        pattern = re.compile(r"(?<=\s)«?" + re.escape(".".join(fields[i:])) + "»?")
-        new_code = pattern.sub(lambda _: tagged, code)
+        suffix = ".".join(fields[i:])
+        if suffix not in code:  # the pattern needs the suffix literally: nothing to tag, nothing to compile
+            continue
+        if suffix and "«" not in suffix and "»" not in suffix:
+            new_code = _tag_after_space(code, suffix, tagged)
+        else:  # the regex's own backtracking over «» in the name, or empty matches: ask the regex
+            pattern = re.compile(r"(?<=\s)«?" + re.escape(suffix) + "»?")
+            new_code = pattern.sub(lambda _: tagged, code)
         if new_code != code:
             return new_code
     return code
+
+
+def _tag_after_space(code: str, suffix: str, tagged: str) -> str:
+    r"""``re.sub(r"(?<=\s)«?" + re.escape(suffix) + "»?", tagged, code)`` for a non-empty `suffix` without «»,
+    by `str.find` (compiling a pattern per premise costs more than the rest of the data path).
+
+    The regex matches, left to right and without overlap, an occurrence preceded by whitespace (``\s`` is
+    `str.isspace`) or by « that is itself preceded by whitespace, and takes a following ».
+    """
+    out: list[str] = []
+    last = pos = 0
+    while True:
+        j = code.find(suffix, pos)
+        if j < 0:
+            break
+        if j >= 1 and code[j - 1] == "«":
+            start = j - 1
+            ok = start >= pos and start >= 1 and code[start - 1].isspace()
+        else:
+            start = j
+            ok = j >= 1 and code[j - 1].isspace()
+        if not ok:
+            pos = j + 1
+            continue
+        end = j + len(suffix)
+        if end < len(code) and code[end] == "»":
+            end += 1
+        out.append(code[last:start])
+        out.append(tagged)
+        last = pos = end
+    if not out:
+        return code
+    out.append(code[last:])
+    return "".join(out)
 
 
 @dataclass
@@ -169,6 +210,79 @@ def iter_jsonl(path: Path) -> Iterable[tuple[int, str, Any]]:
         yield lineno, where, parse_json_line(line, where)
 
 
+class RangeUnion:
+    """A sorted set of premise indices stored as disjoint, non-adjacent half-open ranges [starts[i], stops[i]).
+
+    `before[i]` counts the members below `starts[i]`, so the r-th member (uniform sampling without a
+    100k-element array) and the position of a member are each one binary search.
+    """
+
+    __slots__ = ("starts", "stops", "before", "size")
+
+    def __init__(self, starts: np.ndarray, stops: np.ndarray) -> None:
+        self.starts, self.stops = starts, stops
+        self.before = np.zeros(len(starts) + 1, dtype=np.int64)
+        np.cumsum(stops - starts, out=self.before[1:])
+        self.size = int(self.before[-1])
+        for arr in (self.starts, self.stops, self.before):
+            arr.setflags(write=False)
+
+    @classmethod
+    def empty(cls) -> RangeUnion:
+        return cls(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+
+    @classmethod
+    def from_ranges(cls, starts: np.ndarray, stops: np.ndarray) -> RangeUnion:
+        """From ranges sorted by start and disjoint (empty ones allowed); touching ranges are merged."""
+        keep = stops > starts
+        starts, stops = starts[keep], stops[keep]
+        if len(starts) > 1:
+            gap = starts[1:] != stops[:-1]
+            starts = starts[np.concatenate(([True], gap))]
+            stops = stops[np.concatenate((gap, [True]))]
+        return cls(np.ascontiguousarray(starts, dtype=np.int64), np.ascontiguousarray(stops, dtype=np.int64))
+
+    @property
+    def num_ranges(self) -> int:
+        return len(self.starts)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, r: int) -> int:
+        """The r-th smallest member (0 <= r < len)."""
+        if not 0 <= r < self.size:
+            raise IndexError(r)
+        i = int(np.searchsorted(self.before, r, side="right")) - 1
+        return int(self.starts[i] + (r - self.before[i]))
+
+    def rank(self, x: int) -> int:
+        """How many members are smaller than `x`."""
+        i = int(np.searchsorted(self.starts, x, side="right")) - 1
+        if i < 0:
+            return 0
+        return int(self.before[i] + min(x, int(self.stops[i])) - self.starts[i])
+
+    def index(self, x: int) -> int:
+        """The position of `x` among the members, or -1 when it is not one."""
+        i = int(np.searchsorted(self.starts, x, side="right")) - 1
+        if i < 0 or x >= self.stops[i]:
+            return -1
+        return int(self.before[i] + (x - self.starts[i]))
+
+    def __iter__(self) -> Iterator[int]:
+        for a, b in zip(self.starts.tolist(), self.stops.tolist(), strict=True):
+            yield from range(a, b)
+
+    def to_array(self) -> np.ndarray:
+        """The members as a sorted int64 array (a cumulative sum of steps, no Python loop)."""
+        steps = np.ones(self.size, dtype=np.int64)
+        if self.size:
+            steps[0] = self.starts[0]
+            steps[self.before[1:-1]] = self.starts[1:] - self.stops[:-1] + 1
+        return np.cumsum(steps)
+
+
 class Corpus:
     """All premises of a traced repository; a premise's global index is its position in `premises`."""
 
@@ -176,7 +290,7 @@ class Corpus:
         self.premises: list[Premise] = []
         self.paths: list[str] = []
         self.imports: dict[str, list[str]] = {}
-        self._file_premises: dict[str, list[int]] = {}
+        self._file_premises: dict[str, range] = {}
         for rec in files:
             if rec.path in self.imports:
                 raise DatasetError(f"corpus: duplicate path {rec.path}")
@@ -184,7 +298,7 @@ class Corpus:
             self.imports[rec.path] = rec.imports
             first = len(self.premises)
             self.premises.extend(rec.premises)
-            self._file_premises[rec.path] = list(range(first, len(self.premises)))
+            self._file_premises[rec.path] = range(first, len(self.premises))
         self._build_indexes()
 
     def _build_indexes(self) -> None:
@@ -204,11 +318,16 @@ class Corpus:
             for k in range(1, len(parts)):
                 self._by_suffix["/".join(parts[k:])].append(path)
         self._path_number = {p: k for k, p in enumerate(self.paths)}
-        self._premise_file = np.asarray([self._path_number[p.path] for p in self.premises], dtype=np.int64)
         self._closure_bits: list[int] | None = None
+        self._file_bounds: tuple[np.ndarray, np.ndarray] | None = None
         # Bounded: at mathlib scale a file imports ~100k premises, and 5k cached arrays would be gigabytes
-        # in every rank and loader worker. Recomputing one costs about a millisecond.
+        # in every rank and loader worker. Recomputing one from its ranges is a vectorised cumsum.
         self._imported: OrderedDict[str, np.ndarray] = OrderedDict()
+        # Bounded by the ranges held (see IMPORTED_RANGES_BUDGET); recomputing one costs tens of microseconds.
+        self._imported_ranges: OrderedDict[str, RangeUnion] = OrderedDict()
+        self._imported_ranges_held = 0
+        self._in_order: dict[str, bool] = {}
+        self._utf8: list[bytes | None] | None = None
         self._resolved: dict[str, str | None] = {}
         self._located: dict[tuple[str, Pos], int | None] = {}
 
@@ -283,8 +402,7 @@ class Corpus:
 
     def file_range(self, path: str) -> range:
         """A file's premises are contiguous in the corpus: their global indices as a range."""
-        idx = self._file_premises.get(path, [])
-        return range(idx[0], idx[-1] + 1) if idx else range(0)
+        return self._file_premises.get(path, range(0))
 
     def imports_file(self, path: str, other: str) -> bool:
         """Whether `path` imports `other`, directly or transitively."""
@@ -330,17 +448,75 @@ class Corpus:
         cut = (bisect.bisect_left if strict else bisect.bisect_right)(ends, tuple(before))
         return sorted(ordered[:cut])
 
+    def _bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """First and one-past-last premise index of every file, by file number."""
+        if self._file_bounds is None:
+            ranges = [self._file_premises[p] for p in self.paths]
+            self._file_bounds = (np.fromiter((r.start for r in ranges), dtype=np.int64, count=len(ranges)),
+                                 np.fromiter((r.stop for r in ranges), dtype=np.int64, count=len(ranges)))
+        return self._file_bounds
+
+    def imported_ranges(self, path: str) -> RangeUnion:
+        """`imported_indices` as a union of index ranges: a file's premises are contiguous, so its imports are
+        a union of file ranges (adjacent ones merged); built from the closure bitset in O(files), cached (LRU)."""
+        union = self._imported_ranges.get(path)
+        if union is not None:
+            self._imported_ranges.move_to_end(path)
+            return union
+        k = self._path_number.get(path)
+        if k is None:
+            union = RangeUnion.empty()
+        else:
+            files = np.flatnonzero(bits_to_mask(self._closures()[k], len(self.paths)))
+            starts, stops = self._bounds()
+            union = RangeUnion.from_ranges(starts[files], stops[files])
+        self._imported_ranges[path] = union
+        self._imported_ranges_held += union.num_ranges + 1
+        while self._imported_ranges_held > IMPORTED_RANGES_BUDGET and len(self._imported_ranges) > 1:
+            _, dropped = self._imported_ranges.popitem(last=False)
+            self._imported_ranges_held -= dropped.num_ranges + 1
+        return union
+
+    def in_file_segment(self, path: str, before: Pos, strict: bool = False) -> range | np.ndarray:
+        """`in_file_indices(path, before, strict)` without building a list: a range when the file's premises end
+        in corpus order (the usual layout), else a sorted read-only array."""
+        ends, ordered = self._by_end.get(path, ([], []))
+        cut = (bisect.bisect_left if strict else bisect.bisect_right)(ends, tuple(before))
+        in_order = self._in_order.get(path)
+        if in_order is None:
+            in_order = self._in_order[path] = all(a < b for a, b in zip(ordered, ordered[1:], strict=False))
+        if in_order:
+            return range(ordered[0], ordered[0] + cut) if cut else range(0)
+        arr = np.sort(np.asarray(ordered[:cut], dtype=np.int64))
+        arr.setflags(write=False)
+        return arr
+
+    def premise_utf8(self, indices: Iterable[int]) -> list[bytes]:
+        """UTF-8 bytes of each premise's `text`, encoded once per corpus (in each process) and then reused.
+
+        A premise whose text was never asked for is serialized here without caching the string as well.
+        """
+        cache = self._utf8
+        if cache is None:
+            cache = self._utf8 = [None] * len(self.premises)
+        out = []
+        for i in indices:
+            data = cache[i]
+            if data is None:
+                p = self.premises[i]
+                text = p.__dict__.get("text")
+                if text is None:
+                    text = serialize_premise(p.full_name, p.code)
+                data = cache[i] = text.encode("utf-8")
+            out.append(data)
+        return out
+
     def _imported_array(self, path: str) -> np.ndarray:
         arr = self._imported.get(path)
         if arr is not None:
             self._imported.move_to_end(path)
             return arr
-        k = self._path_number.get(path)
-        if k is None:
-            arr = np.empty(0, dtype=np.int64)
-        else:
-            file_mask = bits_to_mask(self._closures()[k], len(self.paths))
-            arr = np.flatnonzero(file_mask[self._premise_file]).astype(np.int64)
+        arr = self.imported_ranges(path).to_array()
         arr.setflags(write=False)
         self._imported[path] = arr
         if len(self._imported) > IMPORTED_CACHE_SIZE:

@@ -1,4 +1,4 @@
-"""Torch datasets that tokenize proof states and premises exactly as ByT5Tokenizer does.
+"""Torch datasets that tokenize proof states and premises exactly as ByT5Tokenizer does (`tokenize.py`).
 
 Examples and negative sampling live in `examples.py` and `negatives.py`; they are re-exported
 here so callers have one import site for the training data.
@@ -10,12 +10,14 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from leanagent.data.corpus import Corpus
 from leanagent.data.examples import EvalExample, TrainExample, build_eval_examples, build_train_examples
 from leanagent.data.negatives import sample_negatives
+from leanagent.data.tokenize import byt5_spec, tokenize, tokenize_encoded
 from leanagent.ranks import global_rank
 
 __all__ = [
@@ -34,15 +36,22 @@ _HASH_PRIME = 1_000_003
 
 
 def tokenize_texts(tokenizer: Any, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    enc = tokenizer(texts, padding="longest", truncation=True, max_length=max_len, return_tensors="pt")
-    return enc["input_ids"], enc["attention_mask"]
+    """``tokenizer(texts, padding="longest", truncation=True, max_length=max_len)``; built with numpy for ByT5."""
+    return tokenize(tokenizer, texts, max_len)
 
 
 def tokenize_premises(
     tokenizer: Any, corpus: Corpus, indices: Sequence[int], max_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shared by collate and by corpus embedding so that training and retrieval see the same bytes."""
-    return tokenize_texts(tokenizer, [corpus.premises[int(i)].serialize() for i in indices], max_len)
+    """Shared by collate and by corpus embedding so that training and retrieval see the same bytes.
+
+    For ByT5 the premises' UTF-8 bytes come from the corpus, encoded once per process.
+    """
+    idx = indices.tolist() if isinstance(indices, np.ndarray) else [int(i) for i in indices]
+    spec = byt5_spec(tokenizer) if idx and max_len >= 2 else None
+    if spec is None:
+        return tokenize_texts(tokenizer, [corpus.premises[i].serialize() for i in idx], max_len)
+    return tokenize_encoded(tokenizer, spec, corpus.premise_utf8(idx), None, max_len)
 
 
 def example_seed(seed: int, index: int) -> int:

@@ -18,71 +18,142 @@ finally repeats) and only fails when the corpus holds nothing but positives.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from leanagent.data.corpus import Corpus
+from leanagent.data.corpus import Corpus, RangeUnion
 from leanagent.data.errors import DatasetError
 from leanagent.data.examples import TrainExample
 
 _FILTER_BELOW = 4096  # pools up to this size are filtered outright; larger ones use rejection sampling
 
-Segment = Sequence[int] | np.ndarray | range
+
+class _Without:
+    """A RangeUnion minus the members inside one index range, without copying: positions past the hole shift."""
+
+    def __init__(self, union: RangeUnion, drop: range) -> None:
+        self.union = union
+        self.drop = drop
+        self.lo = union.rank(drop.start)
+        self.gap = union.rank(drop.stop) - self.lo
+
+    def __len__(self) -> int:
+        return len(self.union) - self.gap
+
+    def __getitem__(self, r: int) -> int:
+        return self.union[r if r < self.lo else r + self.gap]
+
+    def index(self, x: int) -> int:
+        if x in self.drop:
+            return -1
+        k = self.union.index(x)
+        return k if k < self.lo else k - self.gap
+
+    def __iter__(self) -> Iterator[int]:
+        return (i for i in self.union if i not in self.drop)
 
 
-def _draw(segments: list[Segment], k: int, banned: set[int], rng: random.Random) -> list[int]:
+# A pool is a list of disjoint segments, walked in order: a file's index range, a sorted array of a file's
+# premises, the union of a file's imported ranges (minus the positive's file). None is copied per example.
+Segment = range | np.ndarray | RangeUnion | _Without
+
+
+def _position(seg: Segment, x: int) -> int:
+    """Where `x` is in `seg` (its rank), or -1."""
+    if isinstance(seg, range):
+        return x - seg.start if x in seg else -1
+    if isinstance(seg, np.ndarray):
+        k = int(np.searchsorted(seg, x))
+        return k if k < len(seg) and seg[k] == x else -1
+    return seg.index(x)
+
+
+def pool_members(segments: Sequence[Segment]) -> list[int]:
+    """The pool written out, in the order the sampler numbers it (for tests and inspection)."""
+    return [int(i) for s in segments for i in s]
+
+
+def _at(segments: Sequence[Segment], sizes: list[int], r: int) -> int:
+    for seg, size in zip(segments, sizes, strict=True):
+        if r < size:
+            return int(seg[r])
+        r -= size
+    raise IndexError(r)
+
+
+def _holes(segments: Sequence[Segment], sizes: list[int], excluded: set[int]) -> list[int]:
+    """Sorted pool positions of the members of `excluded`."""
+    holes = []
+    for x in excluded:
+        offset = 0
+        for seg, size in zip(segments, sizes, strict=True):
+            k = _position(seg, x) if size else -1
+            if k >= 0:
+                holes.append(offset + k)
+                break
+            offset += size
+    holes.sort()
+    return holes
+
+
+def _sample_allowed(segments: Sequence[Segment], sizes: list[int], k: int, excluded: set[int],
+                    rng: random.Random) -> list[int]:
+    """``rng.sample(allowed, min(k, len(allowed)))`` where `allowed` lists the pool in order without `excluded`,
+    drawing exactly what that call draws, without writing `allowed` out: the j-th allowed member is found by
+    skipping the (few) excluded positions."""
+    holes = _holes(segments, sizes, excluded)
+    n = sum(sizes) - len(holes)
+    picks = rng.sample(range(n), min(k, n))
+    out = []
+    for j in picks:
+        for h in holes:
+            if h <= j:
+                j += 1
+            else:
+                break
+        out.append(_at(segments, sizes, j))
+    return out
+
+
+def _draw(segments: Sequence[Segment], k: int, banned: set[int], rng: random.Random) -> list[int]:
     """Up to k distinct members of the union of disjoint `segments`, not in `banned`, uniformly.
 
-    A pool is a list of segments (a file's index range, a slice of the cached imported array)
-    so that a 100k-premise pool is never copied per example.
+    Small pools (up to `_FILTER_BELOW`) are filtered and sampled; larger ones by rejection, falling
+    back to filtering when most of the pool is banned. The pool is numbered segment by segment, and
+    the random calls are those of filtering a written-out list, so the same rng gives the same draw.
     """
     sizes = [len(s) for s in segments]
     total = sum(sizes)
     if k <= 0 or total == 0:
         return []
     if total <= _FILTER_BELOW:
-        allowed = [int(i) for s in segments for i in s if int(i) not in banned]
-        return rng.sample(allowed, min(k, len(allowed)))
+        return _sample_allowed(segments, sizes, k, banned, rng)
     picked: list[int] = []
     taken = set(banned)
     attempts = 0
     while len(picked) < k and attempts < 20 * k + 100:
         attempts += 1
-        r = rng.randrange(total)
-        for seg, size in zip(segments, sizes, strict=True):
-            if r < size:
-                i = int(seg[r])
-                break
-            r -= size
+        i = _at(segments, sizes, rng.randrange(total))
         if i not in taken:
             taken.add(i)
             picked.append(i)
     if len(picked) < k:  # the pool is mostly banned; fall back to an exact filter
-        allowed = [int(i) for s in segments for i in s if int(i) not in taken]
-        picked += rng.sample(allowed, min(k - len(picked), len(allowed)))
+        picked += _sample_allowed(segments, sizes, k - len(picked), taken, rng)
     return picked
-
-
-def _without(arr: np.ndarray, drop: range) -> list[Segment]:
-    """`arr` (sorted) minus the contiguous index range `drop`, as at most two views."""
-    if not len(drop):
-        return [arr]
-    lo, hi = np.searchsorted(arr, [drop.start, drop.stop])
-    return [arr[:lo], arr[hi:]]
 
 
 def negative_pools(corpus: Corpus, example: TrainExample) -> tuple[list[Segment], list[Segment]]:
     """The reference's (in-file, outside) pools for one example, positive included (it is banned later)."""
     path = example.file_path
-    own_before = np.asarray(corpus.in_file_indices(path, example.theorem_start, strict=True), dtype=np.int64)
-    imported = corpus.imported_array(path)
+    own_before = corpus.in_file_segment(path, example.theorem_start, strict=True)
+    imported = corpus.imported_ranges(path)
     pos_file = corpus.file_of(example.pos_premise)
     if pos_file == path:
         return [own_before], [imported]
     if corpus.imports_file(path, pos_file):
         pos_range = corpus.file_range(pos_file)
-        return [pos_range], [own_before, *_without(imported, pos_range)]
+        return [pos_range], [own_before, _Without(imported, pos_range)]
     return [], [own_before, imported]
 
 

@@ -121,7 +121,11 @@ def test_artifacts_are_on_the_server(run3: FinishedRun) -> None:
     assert {"R@1", "R@10", "MRR", "epoch", "checkpoint", "WF5", "FM", "EBWT", "WP5", "IP", "CFR"} <= set(rows[0])
     assert rows[-1]["FM"] is not None and rows[0]["FM"] is None  # the metrics after each repository
     assert float(artifacts[PROGRESS_KEY].data) == pytest.approx(100.0)
-    assert "Recall@10 matrix" in str(artifacts[SUMMARY_KEY].data)
+    summary = str(artifacts[SUMMARY_KEY].data)
+    assert "Recall@10 matrix" in summary and "EBWT" in summary and "CFR" in summary
+    # The summary is published after every repository, not only at the end: one version per repository.
+    versions = [a for a in flow_run_artifacts(run3.flow_run_id) if a.key == SUMMARY_KEY]
+    assert len(versions) == 3
 
 
 def test_rank_lines_reach_the_flow_run_logs(run3: FinishedRun) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -60,6 +61,25 @@ def test_changed_config_is_refused_naming_the_key(tmp_path: Path) -> None:
     _started(_cfg(tmp_path))
     with pytest.raises(ManifestMismatchError, match=r"lifelong\.ewc_lambda: 0\.0 -> 0\.3"):
         RunState(tmp_path / "run", _cfg(tmp_path, ewc_lambda=0.3))
+
+
+def test_a_knob_added_by_a_later_version_at_its_default_is_not_a_change(tmp_path: Path) -> None:
+    """A run_dir started by an older leanagent, whose config lacked a key now at its default, resumes."""
+    cfg = _cfg(tmp_path)
+    state = _started(cfg)
+    state.record("00-a/train", {"checkpoint": "a.ckpt"})
+    data = json.loads(state.path.read_text())
+    del data["config"]["lifelong"]["keep_checkpoints"]
+    data["fingerprint"] = "from-an-older-version"
+    state.path.write_text(json.dumps(data))
+    reopened = RunState(cfg.run_dir, cfg)  # no ManifestMismatchError
+    assert reopened.stage_done("00-a/train") == {"checkpoint": "a.ckpt"}
+    # The same missing key at a non-default value is a change, and is refused.
+    other = _cfg(tmp_path)
+    other.lifelong.keep_checkpoints = "best_and_last"
+    state.path.write_text(json.dumps(data))
+    with pytest.raises(ManifestMismatchError, match=r"lifelong\.keep_checkpoints: '\(absent\)' -> 'best_and_last'"):
+        RunState(cfg.run_dir, other)
 
 
 def test_run_irrelevant_keys_do_not_change_the_fingerprint(tmp_path: Path) -> None:
