@@ -9,6 +9,8 @@ skips it without touching its files.
 
 # No `from __future__ import annotations` here: Prefect builds a pydantic model of the flow's signature
 # to validate parameters, and string annotations fail to resolve when a served runner loads the flow.
+import asyncio
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,8 +23,11 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.exceptions import Abort, ExternalSignal
 
+from leanagent.checkpoints import prune_checkpoints
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, load_config, resolve_paths
+from leanagent.preflight import preflight_run
 from leanagent.report import RunReport
 from leanagent.run_state import (
     EVAL_UNTRAINED,
@@ -46,6 +51,17 @@ TABLE_KEY = "lifelong-retrieval-results"
 PROGRESS_KEY = "lifelong-retrieval-progress"
 SUMMARY_KEY = "lifelong-retrieval-summary"
 BAD_INPUT = (ConfigError, DatasetValidationError, ManifestMismatchError, RunLockedError, JobInputError)
+# A stage stopped from outside, not failed: Ctrl-C or SIGTERM (the CLI's handlers raise KeyboardInterrupt
+# subclasses), Prefect's TerminationSignal (a runner's cancel or any SIGTERM to a flow-run process), an
+# orchestrator's Abort, a cancelled coroutine, sys.exit. The launcher has ended the job by then.
+INTERRUPTS = (KeyboardInterrupt, SystemExit, ExternalSignal, Abort, asyncio.CancelledError)
+
+
+def describe_interrupt(exc: BaseException) -> str:
+    signum = getattr(exc, "signum", None) or getattr(exc, "signal", None)
+    if isinstance(signum, int) and signum in signal.Signals._value2member_map_:
+        return f"{type(exc).__name__} ({signal.Signals(signum).name})"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def resolve_config(config: PipelineConfig | None, config_path: str | None) -> PipelineConfig:
@@ -67,6 +83,9 @@ def run_stage(state: RunState, name: str, task: Task[..., dict], options: JobOpt
     try:
         result = task.with_options(task_run_name=name, retries=options.retries,
                                    retry_delay_seconds=options.retry_delay_s)(**kwargs)
+    except INTERRUPTS as exc:
+        state.interrupt(name, describe_interrupt(exc))
+        raise
     except BaseException as exc:
         state.fail(name, f"{type(exc).__name__}: {exc}")
         raise
@@ -100,6 +119,10 @@ def run_evaluations(state: RunState, stages: list[tuple[str, Path]], out: Path, 
                 retry_delay_seconds=options.retry_delay_s,
             )(datasets=[d for _, d in pending], out=out.with_name(f"{out.name}-{suffix}"), checkpoint=checkpoint,
               **kwargs)
+        except INTERRUPTS as exc:
+            for name, _ in pending:
+                state.interrupt(name, describe_interrupt(exc))
+            raise
         except BaseException as exc:
             for name, _ in pending:
                 state.fail(name, f"{type(exc).__name__}: {exc}")
@@ -140,6 +163,7 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
     """Train the premise retriever over the configured repositories, lifelong, and report recall."""
     cfg = resolve_config(config, config_path)
     options = options or JobOptions()
+    preflight_run(cfg)  # model, devices, rendezvous, disk: before anything is written (datasets: below)
     with RunLock(cfg.run_dir):
         # Open the manifest before writing anything: a mismatched run_dir must stay untouched.
         state = RunState(cfg.run_dir, cfg)
@@ -187,14 +211,21 @@ def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoCo
             jobs / repo_key(i, repo.display_name) / "evaluate", checkpoint, options,
             timeout_s=options.evaluate_timeout_s, **common)
         report.add_repository(i, train, evaluations)
+        if cfg.lifelong.keep_checkpoints == "best_and_last":  # its stages are done: keep start, best, last
+            get_run_logger().info(f"{repo.display_name}: deleted {len(prune_checkpoints(train))} other checkpoint(s)")
         artifacts.repository_done()
     return report
 
 
 def run_from_cli(config_path: str) -> int:
-    """`leanagent run --config FILE`: the flow in this process, then a plain-text summary; 1 on bad input."""
+    """`leanagent run --config FILE`: the flow in this process, then a plain-text summary.
+
+    1 on bad input, 2 when a job failed after its retries, 128 + signal (130 Ctrl-C, 143 SIGTERM) when
+    interrupted: every job has been ended by then and the running stage is recorded `interrupted`.
+    """
     try:
         load_config(config_path)  # fail in milliseconds, before Prefect starts a temporary server
+        start_temporary_server_bound_to_this_process()
         summary = lifelong_retrieval(config_path=config_path)
     except BAD_INPUT as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -202,7 +233,55 @@ def run_from_cli(config_path: str) -> int:
     except LaunchError as exc:
         print(f"error: a job failed after its retries: {exc}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, ExternalSignal) as exc:
+        code = getattr(exc, "exit_code", None) or 128 + int(getattr(exc, "signal", signal.SIGINT))
+        print(f"interrupted ({describe_interrupt(exc)}): every job was ended; rerun the same command to resume",
+              file=sys.stderr)
+        return code
     report = RunReport(summary["order"], summary["rows"], summary["matrix"], summary["baseline"])
     print(report.text())
     print(f"\nmanifest: {summary['manifest']}")
     return 0
+
+
+def start_temporary_server_bound_to_this_process() -> None:
+    """Start Prefect's temporary local server ourselves, so that it dies with this process.
+
+    With no PREFECT_API_URL, Prefect's first client starts a server as a plain child process
+    (`prefect.server.api.server.SubprocessASGIServer`, uvicorn) and stops it from an atexit hook: a
+    SIGKILL of this process (the OOM killer) orphans it. We create that same singleton first, from
+    this (main) thread, with the parent-death signal set in the uvicorn child (`prctl(PR_SET_PDEATHSIG,
+    SIGTERM)`, leanagent/train/supervision.py), so the kernel ends it when we die, however we die.
+    Prefect's own code then finds it running (`SubprocessASGIServer()` returns the one instance) and
+    uses it. A no-op with a configured server, or if Prefect's internals are not the ones expected.
+    """
+    import types
+
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return
+    import prefect.server.api.server as server_module
+
+    from leanagent.train.supervision import parent_death_signal
+
+    base = getattr(server_module, "SubprocessASGIServer", None)
+    preexec = parent_death_signal(signal.SIGTERM)
+    if (base is None or preexec is None or not hasattr(base, "_run_uvicorn_command")
+            or not isinstance(getattr(base, "_instances", None), dict) or None in base._instances
+            or not isinstance(getattr(server_module, "subprocess", None), types.ModuleType)):
+        return
+
+    class ServerBoundToThisProcess(base):  # type: ignore[misc, valid-type]
+        def _run_uvicorn_command(self):  # type: ignore[no-untyped-def]
+            real = server_module.subprocess
+            bound = types.ModuleType(real.__name__)
+            bound.__dict__.update(real.__dict__)
+            bound.Popen = lambda *args, **kwargs: real.Popen(*args, **{"preexec_fn": preexec, **kwargs})
+            server_module.subprocess = bound  # only `_run_uvicorn_command` reads it, and only here
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                server_module.subprocess = real
+
+    ServerBoundToThisProcess().start()

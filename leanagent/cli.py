@@ -7,7 +7,10 @@ refuses to write into a finished job folder, so a typo costs seconds, not a GPU 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from leanagent.config import ConfigError, load_config
@@ -18,6 +21,33 @@ EXIT_BAD_INPUT = 1
 def _fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return EXIT_BAD_INPUT
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP, raised in the main thread: code that ends jobs on Ctrl-C ends them on all three."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.exit_code = 128 + signum  # what a shell reports for a process ended by this signal
+
+
+@contextlib.contextmanager
+def interrupt_on_signals() -> Iterator[None]:
+    """Turn SIGINT/SIGTERM/SIGHUP into `Interrupted`, so the launcher ends every job (SIGTERM, grace,
+    SIGKILL) and the command exits 128 + signal instead of dying with its jobs orphaned."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    # A signal already ignored stays ignored (`nohup`, a shell's background job).
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -67,23 +97,27 @@ def cmd_job(args: argparse.Namespace) -> int:
     from leanagent.train.launch import LaunchError
 
     try:
-        cfg = load_config(args.config)
-        if args.node_rank is not None:
-            cfg.trainer.node_rank = args.node_rank
-        if args.rdzv_endpoint is not None:
-            cfg.trainer.rdzv_endpoint = args.rdzv_endpoint
-        with tempfile.TemporaryDirectory(prefix="leanagent-") as tmp:
-            # Each rank reads the YAML: hand it the config with the overrides, resolved paths included.
-            # It lives only as long as the job, and never in --out, which may be a finished job.
-            config_path = Path(tmp) / "config.yaml"
-            dump_config(cfg, config_path)
-            datasets = args.dataset if isinstance(args.dataset, list) else [args.dataset]
-            result = run_job(cfg, config_path, args.program, [Path(d) for d in datasets], Path(args.out),
-                             checkpoint=Path(args.checkpoint) if args.checkpoint else None,
-                             fisher=Path(args.fisher) if getattr(args, "fisher", None) else None,
-                             timeout_s=args.timeout, heartbeat_timeout_s=args.heartbeat_timeout)
+        with interrupt_on_signals():
+            cfg = load_config(args.config)
+            if args.node_rank is not None:
+                cfg.trainer.node_rank = args.node_rank
+            if args.rdzv_endpoint is not None:
+                cfg.trainer.rdzv_endpoint = args.rdzv_endpoint
+            with tempfile.TemporaryDirectory(prefix="leanagent-") as tmp:
+                # Each rank reads the YAML: hand it the config with the overrides, resolved paths included.
+                # It lives only as long as the job, and never in --out, which may be a finished job.
+                config_path = Path(tmp) / "config.yaml"
+                dump_config(cfg, config_path)
+                datasets = args.dataset if isinstance(args.dataset, list) else [args.dataset]
+                result = run_job(cfg, config_path, args.program, [Path(d) for d in datasets], Path(args.out),
+                                 checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+                                 fisher=Path(args.fisher) if getattr(args, "fisher", None) else None,
+                                 timeout_s=args.timeout, heartbeat_timeout_s=args.heartbeat_timeout)
     except (ConfigError, JobInputError, JobFinishedError, LaunchError) as exc:
         return _fail(str(exc))
+    except Interrupted as exc:
+        print(f"interrupted ({exc}): the job was ended; rerun the same command to resume", file=sys.stderr)
+        return exc.exit_code
     print(json.dumps(result, indent=2, sort_keys=True))
     return 0
 
@@ -190,9 +224,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flows.lifelong import run_from_cli
+    with interrupt_on_signals():
+        try:
+            from flows.lifelong import run_from_cli
 
-    return run_from_cli(args.config)
+            return run_from_cli(args.config)
+        except Interrupted as exc:  # one that landed outside the flow (while importing, or after it)
+            print(f"interrupted ({exc}): every job was ended; rerun the same command to resume", file=sys.stderr)
+            return exc.exit_code
 
 
 def build_parser() -> argparse.ArgumentParser:

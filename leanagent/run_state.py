@@ -206,6 +206,11 @@ class RunState:
         entry = self._stage(name) or {}
         self._set(name, {**entry, "status": "failed", "error": error, "failed_at": _now()})
 
+    def interrupt(self, name: str, reason: str) -> None:
+        """The stage was stopped from outside (Ctrl-C, SIGTERM, a cancelled flow run): not done, it reruns."""
+        entry = self._stage(name) or {}
+        self._set(name, {**entry, "status": "interrupted", "reason": reason, "interrupted_at": _now()})
+
     def _set(self, name: str, entry: dict[str, Any]) -> None:
         key, _, stage = name.partition("/")
         if key not in self.data["repos"] or not stage:

@@ -13,6 +13,11 @@ anyway, teaching nothing as a negative).
 The reference crashes when the outside pool is too small (the first file of a repository).
 Here the sampler then widens step by step (the rest of the in-file pool, the whole corpus,
 finally repeats) and only fails when the corpus holds nothing but positives.
+
+No pool is written out per example: a file's premises are a contiguous index range and a file's
+imports a union of such ranges (`Corpus.imported_ranges`), so the r-th member of a pool is a binary
+search. The random calls are exactly those of filtering and sampling written-out lists, so a seed
+gives the same negatives as the list-based definition (tests/data/test_data_fastpath.py checks it).
 """
 
 from __future__ import annotations

@@ -157,38 +157,31 @@ def unsupported_modules(model: nn.Module) -> list[str]:
     return bad
 
 
-def joint_batch(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The non-padding examples' sequences, example-major: context, then its premise columns, for each example.
+def example_major_batch(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor]:
+    """The non-padding examples' contexts (k, Lc), premises (k x columns, Lp), example-major, labels (k, columns).
 
-    Returns ids and mask (examples x (1 + columns), L) cut to the longest real sequence, the labels
-    (examples x columns) and the number of sequences per example. Tokenizers pad on the right.
+    Premise row e * columns + j is example e's column j (batch row i + j * batch size, i its batch item).
+    Each side is cut to its longest real sequence (tokenizers pad on the right), as the training step pads.
     """
     b = len(batch["index"])
     keep = torch.nonzero(~batch["is_padding"].bool()).flatten().to(batch["context_ids"].device)
-    k = len(keep)
     cols = batch["premise_ids"].shape[0] // b
-    prem_rows = (keep.unsqueeze(1) + b * torch.arange(cols, device=keep.device)).flatten()  # example-major
-    ctx_ids, ctx_mask = batch["context_ids"][keep], batch["context_mask"][keep]
-    prem_ids, prem_mask = batch["premise_ids"][prem_rows], batch["premise_mask"][prem_rows]
-    length = int(torch.stack([ctx_mask.sum(dim=1).max(), prem_mask.sum(dim=1).max()]).max())
-
-    def fit(t: torch.Tensor) -> torch.Tensor:
-        t = t[:, :length]
-        return F.pad(t, (0, length - t.shape[1])) if t.shape[1] < length else t
-
-    seqs = 1 + cols
-    ids = torch.cat([fit(ctx_ids).unsqueeze(1), fit(prem_ids).view(k, cols, length)], dim=1).view(k * seqs, length)
-    mask = torch.cat([fit(ctx_mask).unsqueeze(1), fit(prem_mask).view(k, cols, length)], dim=1).view(k * seqs, length)
-    label = batch["label"][keep.unsqueeze(1), prem_rows.view(k, cols)]
-    return ids, mask, label, seqs
+    prem_rows = (keep.unsqueeze(1) + b * torch.arange(cols, device=keep.device)).flatten()
+    ctx_mask, prem_mask = batch["context_mask"][keep], batch["premise_mask"][prem_rows]
+    ctx_len, prem_len = torch.stack([ctx_mask.sum(dim=1).max(), prem_mask.sum(dim=1).max()]).tolist()
+    label = batch["label"][keep.unsqueeze(1), prem_rows.view(len(keep), cols)]
+    return (batch["context_ids"][keep, :ctx_len], ctx_mask[:, :ctx_len],
+            batch["premise_ids"][prem_rows, :prem_len], prem_mask[:, :prem_len], label)
 
 
 class _PerExampleGrads:
     """Forward hooks that rebuild each example's gradient from activations and output gradients.
 
-    The batch holds `k` examples of `seqs` consecutive sequences each; the loss is the sum of the
-    examples' own losses, so the gradient of the loss at the tokens of example e's sequences is the
-    gradient of e's own loss there (and 0 at padding, which attention masks out and pooling ignores).
+    Every forward holds `k` examples' sequences, example-major (example e's are consecutive, as many for
+    each example); the loss is the sum of the examples' own losses, so the gradient of the loss at the
+    tokens of e's sequences is the gradient of e's own loss there (and 0 at padding, which attention
+    masks out and pooling ignores).
     A parameter's gradient for example e is then a sum over e's tokens alone:
     Linear W: sum_t dy_t x_t^T (bias: sum_t dy_t); T5LayerNorm (RMS norm, weight only): sum_t dy_t * x_t/rms(x_t);
     Embedding: dy_t added to the row of token t; the relative attention bias (one table shared by all
@@ -338,23 +331,24 @@ def accumulate_squared_example_grads(retriever: PremiseRetriever, batch: dict[st
                                      sums: dict[str, torch.Tensor]) -> int:
     """Adds sum over the batch's non-padding examples of (d loss_e / d theta)^2 to `sums`; returns their count.
 
-    One forward of all the examples' sequences (each example: its context and its premise columns,
-    padded to the longest real sequence), the loss the sum of the examples' own losses (each exactly
+    Two forwards, as in the training step (the examples' contexts, then their premise columns, each
+    padded to its longest real sequence), the loss the sum of the examples' own losses (each exactly
     `FisherModule.example_loss`), one backward to the activations only (no weight gradient is formed),
-    and the per-example parameter gradients rebuilt by `_PerExampleGrads`.
+    and the per-example parameter gradients rebuilt by `_PerExampleGrads` (an example's contributions
+    from the two forwards are added before they are squared).
     """
     if not bool((~batch["is_padding"].bool()).any()):
         return 0
-    ids, mask, label, seqs = joint_batch(batch)
-    k = ids.shape[0] // seqs
+    ctx_ids, ctx_mask, prem_ids, prem_mask, label = example_major_batch(batch)
+    k, cols = label.shape
     names = {id(p): n for n, p in retriever.named_parameters() if n in sums}
     with _PerExampleGrads(retriever, names, sums, k) as hooks:
-        emb = retriever.encode(ids, mask).view(k, seqs, -1)
+        context = retriever.encode(ctx_ids, ctx_mask)
+        premises = retriever.encode(prem_ids, prem_mask).view(k, cols, -1)
     # contrastive_mse per example: (1 x d) @ (d x cols) (a matmul, bf16 under autocast as in the loop), mean over cols.
-    similarity = torch.bmm(emb[:, :1], emb[:, 1:].transpose(1, 2)).squeeze(1)
+    similarity = torch.bmm(context.unsqueeze(1), premises.transpose(1, 2)).squeeze(1)
     loss = F.mse_loss(similarity, label.to(similarity.dtype), reduction="none").mean(dim=1).sum()
-    inputs = [t for t, _ in hooks.inputs]
-    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    grads = torch.autograd.grad(loss, [t for t, _ in hooks.inputs], allow_unused=True)
     for (_, on_grad), grad in zip(hooks.inputs, grads, strict=True):
         if grad is not None:
             on_grad(grad)

@@ -34,8 +34,8 @@ def load_tokenizer(name_or_path: str, vocab_size: int):
 
 def premise_token_lengths(corpus, max_len: int) -> np.ndarray:
     """ByT5 tokens of each premise (its UTF-8 bytes and `</s>`), capped at `max_len`."""
-    return np.minimum(np.fromiter((len(p.text.encode("utf-8")) + 1 for p in corpus.premises), dtype=np.int64,
-                                  count=len(corpus.premises)), max_len)
+    encoded = corpus.premise_utf8(range(len(corpus)))  # cached per corpus: tokenization reuses these bytes
+    return np.minimum(np.fromiter((len(b) + 1 for b in encoded), dtype=np.int64, count=len(encoded)), max_len)
 
 
 def length_order(corpus, max_len: int) -> np.ndarray:

@@ -12,7 +12,6 @@ from typing import Literal
 
 from leanagent.atomic import read_json
 from leanagent.config import PipelineConfig
-from leanagent.data.validate import validate_dataset
 from leanagent.train.launch import launch, result_filename
 
 Program = Literal["train", "fisher", "evaluate"]
@@ -32,7 +31,10 @@ def as_datasets(dataset: Path | Sequence[Path]) -> list[Path]:
 
 
 def check_job(cfg: PipelineConfig, program: Program, dataset: Path | Sequence[Path], checkpoint: Path | None = None,
-              fisher: Path | None = None, validate: bool = True) -> None:
+              fisher: Path | None = None, validate: bool = True, out: Path | None = None) -> None:
+    """The job's shape here; its inputs, model, devices and disk in `leanagent.preflight` (PreflightError)."""
+    from leanagent.preflight import preflight_job  # it imports JobInputError from here
+
     datasets = as_datasets(dataset)
     if not datasets:
         raise JobInputError(f"{program} needs a dataset")
@@ -40,15 +42,7 @@ def check_job(cfg: PipelineConfig, program: Program, dataset: Path | Sequence[Pa
         raise JobInputError(f"{program} takes exactly one dataset, got {len(datasets)}")
     if program == "fisher" and checkpoint is None:
         raise JobInputError("fisher needs a checkpoint")
-    for name, value in (("checkpoint", checkpoint), ("fisher", fisher)):
-        if value is not None and not Path(value).is_file():
-            raise JobInputError(f"{name} {value}: no such file")
-    if validate:
-        for d in datasets:
-            problems = validate_dataset(d, split=cfg.data.split)
-            if problems:
-                listing = "\n".join(f"  {p}" for p in problems)
-                raise JobInputError(f"{d}: {len(problems)} problem(s); nothing was launched:\n{listing}")
+    preflight_job(cfg, program, datasets, out, checkpoint, fisher, validate=validate)
 
 
 def program_argv(program: Program, config_path: Path, dataset: Path | Sequence[Path], out: Path,
@@ -91,7 +85,7 @@ def run_job(
             return read_json(result_file)
         raise JobFinishedError(f"{result_file} exists: this job is finished; choose a new output folder "
                                f"(nothing was overwritten)")
-    check_job(cfg, program, dataset, checkpoint, fisher, validate=validate)
+    check_job(cfg, program, dataset, checkpoint, fisher, validate=validate, out=out)
     argv = program_argv(program, config_path, dataset, out, checkpoint, fisher)
     return launch(cfg.trainer, argv, out, on_line=on_line, timeout_s=timeout_s,
                   heartbeat_timeout_s=heartbeat_timeout_s).result

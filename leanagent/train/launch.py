@@ -4,10 +4,14 @@ Why torchrun and not Lightning's own launcher: Lightning's default DDP launcher 
 `sys.argv` for the other ranks, which inside a Prefect worker would re-run the flow. Under
 torchrun Lightning detects the elastic environment and starts nothing itself.
 
-Why a process group of our own: torchrun forwards SIGTERM to its workers, but a SIGKILL to
-torchrun alone orphans them, and Prefect's runner signals a single PID. The job therefore runs
-in its own session; on interrupt, deadline or a stale heartbeat we SIGTERM the group, wait,
-then SIGKILL it.
+Why we end every process ourselves: torchrun forwards SIGTERM to its workers, but starts each
+in a session of its own, so no signal to torchrun's group reaches them, and a SIGKILL to torchrun
+alone orphans them; Prefect's runner signals a single PID. On interrupt, deadline or a stale
+heartbeat we SIGTERM torchrun and every rank we know (`JobProcesses`: torchrun's descendants seen
+in /proc, and the pid records the ranks write), wake stopped ones, wait `grace_s`, then SIGKILL
+whatever is left, each pid checked against its start time. `launch()` returns only when none is
+left. If the launcher itself dies, torchrun's parent-death signal and each rank's watcher end the
+job (`leanagent/train/supervision.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,17 +33,30 @@ from pathlib import Path
 from leanagent.atomic import read_json
 from leanagent.config import TrainerConfig
 from leanagent.train.heartbeat import heartbeat_dir, stale_ranks
+from leanagent.train.supervision import (
+    SUPERVISION_ENV,
+    descendants,
+    parent_death_signal,
+    pids_dir,
+    process_table,
+    rank_records,
+    read_proc,
+    signal_verified,
+    supervisor_environment,
+)
 
 SCRUBBED_ENV = (
     "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCHELASTIC_ERROR_FILE", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS",
+    "TORCHELASTIC_ERROR_FILE", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS", *SUPERVISION_ENV,
 )
 RANK_LINE = re.compile(r"^\[rank (\d+)\] ?(.*)$")
 FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)")
 TAIL_LINES = 30
 GRACE_SECONDS = 30.0
+KILL_WAIT_SECONDS = 15.0  # after SIGKILL: only a process in uninterruptible sleep (D) takes longer
+REFRESH_SECONDS = 1.0  # how often the launcher looks for new processes of the job
 
 
 def result_filename(node_rank: int = 0) -> str:
@@ -91,32 +109,129 @@ def child_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def end_process_group(proc: subprocess.Popen, grace_s: float = GRACE_SECONDS) -> None:
-    """SIGTERM the whole session, give it `grace_s` to write what it can, then SIGKILL what remains."""
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        return
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
+class JobProcesses:
+    """Every process of one job that this machine runs, each by pid and start time.
+
+    torchrun (our child) is known from the start; its descendants (the ranks, in sessions of their
+    own, and their DataLoader workers) are found by walking /proc, every `REFRESH_SECONDS` while the
+    job runs, and once more before anything is signalled; the ranks' own records in `JOB/pids/`
+    add any that were orphaned before a walk saw them. A pid whose start time changed is another
+    process and is never signalled.
+    """
+
+    def __init__(self, proc: subprocess.Popen, job_dir: Path) -> None:
+        self.proc = proc
+        self.job_dir = job_dir
+        self.known: dict[int, int] = {}  # pid -> start time
+        info = read_proc(proc.pid)  # our unreaped child: this pid is torchrun's until we wait for it
+        if info is not None:
+            self.known[proc.pid] = info.start
+        self._refreshed = 0.0
+
+    def refresh(self, force: bool = True) -> dict[int, int]:
+        """Look for new processes of the job; return those still running (pid -> start time)."""
+        now = time.monotonic()
+        if not force and now - self._refreshed < REFRESH_SECONDS:
+            return self.known
+        self._refreshed = now
+        table = process_table()
+        running = {pid: start for pid, start in self.known.items()
+                   if pid in table and table[pid].start == start and table[pid].running}
+        for pid in descendants(table, set(running)):
+            running.setdefault(pid, table[pid].start)
+        for pid, start in rank_records(self.job_dir).items():
+            if pid in table and table[pid].start == start and table[pid].running:
+                running.setdefault(pid, start)
+        # Forget the dead: their pids may be reused by anyone.
+        self.known = {pid: start for pid, start in running.items() if table[pid].running}
+        return self.known
+
+    def alive(self) -> dict[int, int]:
+        return self.refresh(force=True)
+
+    def signal(self, sig: int) -> int:
+        """`sig` to every known process and to the process group each leads; the number signalled."""
+        return sum(signal_verified(pid, start, sig, group=True) for pid, start in list(self.known.items()))
+
+
+def end_job(jobs: JobProcesses, grace_s: float = GRACE_SECONDS, emit: Callable[[str], None] | None = None,
+            interrupted: bool = False) -> None:
+    """SIGTERM every process of the job, give them `grace_s` to write what they can, SIGKILL what remains.
+
+    Returns when none is left (or, for a process in uninterruptible sleep, after KILL_WAIT_SECONDS more).
+    A SIGINT/SIGTERM/SIGHUP meanwhile (in the main thread) skips the rest of the grace period; unless the
+    job is being ended because of an interrupt already, that signal is delivered again afterwards.
+    """
+    hurry = _HurryOnSignals(redeliver=not interrupted)
+    with hurry:
+        alive = jobs.alive()
+        if not alive:
+            _reap(jobs.proc)
             return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not _group_alive(pgid):
-                return
-            time.sleep(0.1)
+        if emit is not None and grace_s > 1.0:
+            emit(f"[launcher] SIGTERM to {len(alive)} process(es) of the job: {sorted(alive)}")
+        jobs.signal(signal.SIGTERM)
+        jobs.signal(signal.SIGCONT)  # a stopped rank cannot act on SIGTERM until it runs again
+        if _wait_until_gone(jobs, grace_s, hurry):
+            return
+        alive = jobs.alive()
+        if emit is not None:
+            emit(f"[launcher] SIGKILL to {len(alive)} process(es) still running: {sorted(alive)}")
+        jobs.signal(signal.SIGKILL)
+        if _wait_until_gone(jobs, KILL_WAIT_SECONDS, None):
+            return
+        if emit is not None:
+            emit(f"[launcher] still running after SIGKILL (uninterruptible sleep?): {sorted(jobs.alive())}")
 
 
-def _group_alive(pgid: int) -> bool:
+def _wait_until_gone(jobs: JobProcesses, wait_s: float, hurry: _HurryOnSignals | None) -> bool:
+    deadline = time.monotonic() + wait_s
+    while True:
+        _reap(jobs.proc, block=False)
+        if not jobs.alive():
+            _reap(jobs.proc)
+            return True
+        if time.monotonic() >= deadline or (hurry is not None and hurry.signalled is not None):
+            return False
+        time.sleep(0.1)
+
+
+def _reap(proc: subprocess.Popen, block: bool = True) -> None:
     try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        proc.wait(timeout=5.0) if block else proc.poll()
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class _HurryOnSignals:
+    """While the job is being ended, an interrupt must not abort the clean-up: it cuts the grace short.
+
+    With `redeliver`, a signal caught meanwhile is sent again once the previous handlers are back, so it
+    is deferred, not lost (ending a job after a deadline must not swallow a user's Ctrl-C).
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self, redeliver: bool) -> None:
+        self.redeliver = redeliver
+        self.signalled: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handler(self, signum: int, frame: object) -> None:
+        self.signalled = signum
+
+    def __enter__(self) -> _HurryOnSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                if signal.getsignal(sig) is not None:  # None: a handler set outside Python, which we could not restore
+                    self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
+        if self.redeliver and self.signalled is not None:
+            os.kill(os.getpid(), self.signalled)
 
 
 def launch(
@@ -138,12 +253,17 @@ def launch(
     job_dir.mkdir(parents=True, exist_ok=True)
     # A retry reuses the job folder: the failed attempt's heartbeats are stale by now and must not count.
     shutil.rmtree(heartbeat_dir(job_dir), ignore_errors=True)
+    shutil.rmtree(pids_dir(job_dir), ignore_errors=True)
     emit = on_line or (lambda line: print(line, flush=True))
     log_dir = job_dir / "logs" / f"attempt-{time.strftime('%Y%m%d-%H%M%S')}"
     cmd = torchrun_command(cfg, program_args, log_dir=log_dir, entry=entry)
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_environment(),
-                            start_new_session=True, bufsize=0)
+    env = {**child_environment(), **supervisor_environment(job_dir)}
+    # Own session: signals meant for the launcher (a terminal's Ctrl-C) do not hit the ranks mid-step; the
+    # launcher ends the job itself. PDEATHSIG: if this thread dies (SIGKILL, OOM), the kernel SIGTERMs torchrun.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=parent_death_signal(signal.SIGTERM), bufsize=0)
+    jobs = JobProcesses(proc, job_dir)
     tails: dict[int, collections.deque[str]] = collections.defaultdict(lambda: collections.deque(maxlen=TAIL_LINES))
     launcher_tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     reason: str | None = None
@@ -164,6 +284,7 @@ def launch(
                 for raw in lines:
                     _route(raw.decode("utf-8", "replace").rstrip("\r"), tails, launcher_tail, emit)
             now = time.monotonic()
+            jobs.refresh(force=False)
             if proc.poll() is not None:
                 # Stop reading soon after torchrun exits, even if an orphan still holds the pipe open.
                 exited_at = exited_at or now
@@ -178,21 +299,21 @@ def launch(
                     reason = f"no heartbeat for {heartbeat_timeout_s:.0f} s from {', '.join(stale)}"
                     break
     except BaseException:
-        emit("[launcher] interrupted: ending the job's process group")
-        end_process_group(proc, grace_s)
+        emit("[launcher] interrupted: ending every process of the job")
+        end_job(jobs, grace_s, emit, interrupted=True)
         raise
     finally:
         sel.close()
     if buffer:
         _route(buffer.decode("utf-8", "replace"), tails, launcher_tail, emit)
     if reason is not None:
-        emit(f"[launcher] {reason}: ending the job's process group")
-        end_process_group(proc, grace_s)
+        emit(f"[launcher] {reason}: ending every process of the job")
+        end_job(jobs, grace_s, emit)
         raise LaunchError(f"{_label(program_args)} job in {job_dir}: {reason}", proc.returncode, None,
                           list(launcher_tail))
     returncode = proc.wait()
-    # A clean exit of torchrun still leaves orphans if a rank forked; make sure none survive.
-    end_process_group(proc, grace_s=1.0)
+    # torchrun has exited: a rank it could not end (stopped, hung) or a forked child may still run.
+    end_job(jobs, grace_s=1.0, emit=emit)
     tail_map = {r: list(t) for r, t in tails.items()}
     if returncode != 0:
         raise _failure(program_args, job_dir, returncode, tail_map, list(launcher_tail))

@@ -18,12 +18,15 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from leanagent.atomic import read_json, write_json_atomic
+from leanagent.checkpoints import first_readable, read_fisher, resume_candidates
+from leanagent.checkpoints import read_checkpoint as read_checkpoint  # moved; tests and callers import it here
 from leanagent.config import PipelineConfig, load_config
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.data.errors import DatasetError
-from leanagent.model.fisher import FisherModule, ReferenceFisherModule, load_fisher, save_fisher
+from leanagent.model.fisher import FisherModule, ReferenceFisherModule, save_fisher
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.ranks import global_rank, local_rank, node_rank
+from leanagent.train import supervision
 from leanagent.train.heartbeat import Heartbeat, beat
 from leanagent.train.launch import result_filename
 from leanagent.train.trainer import (
@@ -36,14 +39,6 @@ from leanagent.train.trainer import (
 
 JOB_PLAN = "job.json"
 FISHER_FILE = "fisher.safetensors"
-
-
-def read_checkpoint(path: Path) -> dict:
-    """Lightning checkpoints are pickles; we only open our own job's files or ones the user named."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such checkpoint")
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
 def epochs_completed(checkpoint: dict) -> int:
@@ -94,6 +89,7 @@ class TrainPlan:
     start_epochs: int
     target_epochs: int
     resume_from: str | None
+    unreadable: tuple[str, ...] = ()  # this job's checkpoints skipped as unreadable (one line each)
 
     @property
     def is_retry(self) -> bool:
@@ -115,9 +111,10 @@ def plan_training(job_dir: Path, start_checkpoint: Path | None, epochs_per_repo:
     else:
         already = epochs_completed(read_checkpoint(Path(start))) if start else 0
         target = already + epochs_per_repo
-    last = job_dir / "checkpoints" / "last.ckpt"
-    resume = str(last) if last.is_file() else start
-    return TrainPlan(start, already, target, resume)
+    # A retry resumes from last.ckpt; if that was cut short, from the newest readable epoch checkpoint
+    # of this job, and failing that from where the job started.
+    resume, unreadable = first_readable(resume_candidates(job_dir / "checkpoints"))
+    return TrainPlan(start, already, target, str(resume) if resume else start, tuple(unreadable))
 
 
 def ewc_anchor(cfg: PipelineConfig, plan: TrainPlan) -> dict[str, torch.Tensor] | None:
@@ -132,9 +129,13 @@ def ewc_anchor(cfg: PipelineConfig, plan: TrainPlan) -> dict[str, torch.Tensor] 
 def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path | None,
               fisher: Path | None) -> dict:
     plan = plan_training(job_dir, checkpoint, cfg.lifelong.epochs_per_repo)
+    if plan.unreadable and global_rank() == 0:
+        for line in plan.unreadable:
+            print(f"skipped unreadable checkpoint: {line}", flush=True)
+        print(f"resuming from {plan.resume_from or cfg.model.name_or_path} instead", flush=True)
     model = load_retriever(cfg, Path(plan.resume_from) if plan.resume_from else None, weights=False)
     if fisher is not None and cfg.lifelong.ewc_lambda > 0:
-        fisher_tensors, _ = load_fisher(fisher)
+        fisher_tensors, _ = read_fisher(fisher)
         model.set_ewc(fisher_tensors, cfg.lifelong.ewc_lambda, anchor=ewc_anchor(cfg, plan))
     # A new repository starts early stopping afresh; a retry of this job keeps its patience count.
     heartbeat = Heartbeat(job_dir)
@@ -151,7 +152,7 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
                            f"found in the corpus); Recall@10_val, which selects checkpoints, cannot be computed")
     trainer.strategy.barrier()  # before fit
     started = time.monotonic()
-    trainer.fit(model, datamodule=datamodule, ckpt_path=plan.resume_from)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=plan.resume_from, weights_only=True)
     trainer.strategy.barrier()  # after fit (seed)
     fit_seconds = time.monotonic() - started
     ckpt = trainer.checkpoint_callback
@@ -172,6 +173,7 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
         "world_size": trainer.world_size,
         "target_epochs": plan.target_epochs,
         "resumed_from": plan.resume_from,
+        "unreadable_checkpoints": list(plan.unreadable),
         "dataset": str(dataset),
         "ewc": bool(fisher is not None and cfg.lifelong.ewc_lambda > 0),
         "metrics": {k: best_metrics.get(k) for k in ("Recall@1_val", "Recall@10_val", "MRR")},
@@ -294,6 +296,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    supervision.start()  # record this rank's pid; end it if the launcher or torchrun dies (supervision.py)
     args = parse_args(argv)
     cfg = load_config(args.config)
     job_dir = args.out.resolve()

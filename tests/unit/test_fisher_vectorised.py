@@ -21,7 +21,12 @@ from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.model import fisher as fisher_mod
-from leanagent.model.fisher import FisherModule, accumulate_squared_example_grads, joint_batch, unsupported_modules
+from leanagent.model.fisher import (
+    FisherModule,
+    accumulate_squared_example_grads,
+    example_major_batch,
+    unsupported_modules,
+)
 from leanagent.model.presets import write_random_encoder
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.train.programs import PaddedForRanks
@@ -139,16 +144,20 @@ def test_an_all_padding_batch_adds_nothing() -> None:
     assert count == 0 and all(float(s.abs().sum()) == 0 for s in sums.values())
 
 
-def test_joint_batch_is_example_major_and_cut_to_the_longest_real_sequence() -> None:
+def test_the_batch_is_example_major_and_cut_to_the_longest_real_sequences() -> None:
     batch = hand_batch(*LENGTHS, padding=[False, False, True, False])
-    ids, mask, label, seqs = joint_batch(batch)
-    assert seqs == 1 + COLUMNS and ids.shape == (3 * seqs, 230) == mask.shape
-    for e, i in enumerate([0, 1, 3]):  # example e is batch item i: its context, then premise rows i, i+4, i+8, i+12
-        rows = [("context", i)] + [("premise", i + BATCH_SIZE * j) for j in range(COLUMNS)]
-        for s, (kind, r) in enumerate(rows):
-            n = int(batch[f"{kind}_mask"][r].sum())
-            assert torch.equal(ids[e * seqs + s, :n], batch[f"{kind}_ids"][r, :n])
-            assert int(mask[e * seqs + s].sum()) == n
+    ctx_ids, ctx_mask, prem_ids, prem_mask, label = example_major_batch(batch)
+    kept = [0, 1, 3]
+    assert ctx_ids.shape == ctx_mask.shape == (3, 200)  # the padding item's context is left out
+    assert prem_ids.shape == prem_mask.shape == (3 * COLUMNS, 230) and label.shape == (3, COLUMNS)
+    for e, i in enumerate(kept):  # example e is batch item i: premise rows i, i+4, i+8, i+12
+        n = int(batch["context_mask"][i].sum())
+        assert torch.equal(ctx_ids[e, :n], batch["context_ids"][i, :n]) and int(ctx_mask[e].sum()) == n
+        for j in range(COLUMNS):
+            r = i + BATCH_SIZE * j
+            n = int(batch["premise_mask"][r].sum())
+            assert torch.equal(prem_ids[e * COLUMNS + j, :n], batch["premise_ids"][r, :n])
+            assert int(prem_mask[e * COLUMNS + j].sum()) == n
         assert torch.equal(label[e], batch["label"][i, [i + BATCH_SIZE * j for j in range(COLUMNS)]])
 
 

@@ -1,0 +1,355 @@
+"""Checks before any launch, in one place: the CLI's jobs (`leanagent.train.jobs.check_job`) and the
+lifelong flow (`lifelong_retrieval`, before the curriculum starts) both come through here.
+
+A refusal costs seconds; the same problem found by the ranks costs a queue wait, a GPU allocation
+and a traceback. Each check returns its problems as one clear message each; `PreflightError`
+carries them all. Nothing here writes anything.
+
+- datasets validate (`leanagent.data.validate.validate_dataset`);
+- the input checkpoint and Fisher file are whole (`leanagent.checkpoints`);
+- the model resolves: a local folder holds a config.json, a hub id is in the local Hugging Face
+  cache (or, online, its config.json can be fetched); a job starting from a checkpoint needs no model;
+- `accelerator: gpu` has at least `trainer.devices` visible GPUs;
+- `trainer.rdzv_endpoint` is host:port when `num_nodes > 1`;
+- the filesystem of the run (or job) folder has room for the checkpoints and Fisher files it will keep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from leanagent.checkpoints import BadFileError, CheckpointInfo, check_checkpoint, check_fisher
+from leanagent.config import PipelineConfig, TrainerConfig
+from leanagent.train.jobs import JobInputError
+
+Program = Literal["train", "fisher", "evaluate"]
+
+# A checkpoint holds the fp32 weights (4 bytes per parameter) and AdamW's two moments (8 bytes), plus
+# loop/callback state and zip records: measured 2.5% over 12 bytes per parameter on the tiny model.
+CHECKPOINT_BYTES_PER_PARAMETER = 12
+CHECKPOINT_OVERHEAD = 0.02
+CHECKPOINT_OVERHEAD_BYTES = 1 << 20
+FISHER_BYTES_PER_PARAMETER = 4  # fp32 safetensors, one value per parameter
+BEST_AND_LAST = 3  # the next repository's start, the best, last.ckpt (2 when the first two coincide)
+
+
+class PreflightError(JobInputError):
+    """The inputs of a job or a run were refused before anything was launched or written.
+
+    `problems` holds one message per problem; `str()` is them, one per line.
+    """
+
+    def __init__(self, problems: str | Sequence[str]) -> None:
+        # Accepts its own str() back, so the exception pickles (Prefect stores task exceptions).
+        self.problems = problems.splitlines() if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+def _raise_if(problems: list[str]) -> None:
+    if problems:
+        raise PreflightError(problems)
+
+
+# ---- datasets -----------------------------------------------------------------------------------
+
+def check_datasets(datasets: Sequence[Path], split: str, max_listed: int | None = None) -> list[str]:
+    """One message per invalid dataset, listing (all, or up to `max_listed` of) its problems."""
+    from leanagent.data.validate import validate_dataset
+
+    messages = []
+    for d in datasets:
+        problems = validate_dataset(Path(d), split=split)
+        if problems:
+            shown = problems if max_listed is None else problems[:max_listed]
+            listed = "\n".join(f"  {p}" for p in shown)
+            more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+            messages.append(f"{d}: {len(problems)} problem(s); nothing was launched:\n{listed}{more}")
+    return messages
+
+
+# ---- model --------------------------------------------------------------------------------------
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    # The constant is read at import; the environment is looked at now (a caller may have just set it).
+    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return constants.is_offline_mode() or env.strip().lower() in {"1", "on", "yes", "true"}
+
+
+def _looks_like_path(name: str) -> bool:
+    """Hub ids are `name` or `owner/name`; anything else with a separator, a dot prefix or a ~ is a path."""
+    return (os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or "\\" in name
+            or name.endswith("/"))
+
+
+def resolve_model(name_or_path: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(the model's config.json, None) when it resolves without a download; (None, message) otherwise."""
+    key = "model.name_or_path"
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            return None, (f"{key} {path}: a folder without config.json, not a saved model; point it at a folder "
+                          f"written by save_pretrained (e.g. `leanagent init-model`) or at a hub id")
+        return _read_model_config(config, key)
+    if path.exists():
+        return None, f"{key} {path}: a file, not a model folder (a folder with config.json) or a hub id"
+    if _looks_like_path(name_or_path):
+        return None, (f"{key} {name_or_path}: no such model folder; point it at a folder holding config.json, "
+                      f"or at a hub id")
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name_or_path, "config.json")
+    if isinstance(cached, str):
+        return _read_model_config(Path(cached), key)
+    how = (f"download it first on a machine with internet access and the same HF_HOME (`hf download "
+           f"{name_or_path}`), or point {key} at a local model folder (with config.json)")
+    if cached is not None:  # the cache knows the file does not exist in that repository
+        return None, f"{key} {name_or_path!r}: the cached hub repository has no config.json; {how}"
+    if _offline():
+        return None, (f"{key} {name_or_path!r} is not a local folder and not in the Hugging Face cache "
+                      f"({constants.HF_HUB_CACHE}), and the hub is offline (HF_HUB_OFFLINE); {how}")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return _read_model_config(Path(hf_hub_download(name_or_path, "config.json")), key)
+    except Exception as exc:  # network, unknown repository, gated model: all end the same way
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return None, (f"{key} {name_or_path!r} is not a local folder, not in the Hugging Face cache, and cannot "
+                      f"be fetched from the hub ({reason}); {how}")
+
+
+def _read_model_config(path: Path, key: str) -> tuple[dict[str, Any] | None, str | None]:
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"{key}: {path} is not readable JSON ({exc})"
+    if not isinstance(config, dict):
+        return None, f"{key}: {path} is not a JSON object"
+    return config, None
+
+
+def count_parameters(config: dict[str, Any] | None) -> int | None:
+    """Trainable parameters of the T5 encoder a config describes, without building it (None: not a T5 config).
+
+    Shared embedding; per layer: self-attention q, k, v, o, two RMS norms, the feed-forward (three
+    matrices when gated); one relative-position bias table; the final norm.
+    """
+    if not config:
+        return None
+    try:
+        d, heads, d_kv, d_ff = (int(config[k]) for k in ("d_model", "num_heads", "d_kv", "d_ff"))
+        layers, vocab = int(config["num_layers"]), int(config["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    buckets = int(config.get("relative_attention_num_buckets", 32))
+    gated = str(config.get("feed_forward_proj", "relu")).startswith("gated-")
+    per_layer = 4 * d * heads * d_kv + (3 if gated else 2) * d * d_ff + 2 * d
+    return vocab * d + layers * per_layer + buckets * heads + d
+
+
+# ---- accelerator and rendezvous ---------------------------------------------------------------------
+
+def check_accelerator(trainer: TrainerConfig, device_count: int | None = None) -> list[str]:
+    if trainer.accelerator not in ("gpu", "cuda"):
+        return []
+    if device_count is None:
+        import torch
+
+        device_count = torch.cuda.device_count()
+    if device_count >= trainer.devices:
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    fix = (f"lower trainer.devices to {device_count}" if device_count else
+           "set trainer.accelerator: cpu, or run where the GPUs are visible")
+    return [f"trainer.accelerator: {trainer.accelerator} asks for trainer.devices: {trainer.devices} GPU(s), but "
+            f"torch sees {device_count} on this machine{where}; {fix}"]
+
+
+def check_rendezvous(trainer: TrainerConfig) -> list[str]:
+    if trainer.num_nodes <= 1:
+        return []
+    endpoint = (trainer.rdzv_endpoint or "").strip()
+    problem = (f"trainer.rdzv_endpoint {endpoint!r} is not host:port (num_nodes: {trainer.num_nodes}); give node 0's "
+               f"address and a free port, e.g. host0:29500")
+    try:
+        parts = urlsplit("//" + endpoint)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return [problem]
+    if not host or port is None or not 0 < port < 65536 or parts.path or parts.query or parts.fragment \
+            or parts.username is not None:
+        return [problem]
+    return []
+
+
+# ---- disk -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DiskEstimate:
+    parameters: int
+    checkpoints: int  # held at the same time, at the peak
+    fishers: int
+    already_written: int = 0  # bytes of those files already there (a rerun, a retry)
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        raw = self.parameters * CHECKPOINT_BYTES_PER_PARAMETER
+        return int(raw * (1 + CHECKPOINT_OVERHEAD)) + CHECKPOINT_OVERHEAD_BYTES
+
+    @property
+    def fisher_bytes(self) -> int:
+        return self.parameters * FISHER_BYTES_PER_PARAMETER
+
+    @property
+    def total(self) -> int:
+        return self.checkpoints * self.checkpoint_bytes + self.fishers * self.fisher_bytes
+
+    @property
+    def needed(self) -> int:
+        return max(0, self.total - self.already_written)
+
+
+def checkpoints_per_training(cfg: PipelineConfig) -> int:
+    """Files one training job holds when it ends: its epoch checkpoints (save_top_k) and last.ckpt."""
+    epochs, top_k = cfg.lifelong.epochs_per_repo, cfg.trainer.save_top_k
+    kept = epochs if top_k == -1 else min(top_k, epochs)
+    return kept + 1
+
+
+def estimate_run(cfg: PipelineConfig, parameters: int) -> DiskEstimate:
+    """The peak of a whole run: earlier repositories' kept checkpoints, the current one's all, a Fisher each."""
+    repos = len(cfg.repos)
+    during = checkpoints_per_training(cfg)
+    after = during if cfg.lifelong.keep_checkpoints == "all" else min(BEST_AND_LAST, during)
+    checkpoints = (repos - 1) * after + during if repos else 0
+    return DiskEstimate(parameters, checkpoints, repos, _written(cfg.run_dir / "jobs"))
+
+
+def estimate_job(cfg: PipelineConfig, program: Program, out: Path, parameters: int) -> DiskEstimate:
+    if program == "train":
+        return DiskEstimate(parameters, checkpoints_per_training(cfg), 0, _written(Path(out) / "checkpoints"))
+    if program == "fisher":
+        return DiskEstimate(parameters, 0, 1, _written(Path(out)))
+    return DiskEstimate(parameters, 0, 0)
+
+
+def _written(folder: Path) -> int:
+    if not folder.is_dir():
+        return 0
+    return sum(p.stat().st_size for pattern in ("*.ckpt", "*.safetensors") for p in folder.rglob(pattern)
+               if p.is_file())
+
+
+def free_space(path: Path) -> int:
+    """Free bytes on the filesystem that `path` is (or will be created) on."""
+    path = Path(path).resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def check_disk(estimate: DiskEstimate, where: Path, free_bytes: int | None = None, remedy: str = "") -> list[str]:
+    """Refuse when `where`'s filesystem has less free space than the estimate still needs."""
+    needed = estimate.needed
+    if needed == 0:
+        return []
+    free = free_space(where) if free_bytes is None else free_bytes
+    if free >= needed:
+        return []
+    parts = []
+    if estimate.checkpoints:
+        parts.append(f"{estimate.checkpoints} checkpoint(s) at once, each {format_bytes(estimate.checkpoint_bytes)} "
+                     f"({estimate.parameters:,} parameters x {CHECKPOINT_BYTES_PER_PARAMETER} bytes: weights and "
+                     f"AdamW state)")
+    if estimate.fishers:
+        parts.append(f"{estimate.fishers} Fisher file(s) of {format_bytes(estimate.fisher_bytes)}")
+    written = f", less {format_bytes(estimate.already_written)} already written" if estimate.already_written else ""
+    return [f"disk: {where} needs about {format_bytes(needed)} ({' + '.join(parts)}{written}) but its filesystem "
+            f"has {format_bytes(free)} free; free some space or choose another folder{remedy}"]
+
+
+# ---- the two entry points ---------------------------------------------------------------------------
+
+def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path], out: Path | None = None,
+                  checkpoint: Path | None = None, fisher: Path | None = None, validate: bool = True,
+                  free_bytes: int | None = None, device_count: int | None = None) -> None:
+    """Everything one job needs, checked before it is launched; raises PreflightError listing each problem."""
+    problems = check_accelerator(cfg.trainer, device_count) + check_rendezvous(cfg.trainer)
+    info: CheckpointInfo | None = None
+    unknown = False  # a bad input file: what it would have told us (architecture, size) is unknown
+    if checkpoint is not None:
+        if not Path(checkpoint).is_file():
+            problems.append(f"checkpoint {checkpoint}: no such file")
+            unknown = True
+        else:
+            try:
+                info = check_checkpoint(Path(checkpoint))
+            except BadFileError as exc:
+                problems.append(str(exc))
+                unknown = True
+            else:
+                if not info.encoder_config:
+                    problems.append(f"{checkpoint}: not a leanagent retriever checkpoint (no encoder_config in its "
+                                    f"hyper-parameters)")
+    if fisher is not None:
+        if not Path(fisher).is_file():
+            problems.append(f"fisher {fisher}: no such file")
+        else:
+            try:
+                check_fisher(Path(fisher))
+            except BadFileError as exc:
+                problems.append(str(exc))
+    model_config: dict[str, Any] | None = info.encoder_config if info else None
+    if checkpoint is None:  # the job starts from model.name_or_path
+        model_config, problem = resolve_model(cfg.model.name_or_path)
+        if problem:
+            problems.append(problem)
+    parameters = count_parameters(model_config)
+    if out is not None and parameters and not unknown:
+        remedy = (", or keep fewer epoch checkpoints (trainer.save_top_k: 1 keeps the best and last.ckpt)"
+                  if program == "train" and cfg.trainer.save_top_k != 1 else "")
+        problems += check_disk(estimate_job(cfg, program, Path(out), parameters), Path(out), free_bytes, remedy)
+    if validate:
+        problems += check_datasets(datasets, cfg.data.split)
+    _raise_if(problems)
+
+
+def preflight_run(cfg: PipelineConfig, validate: bool = False, free_bytes: int | None = None,
+                  device_count: int | None = None) -> None:
+    """Everything a lifelong run needs, checked before its first job; nothing is written into run_dir.
+
+    The flow validates the datasets in its own task (`tasks.data.validate_datasets`), so `validate`
+    defaults to False here.
+    """
+    problems = check_accelerator(cfg.trainer, device_count) + check_rendezvous(cfg.trainer)
+    model_config, problem = resolve_model(cfg.model.name_or_path)  # the untrained model is scored first
+    if problem:
+        problems.append(problem)
+    parameters = count_parameters(model_config)
+    if parameters:
+        remedy = ""
+        if cfg.lifelong.keep_checkpoints == "all" and checkpoints_per_training(cfg) > BEST_AND_LAST:
+            remedy = (f", or set lifelong.keep_checkpoints: best_and_last (keeps {BEST_AND_LAST} checkpoints per "
+                      f"finished repository instead of {checkpoints_per_training(cfg)})")
+        problems += check_disk(estimate_run(cfg, parameters), cfg.run_dir, free_bytes, remedy)
+    if validate:
+        problems += check_datasets([r.path for r in cfg.repos], cfg.data.split)
+    _raise_if(problems)
