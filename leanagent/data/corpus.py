@@ -537,6 +537,10 @@ class Corpus:
         return np.insert(imported, np.searchsorted(imported, in_file), in_file)
 
     def accessible_mask(self, path: str, start: Pos) -> torch.Tensor:
-        mask = torch.zeros(len(self.premises), dtype=torch.bool)
-        mask[torch.from_numpy(self.accessible_indices(path, start))] = True
-        return mask
+        """`accessible_indices` as a boolean mask over the corpus, filled range by range (no index array)."""
+        mask = np.zeros(len(self.premises), dtype=bool)
+        union = self.imported_ranges(path)
+        for lo, hi in zip(union.starts.tolist(), union.stops.tolist(), strict=True):
+            mask[lo:hi] = True
+        mask[np.asarray(self.in_file_indices(path, start), dtype=np.int64)] = True
+        return torch.from_numpy(mask)

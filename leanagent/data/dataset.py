@@ -12,13 +12,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset
 
 from leanagent.data.corpus import Corpus
 from leanagent.data.examples import EvalExample, TrainExample, build_eval_examples, build_train_examples
 from leanagent.data.negatives import sample_negatives
 from leanagent.data.tokenize import byt5_spec, tokenize, tokenize_encoded
-from leanagent.ranks import global_rank
 
 __all__ = [
     "EvalDataset",
@@ -59,8 +58,25 @@ def example_seed(seed: int, index: int) -> int:
     return seed * _HASH_PRIME + index
 
 
+def epoch_example_seed(seed: int, index: int, epoch: int) -> str:
+    """The seed of example `index`'s negatives in `epoch`: the same in every process, rank, worker and rerun.
+
+    A string seeds `random.Random` through SHA-512 (not the per-process salted `hash()`), so distinct
+    (seed, epoch, index) never collide, whatever their sizes or signs.
+    """
+    return f"leanagent-negatives:{seed}:{epoch}:{index}"
+
+
 class TrainDataset(Dataset):
-    """(context, positive, negatives) triples; negatives are re-drawn every epoch unless `deterministic`."""
+    """(context, positive, negatives) triples; negatives are re-drawn every epoch unless `deterministic`.
+
+    The negatives of an example are a pure function of (seed, example index, epoch): no RNG stream
+    lives in the dataset, so which rank or worker draws an example, in which order, and whether the
+    run was resumed mid-epoch change nothing. Ranks and workers draw different negatives because
+    they hold different examples. `set_epoch` is called at each epoch start (and when the loader is
+    built, from the trainer's restored epoch); with `deterministic` the epoch is ignored (the Fisher
+    pass and `leanagent examples`).
+    """
 
     def __init__(
         self,
@@ -73,6 +89,7 @@ class TrainDataset(Dataset):
         premise_max_len: int,
         seed: int,
         deterministic: bool = False,
+        epoch: int = 0,
     ) -> None:
         self.corpus = corpus
         self.examples = examples
@@ -83,31 +100,24 @@ class TrainDataset(Dataset):
         self.premise_max_len = premise_max_len
         self.seed = seed
         self.deterministic = deterministic
-        self._rng: random.Random | None = None
-        self._rng_key: int | None = None
+        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.examples)
 
-    def _process_rng(self) -> random.Random:
-        """One rng per worker, re-seeded when the worker's torch seed changes (a new epoch's workers).
+    def set_epoch(self, epoch: int) -> None:
+        """Negatives of the given epoch from now on. Loader workers copy the dataset when they start, so
+        call it before the epoch's iterator is created (the training loader's workers are not persistent)."""
+        self.epoch = int(epoch)
 
-        Seeding from the worker's torch seed, not from `self.seed` alone, keeps non-persistent workers
-        from drawing the same negatives every epoch, and different workers from drawing the same ones.
-        """
-        info = get_worker_info()
-        # Offset by the DDP rank: seed_everything gives every rank the same base seed, so without it
-        # rank r's worker w would draw the same negatives as every other rank's worker w.
-        key = (self.seed if info is None else info.seed) + _HASH_PRIME * global_rank()
-        if self._rng is None or self._rng_key != key:
-            self._rng = random.Random(key)
-            self._rng_key = key
-        return self._rng
+    def rng_for(self, ex: TrainExample) -> random.Random:
+        if self.deterministic:
+            return random.Random(example_seed(self.seed, ex.index))
+        return random.Random(epoch_example_seed(self.seed, ex.index, self.epoch))
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         ex = self.examples[i]
-        rng = random.Random(example_seed(self.seed, ex.index)) if self.deterministic else self._process_rng()
-        negatives = sample_negatives(self.corpus, ex, self.num_negatives, self.num_in_file_negatives, rng)
+        negatives = sample_negatives(self.corpus, ex, self.num_negatives, self.num_in_file_negatives, self.rng_for(ex))
         return {"example": ex, "negatives": negatives}
 
     def collate(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -148,7 +158,14 @@ class EvalDataset(Dataset):
 
     def collate(self, batch: list[EvalExample]) -> dict[str, Any]:
         context_ids, context_mask = tokenize_texts(self.tokenizer, [e.context for e in batch], self.context_max_len)
-        masks = [self.corpus.accessible_mask(e.file_path, e.theorem_start) for e in batch]
+        # The tactics of one theorem share their accessible set: build each mask once per batch.
+        cache: dict[tuple, torch.Tensor] = {}
+        masks = []
+        for e in batch:
+            key = (e.file_path, tuple(e.theorem_start))
+            if key not in cache:
+                cache[key] = self.corpus.accessible_mask(e.file_path, e.theorem_start)
+            masks.append(cache[key])
         return {
             "context_ids": context_ids,
             "context_mask": context_mask,
