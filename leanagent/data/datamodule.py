@@ -11,7 +11,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from leanagent.config import DataConfig
 from leanagent.data.corpus import Corpus
@@ -92,10 +94,45 @@ class RetrievalDataModule(pl.LightningDataModule):
             drop_last=drop_last,
         )
 
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled, with `drop_last` as in LeanAgent: every training batch has `batch_size` examples."""
+    def train_dataloader(self) -> StatefulDataLoader:
+        """Shuffled, with `drop_last` as in LeanAgent: every training batch has `batch_size` examples.
+
+        Resumable mid-epoch: a `StatefulDataLoader`, whose state (batches yielded this epoch) Lightning
+        saves in every checkpoint and restores before the first batch, skipping the sampler's indices
+        (not the data) already trained. For that the shard order must be the one the interrupted epoch
+        used before the iterator exists, so the `DistributedSampler` is built here (Lightning leaves a
+        DistributedSampler as it is) with the trainer's restored epoch; Lightning's own would still hold
+        epoch 0 when the resumed iterator is created and only get `set_epoch` afterwards. Its seed is
+        `trainer.seed`, as Lightning's. The dataset gets the same epoch (its negatives depend on it);
+        `DatasetEpoch` sets both again at every epoch start. Workers are not persistent, so each epoch's
+        workers copy the dataset with that epoch.
+        """
+        replicas, rank, epoch = self._shard()
         ds = self.train_dataset()
-        return self._loader(ds, ds.collate, self.cfg.batch_size, shuffle=True, drop_last=True)
+        ds.set_epoch(epoch)
+        sampler = DistributedSampler(ds, num_replicas=replicas, rank=rank, shuffle=True, seed=self.seed)
+        sampler.set_epoch(0)
+        workers = self.cfg.num_workers
+        return StatefulDataLoader(
+            ds,
+            batch_size=self.cfg.batch_size,
+            sampler=sampler,
+            num_workers=workers,
+            collate_fn=ds.collate,
+            persistent_workers=False,
+            pin_memory=torch.cuda.is_available(),
+            drop_last=True,
+        )
+
+    def _shard(self) -> tuple[int, int, int]:
+        """(ranks, this rank, epoch) of the training loader: the trainer's when attached; else the process
+        group's (the reference Fisher builds this loader for a trainer the data module is not attached to)."""
+        trainer = self.trainer
+        if trainer is not None:
+            return trainer.world_size, trainer.global_rank, trainer.current_epoch
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(), dist.get_rank(), 0
+        return 1, 0, 0
 
     def unsharded_train_batches(self) -> int:
         """Batches per epoch of the training loader before DDP shards it: LeanAgent's LR horizon unit."""

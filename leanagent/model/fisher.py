@@ -198,6 +198,8 @@ class _PerExampleGrads:
         self.received: dict[str, int] = {}
         self.partial: dict[str, torch.Tensor] = {}
         self.inputs: list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]] = []
+        self.casts: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.uses: dict[int, int] = {}  # id(linear input) -> Linear calls that read it
 
     def __enter__(self) -> _PerExampleGrads:
         attentions = _relative_bias_attentions(self.model)
@@ -221,30 +223,48 @@ class _PerExampleGrads:
             handle.remove()
         self.handles.clear()
 
-    # -- bookkeeping: a parameter used by several calls gets their per-example gradients summed first
+    # -- bookkeeping. A parameter used by several calls (here: the context and the premise forward) gets its
+    # per-example gradients summed over the calls before they are squared.
     def _expect(self, param: torch.Tensor | None) -> str | None:
         name = self.names.get(id(param)) if param is not None else None
         if name is not None:
             self.expected[name] = self.expected.get(name, 0) + 1
         return name
 
-    def _add(self, name: str | None, per_example: torch.Tensor) -> None:
-        if name is None:
-            return
-        per_example = per_example.float()
-        if name in self.partial:
-            per_example = per_example + self.partial.pop(name)
+    def _contribute(self, name: str, update: Callable[[torch.Tensor | None], torch.Tensor]) -> None:
+        """`update(per-example gradients of the earlier calls, or None)` returns them with this call's added."""
+        partial = update(self.partial.pop(name, None))
         self.received[name] = self.received.get(name, 0) + 1
         if self.received[name] < self.expected[name]:
-            self.partial[name] = per_example
+            self.partial[name] = partial
         else:
-            self.sums[name] += per_example.square().sum(dim=0)
+            self._square_into(name, partial)
+
+    def _square_into(self, name: str, per_example: torch.Tensor) -> None:
+        # sum_e g_e^2 in fp32, reading the (k, *shape) per-example gradients once.
+        norm = torch.linalg.vector_norm(per_example, ord=2, dim=0, dtype=torch.float32)
+        self.sums[name].addcmul_(norm, norm)
 
     def flush(self) -> None:
         """Calls whose output did not reach the loss never report: square what the others gave."""
         for name, per_example in self.partial.items():
-            self.sums[name] += per_example.square().sum(dim=0)
+            self._square_into(name, per_example)
         self.partial.clear()
+        self.casts.clear()
+        self.uses.clear()
+
+    def _cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x in the dtype its Linear layers ran in (autocast's bf16 copy), made once for all the layers reading x."""
+        if x.dtype == dtype:
+            return x
+        key = (id(x), dtype)
+        cast = self.casts.get(key)
+        if cast is None:
+            cast = self.casts[key] = x.to(dtype)
+        self.uses[id(x)] -= 1
+        if self.uses[id(x)] <= 0:
+            self.casts.pop(key, None)
+        return cast
 
     # -- hooks
     def _linear_hook(self, module: nn.Linear, args: tuple, output: torch.Tensor) -> None:
@@ -252,15 +272,26 @@ class _PerExampleGrads:
         if (weight is None and bias is None) or not output.requires_grad:
             return
         x = args[0]
+        if weight is not None:
+            self.uses[id(x)] = self.uses.get(id(x), 0) + 1
 
         def on_grad(dy: torch.Tensor) -> None:
             dy = dy.reshape(self.k, -1, dy.shape[-1])
             if weight is not None:
                 # In the dtype the layer ran in (bf16 under autocast), as the loop's weight gradient is.
-                xs = x.reshape(self.k, -1, x.shape[-1]).to(dy.dtype)
-                self._add(weight, torch.bmm(dy.transpose(1, 2), xs))
+                dyt = dy.transpose(1, 2)
+                xs = self._cast(x, dy.dtype).reshape(self.k, -1, x.shape[-1])
+
+                def add_outer(partial: torch.Tensor | None) -> torch.Tensor:
+                    if partial is None:
+                        return torch.bmm(dyt, xs)
+                    if partial.dtype == dyt.dtype:
+                        return partial.baddbmm_(dyt, xs)
+                    return partial.float() + torch.bmm(dyt, xs).float()
+
+                self._contribute(weight, add_outer)
             if bias is not None:
-                self._add(bias, dy.float().sum(dim=1))
+                self._contribute(bias, _plus(dy.float().sum(dim=1)))
 
         output.register_hook(on_grad)
 
@@ -276,7 +307,8 @@ class _PerExampleGrads:
             normed = x * torch.rsqrt(variance + module.variance_epsilon)
             if module.weight.dtype in (torch.float16, torch.bfloat16):
                 normed = normed.to(module.weight.dtype)
-            self._add(weight, (dy.float() * normed.float()).reshape(self.k, -1, dy.shape[-1]).sum(dim=1))
+            per_example = (dy.float() * normed.float()).reshape(self.k, -1, dy.shape[-1]).sum(dim=1)
+            self._contribute(weight, _plus(per_example))
 
         output.register_hook(on_grad)
 
@@ -290,12 +322,16 @@ class _PerExampleGrads:
             vocab, dim = module.weight.shape
             example = torch.arange(self.k, device=ids.device).repeat_interleave(ids.numel() // self.k)
             rows = example * vocab + ids.reshape(-1)
-            grad = torch.zeros(self.k * vocab, dim, device=dy.device, dtype=torch.float32)
-            grad.index_add_(0, rows, dy.reshape(-1, dim).float())
-            grad = grad.view(self.k, vocab, dim)
-            if module.padding_idx is not None:
-                grad[:, module.padding_idx] = 0
-            self._add(weight, grad)
+
+            def add_rows(partial: torch.Tensor | None) -> torch.Tensor:
+                if partial is None:
+                    partial = torch.zeros(self.k, vocab, dim, device=dy.device, dtype=torch.float32)
+                partial.view(self.k * vocab, dim).index_add_(0, rows, dy.reshape(-1, dim).float())
+                if module.padding_idx is not None:
+                    partial[:, module.padding_idx] = 0
+                return partial
+
+            self._contribute(weight, add_rows)
 
         # Asked for from autograd.grad, not hooked: the gradient it returns for the output is the complete one.
         self.inputs.append((output, on_grad))
@@ -319,12 +355,23 @@ class _PerExampleGrads:
         def on_grad(dp: torch.Tensor) -> None:
             heads, buckets = dp.shape[1], module.relative_attention_num_buckets
             per_example = dp.float().reshape(self.k, -1, heads, length * length).sum(dim=1)  # (k, heads, L*L)
-            grad = torch.zeros(self.k, heads, buckets, device=dp.device, dtype=torch.float32)
-            grad.scatter_add_(2, bucket.reshape(1, 1, -1).expand(self.k, heads, -1), per_example)
-            self._add(weight, grad.transpose(1, 2))  # (k, buckets, heads), as the table
+
+            def add_buckets(partial: torch.Tensor | None) -> torch.Tensor:
+                # Kept as (k, buckets, heads), the table's layout, over a (k, heads, buckets) tensor.
+                if partial is None:
+                    partial = torch.zeros(self.k, heads, buckets, device=dp.device, dtype=torch.float32).transpose(1, 2)
+                partial.transpose(1, 2).scatter_add_(2, bucket.reshape(1, 1, -1).expand(self.k, heads, -1),
+                                                     per_example)
+                return partial
+
+            self._contribute(weight, add_buckets)
 
         self.inputs.append((per_seq, on_grad))
         return args, {**kwargs, "position_bias": per_seq}
+
+
+def _plus(per_example: torch.Tensor) -> Callable[[torch.Tensor | None], torch.Tensor]:
+    return lambda partial: per_example if partial is None else partial + per_example
 
 
 def accumulate_squared_example_grads(retriever: PremiseRetriever, batch: dict[str, Any],

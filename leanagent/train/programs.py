@@ -173,6 +173,9 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
         "world_size": trainer.world_size,
         "target_epochs": plan.target_epochs,
         "resumed_from": plan.resume_from,
+        # The optimizer step training (re)started at: 0 from the base model, the step of resumed_from otherwise.
+        "start_global_step": next((cb.start_global_step for cb in trainer.callbacks
+                                   if hasattr(cb, "start_global_step")), 0),
         "unreadable_checkpoints": list(plan.unreadable),
         "dataset": str(dataset),
         "ewc": bool(fisher is not None and cfg.lifelong.ewc_lambda > 0),

@@ -8,12 +8,17 @@ step, no sanity validation, and the LR-monitor / checkpoint / early-stopping cal
 from __future__ import annotations
 
 import os
+import random
+import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
@@ -21,6 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from leanagent.config import TrainerConfig
 
 MONITOR = "Recall@10_val"
+LAST_CHECKPOINT = "last.ckpt"
 
 
 class RepositoryEarlyStopping(EarlyStopping):
@@ -38,6 +44,180 @@ class RepositoryEarlyStopping(EarlyStopping):
     def load_state_dict(self, state_dict: dict) -> None:
         if self.restore_state:
             super().load_state_dict(state_dict)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Every checkpoint of a training job is written whole or not at all.
+
+    `torch.save` into a temporary file in the same folder (`.NAME.XXXX.tmp`, which no checkpoint
+    pattern matches), `fsync`, `os.replace` over the target, then `fsync` of the folder so that the
+    rename itself survives a power cut. A crash at any point leaves the previous file as it was
+    (Lightning's own `_atomic_save` writes into the target). Serialising straight into the file also
+    avoids Lightning's in-memory copy of the whole checkpoint. Temporary files that a killed writer
+    left behind for the same target are removed before the next write.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):
+            stale.unlink(missing_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+class DatasetEpoch(Callback):
+    """Tells the training dataset (and sampler) which epoch starts: its negatives are a function of it.
+
+    The data module sets the same epoch when it builds the loader (from the trainer's restored
+    epoch), which covers a run resumed mid-epoch, where Lightning calls no `on_train_epoch_start`.
+    """
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loaders = trainer.train_dataloader
+        if isinstance(loaders, dict):
+            loaders = list(loaders.values())
+        elif not isinstance(loaders, (list, tuple)):
+            loaders = [loaders]
+        for loader in loaders:
+            for obj in (getattr(loader, "dataset", None), getattr(loader, "sampler", None)):
+                if callable(getattr(obj, "set_epoch", None)):
+                    obj.set_epoch(trainer.current_epoch)
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's RNG streams that training draws from (dropout), in types weights-only loading accepts."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class StepCheckpoint(Callback):
+    """Writes the job's `last.ckpt` during the epoch, every N optimizer steps and/or every M minutes.
+
+    What a retry resumes from (`plan_training` tries `last.ckpt` first). `Trainer.save_checkpoint`
+    is collective, so every rank decides alike: a step count is the same on every rank, and the
+    clock of rank 0 is broadcast (only when `every_minutes` is set, once per optimizer step). Not
+    on an epoch's last batch: ModelCheckpoint writes `last.ckpt` after validation a moment later,
+    and a checkpoint from between the two would resume past the epoch's validation.
+
+    The checkpoint holds Lightning's loop state and the loader's (see `RetrievalDataModule.
+    train_dataloader`); this callback adds every rank's RNG state (dropout), gathered to rank 0's
+    file, and puts it back when training restarts from it, so that a resumed run computes what the
+    uninterrupted one did. `start_global_step` is the optimizer step training (re)started at.
+    """
+
+    def __init__(self, dirpath: Path, every_n_steps: int | None = None, every_minutes: float | None = None) -> None:
+        self.dirpath = Path(dirpath)
+        self.every_n_steps = every_n_steps
+        self.every_seconds = every_minutes * 60 if every_minutes else None
+        self.start_global_step = 0
+        self.save_seconds: list[float] = []  # wall time of each step checkpoint written by this process
+        self._trainer: pl.Trainer | None = None
+        self._saving = False
+        self._last_step = 0
+        self._last_time = 0.0
+        self._loaded: dict[str, Any] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.every_n_steps or self.every_seconds)
+
+    @property
+    def path(self) -> Path:
+        return self.dirpath / LAST_CHECKPOINT
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start_global_step = self._last_step = trainer.global_step
+        self._last_time = time.monotonic()
+        loaded, self._loaded = self._loaded, None
+        if loaded and loaded.get("global_step") == trainer.global_step:
+            states = loaded.get("rng_states") or []
+            if len(states) == trainer.world_size:
+                _set_rng_state(states[trainer.global_rank])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if not self.enabled or step == self._last_step:
+            return  # no optimizer step since the last save (or accumulating gradients)
+        if batch_idx + 1 >= trainer.num_training_batches:
+            return  # the epoch's end: ModelCheckpoint writes last.ckpt after validation
+        due = bool(self.every_n_steps and step % self.every_n_steps == 0)
+        if self.every_seconds:
+            due_time = time.monotonic() - self._last_time >= self.every_seconds
+            due = due or bool(trainer.strategy.broadcast(due_time, src=0))
+        if not due:
+            return
+        started = time.monotonic()
+        path = str(self.path)
+        # The same file as the ModelCheckpoint of this folder writes at the epoch's end, and known to it as its
+        # last.ckpt (before saving: it is part of the state); else it would find a last.ckpt it did not write
+        # and put its own in last-v1.ckpt.
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath \
+                    and Path(callback.dirpath).resolve() == self.dirpath.resolve():
+                path = callback.last_model_path = callback.format_checkpoint_name({}, callback.CHECKPOINT_NAME_LAST)
+        self._saving = True
+        try:
+            trainer.save_checkpoint(path)
+        finally:
+            self._saving = False
+        self.save_seconds.append(time.monotonic() - started)
+        self._last_step, self._last_time = step, time.monotonic()
+        if trainer.global_rank == 0:
+            print(f"step checkpoint: epoch {trainer.current_epoch} step {step} -> {path} "
+                  f"in {self.save_seconds[-1]:.2f}s", flush=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Only in this callback's own checkpoints (collective: every rank is saving when it is called)."""
+        if not self._saving or self._trainer is None:
+            return {}
+        local = _rng_state()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            states: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(states, local)
+        else:
+            states = [local]
+        return {"global_step": self._trainer.global_step, "rng_states": states}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = dict(state_dict)
 
 
 def set_nccl_environment(cfg: TrainerConfig) -> None:
@@ -116,10 +296,13 @@ def build_training_trainer(cfg: TrainerConfig, job_dir: Path, max_epochs: int,
         checkpoint,
         RepositoryEarlyStopping(monitor=MONITOR, patience=cfg.early_stopping_patience, mode="max",
                                 restore_state=restore_early_stopping),
+        StepCheckpoint(job_dir / "checkpoints", cfg.checkpoint_every_n_steps, cfg.checkpoint_every_minutes),
+        DatasetEpoch(),
         *(extra_callbacks or []),
     ]
     return pl.Trainer(
         **_common(cfg, job_dir),
+        plugins=[AtomicCheckpointIO()],
         gradient_clip_val=cfg.gradient_clip_val,
         accumulate_grad_batches=cfg.accumulate_grad_batches,
         callbacks=callbacks,

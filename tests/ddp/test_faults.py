@@ -1,0 +1,324 @@
+"""Faults injected into real processes: whatever happens to a rank or to its supervisor, nothing of the job is
+left running.
+
+Each test learns the job's processes by pid AND start time (pid files the ranks write, or the supervisor's
+descendants in /proc just before the fault), so a recycled pid never counts as a survivor, and a zombie
+(ended, waiting for init to reap it) counts as gone. Deadlines are generous (this runs on a busy 2-core
+machine); the measured times are printed (`pytest -s`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from leanagent.config import TrainerConfig
+from leanagent.train.launch import LaunchError, launch
+from leanagent.train.supervision import descendants, is_running, process_table, read_proc
+
+from .conftest import REPO_ROOT, write_config
+
+pytestmark = pytest.mark.ddp
+CPU2 = TrainerConfig(accelerator="cpu", devices=2, precision="32-true")
+STARTUP_S = 180.0  # torchrun + two Python ranks (+ Prefect) starting on a loaded 2-core machine
+GONE_S = 30.0  # the brief's "within a few seconds", with room for a busy machine
+
+# Run under torchrun. Options (comma-separated): watch (start leanagent's supervision like the real programs),
+# ignore-term (SIGTERM does nothing), beat (touch the heartbeat file every 0.2 s), beat-once. Each rank writes
+# `pid{rank}` = "pid start" once its options are in force, then waits forever.
+PROBE = '''
+import os, signal, sys, time
+from pathlib import Path
+
+options, out = set(sys.argv[1].split(",")), Path(sys.argv[2])
+rank = int(os.environ["RANK"])
+if "watch" in options:
+    from leanagent.train import supervision
+    supervision.start()
+if "ignore-term" in options:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+from leanagent.train.supervision import start_time
+out.mkdir(parents=True, exist_ok=True)
+(out / f"pid{rank}").write_text(f"{os.getpid()} {start_time(os.getpid())}")
+print(f"rank {rank} ready with {sorted(options)}", flush=True)
+beats = out / "heartbeat"
+first = True
+while True:
+    if "beat" in options or ("beat-once" in options and first):
+        beats.mkdir(exist_ok=True)
+        tmp = beats / f".rank{rank}.tmp"
+        tmp.write_text("{}")
+        os.replace(tmp, beats / f"rank{rank}.json")
+    first = False
+    time.sleep(0.2)
+'''
+
+
+@pytest.fixture
+def probe(tmp_path: Path) -> Path:
+    path = tmp_path / "fault_probe.py"
+    path.write_text(PROBE)
+    return path
+
+
+@pytest.fixture
+def leftovers() -> dict[int, int]:
+    """Processes a test started (pid -> start time); any still running at teardown are SIGKILLed."""
+    known: dict[int, int] = {}
+    yield known
+    for pid, start in known.items():
+        if is_running(pid, start):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
+def _running(procs: dict[int, int]) -> list[str]:
+    return [f"{pid} [{read_proc(pid).state}] {_cmdline(pid)[:160]}" for pid, start in procs.items()
+            if is_running(pid, start)]
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            pytest.fail(f"the supervising process exited ({proc.returncode}) before {what}:\n{out[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def _wait_gone(procs: dict[int, int], timeout_s: float = GONE_S) -> float:
+    """Seconds until none of `procs` runs; fails naming the survivors."""
+    started = time.monotonic()
+    while _running(procs):
+        if time.monotonic() - started > timeout_s:
+            pytest.fail(f"still running {timeout_s:.0f} s after the fault:\n" + "\n".join(_running(procs)))
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def _rank_pids(out: Path, n: int = 2) -> dict[int, int]:
+    procs = {}
+    for rank in range(n):
+        pid, start = (int(x) for x in (out / f"pid{rank}").read_text().split())
+        procs[pid] = start
+    return procs
+
+
+def _ranks_ready(out: Path, n: int = 2) -> bool:
+    return all((out / f"pid{r}").is_file() and (out / f"pid{r}").read_text().strip() for r in range(n))
+
+
+def _tree(pid: int) -> dict[int, int]:
+    """The live descendants of `pid`, by start time: what must be gone once `pid` is."""
+    table = process_table()
+    return {p: table[p].start for p in descendants(table, {pid}) if table[p].running}
+
+
+# --- the launcher ends every rank itself -----------------------------------------------------------------
+
+
+def test_a_stopped_rank_that_ignores_sigterm_is_killed_before_launch_returns(tmp_path, probe, leftovers):
+    """SIGSTOP on rank 1 (as a rank stuck in a collective): the heartbeat watchdog ends the job, and the
+    stopped rank (in its own session, out of reach of torchrun's group) is gone when launch() returns."""
+    out = tmp_path / "job"
+
+    def stop_rank_1() -> None:
+        deadline = time.monotonic() + STARTUP_S
+        while not _ranks_ready(out) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _ranks_ready(out):
+            leftovers.update(_rank_pids(out))
+            time.sleep(1.0)
+            os.kill(_pid_of_rank(out, 1), signal.SIGSTOP)
+
+    stopper = threading.Thread(target=stop_rank_1, daemon=True)
+    stopper.start()
+    started = time.monotonic()
+    # timeout_s only guards the test against a hang; the heartbeat is what must end the job.
+    with pytest.raises(LaunchError, match=r"no heartbeat for 10 s from rank1"):
+        launch(CPU2, [], out, heartbeat_timeout_s=10, grace_s=2, timeout_s=STARTUP_S + 60,
+               entry=[str(probe), "beat,ignore-term", str(out)])
+    returned = time.monotonic() - started
+    stopper.join(timeout=5)
+    procs = _rank_pids(out)
+    assert not _running(procs), f"ranks outlived launch(): {_running(procs)}"
+    print(f"\n[faults] stopped rank: launch() returned {returned:.1f} s after the start, no rank left")
+
+
+def _pid_of_rank(out: Path, rank: int) -> int:
+    return int((out / f"pid{rank}").read_text().split()[0])
+
+
+def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_not_orphaned(tmp_path, probe, leftovers):
+    """torchrun waits 30 s before it SIGKILLs its workers; the launcher must not kill torchrun first and leave
+    the ranks behind: it SIGKILLs the ranks themselves after its own grace (2 s here)."""
+    out = tmp_path / "job"
+    with pytest.raises(LaunchError, match=r"no heartbeat for 20 s"):
+        launch(CPU2, [], out, heartbeat_timeout_s=20, grace_s=2, timeout_s=STARTUP_S + 60,
+               entry=[str(probe), "beat-once,ignore-term", str(out)])
+    procs = _rank_pids(out)
+    leftovers.update(procs)
+    assert not _running(procs), f"ranks outlived launch(): {_running(procs)}"
+
+
+# --- the supervisor dies ----------------------------------------------------------------------------------
+
+SUPERVISOR = (
+    "import sys; from pathlib import Path;"
+    "from leanagent.config import TrainerConfig; from leanagent.train.launch import launch;"
+    "out = Path(sys.argv[1]);"
+    "launch(TrainerConfig(accelerator='cpu', devices=2), [], out, entry=[sys.argv[2], sys.argv[3], str(out)])"
+)
+
+
+@pytest.mark.parametrize("options, stop_rank_1", [
+    ("plain", False),  # the ranks cannot watch: torchrun's parent-death signal must end them
+    ("watch,ignore-term", False),  # only the ranks' own watchers can end them quickly
+    ("watch,ignore-term", True),  # a stopped rank cannot watch: its sibling's watcher kills it
+], ids=["pdeathsig", "watchers", "stopped-sibling"])
+def test_sigkill_of_the_supervisor_leaves_nothing(tmp_path, probe, leftovers, options, stop_rank_1):
+    out = tmp_path / "job"
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(out), str(probe), options], cwd=REPO_ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    leftovers[sup.pid] = read_proc(sup.pid).start
+    _wait_for(lambda: _ranks_ready(out), STARTUP_S, "both ranks started", sup)
+    job = {**_tree(sup.pid), **_rank_pids(out)}
+    leftovers.update(job)
+    assert len(job) >= 3, f"expected torchrun and two ranks under the supervisor, found {job}"
+    if stop_rank_1:
+        os.kill(_pid_of_rank(out, 1), signal.SIGSTOP)
+        time.sleep(0.5)
+    sup.kill()
+    elapsed = _wait_gone(job)
+    sup.wait(timeout=10)
+    print(f"\n[faults] SIGKILL of the supervisor ({options}, stopped rank: {stop_rank_1}): "
+          f"all {len(job)} processes gone after {elapsed:.1f} s")
+    if "watch" in options:
+        # torchrun's own fallback (SIGKILL 30 s after its SIGTERM) did not do it: the watchers did.
+        assert elapsed < 20, f"took {elapsed:.1f} s: the ranks' watchers did not act"
+
+
+# --- the command line -----------------------------------------------------------------------------------
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    return subprocess.Popen([sys.executable, "-m", "leanagent.cli", *args], cwd=REPO_ROOT, env={**base, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _pid_records(folder: Path) -> dict[int, int]:
+    """The pid records the real rank programs write into their job folder (JOB/pids/rankN.json)."""
+    records = {}
+    for path in folder.glob("rank*.json"):
+        data = json.loads(path.read_text())
+        records[data["pid"]] = data["start"]
+    return records
+
+
+def test_sigterm_to_leanagent_train_ends_the_job_and_exits_143(tmp_path, ddp_assets, leftovers):
+    cfg = write_config(tmp_path / "cfg.yaml", ddp_assets["model"], lifelong={"epochs_per_repo": 50})
+    out = tmp_path / "job"
+    cli = _cli("train", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]), "--out", str(out))
+    leftovers[cli.pid] = read_proc(cli.pid).start
+    _wait_for(lambda: len(_pid_records(out / "pids")) == 2 and (out / "heartbeat" / "rank1.json").is_file(),
+              STARTUP_S, "both ranks running", cli)
+    time.sleep(2.0)
+    job = {**_tree(cli.pid), **_pid_records(out / "pids")}
+    leftovers.update(job)
+    cli.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    output, _ = cli.communicate(timeout=120)
+    exited = time.monotonic() - started
+    assert cli.returncode == 143, output[-3000:]
+    assert "interrupted (SIGTERM)" in output
+    assert not _running(job), f"left behind by `leanagent train`: {_running(job)}"
+    assert not (out / "result.json").exists()
+    print(f"\n[faults] SIGTERM to leanagent train: exited 143 after {exited:.1f} s, all {len(job)} processes gone")
+
+
+def _run_config(tmp_path: Path, ddp_assets: dict[str, Path]) -> tuple[Path, Path]:
+    cfg = write_config(tmp_path / "cfg.yaml", ddp_assets["model"], lifelong={"epochs_per_repo": 50})
+    data = yaml.safe_load(cfg.read_text())
+    run_dir = tmp_path / "run"
+    data.update(run_dir=str(run_dir), repos=[{"path": str(ddp_assets["repo_a"])}])
+    cfg.write_text(yaml.safe_dump(data))
+    return cfg, run_dir
+
+
+def _own_prefect_home(tmp_path: Path) -> dict[str, str]:
+    """`leanagent run` with Prefect's temporary server, in a Prefect home of its own (not the user's database)."""
+    return {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": "",
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+
+
+def _train_pids(run_dir: Path) -> dict[int, int]:
+    records: dict[int, int] = {}
+    for folder in (run_dir / "jobs").glob("*/train/pids"):
+        records.update(_pid_records(folder))
+    return records
+
+
+def _manifest_stage(run_dir: Path, stage: str) -> dict:
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    (repo,) = manifest["repos"].values()
+    return repo["stages"][stage]
+
+
+def test_sigkill_to_leanagent_run_leaves_no_rank_and_no_prefect_server(tmp_path, ddp_assets, leftovers):
+    cfg, run_dir = _run_config(tmp_path, ddp_assets)
+    cli = _cli("run", "--config", str(cfg), env=_own_prefect_home(tmp_path))
+    leftovers[cli.pid] = read_proc(cli.pid).start
+    _wait_for(lambda: len(_train_pids(run_dir)) == 2, 2 * STARTUP_S, "the training job's ranks running", cli)
+    time.sleep(2.0)
+    job = {**_tree(cli.pid), **_train_pids(run_dir)}
+    leftovers.update(job)
+    commands = {pid: _cmdline(pid) for pid in job}
+    assert any("uvicorn" in c and "prefect.server" in c for c in commands.values()), commands
+    assert sum("leanagent.train.programs" in c and "torch.distributed.run" not in c for c in commands.values()) == 2
+    assert any("torch.distributed.run" in c for c in commands.values()), commands
+    cli.kill()
+    elapsed = _wait_gone(job)
+    cli.communicate(timeout=10)
+    print(f"\n[faults] SIGKILL of leanagent run: ranks, torchrun and the Prefect server ({len(job)} processes) "
+          f"gone after {elapsed:.1f} s")
+
+
+def test_sigint_to_leanagent_run_records_the_stage_interrupted(tmp_path, ddp_assets, leftovers):
+    cfg, run_dir = _run_config(tmp_path, ddp_assets)
+    cli = _cli("run", "--config", str(cfg), env=_own_prefect_home(tmp_path))
+    leftovers[cli.pid] = read_proc(cli.pid).start
+    _wait_for(lambda: len(_train_pids(run_dir)) == 2, 2 * STARTUP_S, "the training job's ranks running", cli)
+    time.sleep(2.0)
+    job = {**_tree(cli.pid), **_train_pids(run_dir)}
+    leftovers.update(job)
+    cli.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    output, _ = cli.communicate(timeout=120)
+    exited = time.monotonic() - started
+    assert cli.returncode == 130, output[-3000:]
+    assert not _running(job), f"left behind by `leanagent run`: {_running(job)}"
+    stage = _manifest_stage(run_dir, "train")
+    assert stage["status"] == "interrupted", stage
+    assert "SIGINT" in stage["reason"]
+    assert _manifest_stage(run_dir, "eval-untrained")["status"] == "done"
+    print(f"\n[faults] SIGINT to leanagent run: exited 130 after {exited:.1f} s, all {len(job)} processes gone, "
+          f"train stage recorded interrupted")
