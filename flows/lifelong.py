@@ -58,9 +58,10 @@ INTERRUPTS = (KeyboardInterrupt, SystemExit, ExternalSignal, Abort, asyncio.Canc
 
 
 def describe_interrupt(exc: BaseException) -> str:
+    """`SIGTERM (TerminationSignal)`, `SIGINT (Interrupted)`, `KeyboardInterrupt`, `Abort: ...`."""
     signum = getattr(exc, "signum", None) or getattr(exc, "signal", None)
     if isinstance(signum, int) and signum in signal.Signals._value2member_map_:
-        return f"{type(exc).__name__} ({signal.Signals(signum).name})"
+        return f"{signal.Signals(signum).name} ({type(exc).__name__})"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
@@ -235,7 +236,7 @@ def run_from_cli(config_path: str) -> int:
         return 2
     except (KeyboardInterrupt, ExternalSignal) as exc:
         code = getattr(exc, "exit_code", None) or 128 + int(getattr(exc, "signal", signal.SIGINT))
-        print(f"interrupted ({describe_interrupt(exc)}): every job was ended; rerun the same command to resume",
+        print(f"interrupted by {describe_interrupt(exc)}: every job was ended; rerun the same command to resume",
               file=sys.stderr)
         return code
     report = RunReport(summary["order"], summary["rows"], summary["matrix"], summary["baseline"])

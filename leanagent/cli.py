@@ -116,7 +116,7 @@ def cmd_job(args: argparse.Namespace) -> int:
     except (ConfigError, JobInputError, JobFinishedError, LaunchError) as exc:
         return _fail(str(exc))
     except Interrupted as exc:
-        print(f"interrupted ({exc}): the job was ended; rerun the same command to resume", file=sys.stderr)
+        print(f"interrupted by {exc}: the job was ended; rerun the same command to resume", file=sys.stderr)
         return exc.exit_code
     print(json.dumps(result, indent=2, sort_keys=True))
     return 0
@@ -230,7 +230,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             return run_from_cli(args.config)
         except Interrupted as exc:  # one that landed outside the flow (while importing, or after it)
-            print(f"interrupted ({exc}): every job was ended; rerun the same command to resume", file=sys.stderr)
+            print(f"interrupted by {exc}: every job was ended; rerun the same command to resume", file=sys.stderr)
             return exc.exit_code
 
 

@@ -6,6 +6,7 @@ or touches a GPU, and every DDP rank parses the same files deterministically.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -111,18 +112,20 @@ class RetrievalDataModule(pl.LightningDataModule):
         ds = self.train_dataset()
         ds.set_epoch(epoch)
         sampler = DistributedSampler(ds, num_replicas=replicas, rank=rank, shuffle=True, seed=self.seed)
-        sampler.set_epoch(0)
-        workers = self.cfg.num_workers
-        return StatefulDataLoader(
-            ds,
-            batch_size=self.cfg.batch_size,
-            sampler=sampler,
-            num_workers=workers,
-            collate_fn=ds.collate,
-            persistent_workers=False,
-            pin_memory=torch.cuda.is_available(),
-            drop_last=True,
-        )
+        sampler.set_epoch(epoch)
+        with warnings.catch_warnings():
+            # torchdata 0.11 calls torch.set_vital, deprecated in recent torch: noise in every rank's log.
+            warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated", category=UserWarning)
+            return StatefulDataLoader(
+                ds,
+                batch_size=self.cfg.batch_size,
+                sampler=sampler,
+                num_workers=self.cfg.num_workers,
+                collate_fn=ds.collate,
+                persistent_workers=False,
+                pin_memory=torch.cuda.is_available(),
+                drop_last=True,
+            )
 
     def _shard(self) -> tuple[int, int, int]:
         """(ranks, this rank, epoch) of the training loader: the trainer's when attached; else the process

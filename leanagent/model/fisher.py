@@ -67,6 +67,7 @@ class FisherModule(pl.LightningModule):
         self.count = 0
         self.fisher: dict[str, torch.Tensor] = {}
         self.num_examples = 0
+        self._hooks: _PerExampleGrads | None = None
 
     def configure_optimizers(self) -> None:
         return None
@@ -87,7 +88,10 @@ class FisherModule(pl.LightningModule):
         # Dropout off: the Fisher describes the model as it is used, and must not depend on the rank's RNG.
         self.retriever.eval()
         if self.resolved_method(batch["context_ids"].device) == "vectorised":
-            self.count += accumulate_squared_example_grads(self.retriever, batch, self.sums)
+            if self._hooks is None:
+                self._hooks = _PerExampleGrads(self.retriever, {id(p): n for n, p in self.retriever.named_parameters()
+                                                                if n in self.names})
+            self.count += accumulate_squared_example_grads(self.retriever, batch, self.sums, self._hooks)
             return
         params = [p for n, p in self.retriever.named_parameters() if n in self.names]
         for i in range(len(batch["index"])):
@@ -176,46 +180,68 @@ def example_major_batch(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tens
 
 
 class _PerExampleGrads:
-    """Forward hooks that rebuild each example's gradient from activations and output gradients.
+    """Rebuilds each example's gradient from activations and output gradients, for a whole batch at once.
 
     Every forward holds `k` examples' sequences, example-major (example e's are consecutive, as many for
     each example); the loss is the sum of the examples' own losses, so the gradient of the loss at the
     tokens of e's sequences is the gradient of e's own loss there (and 0 at padding, which attention
-    masks out and pooling ignores).
-    A parameter's gradient for example e is then a sum over e's tokens alone:
+    masks out and pooling ignores). A parameter's gradient for example e is then a sum over e's tokens:
     Linear W: sum_t dy_t x_t^T (bias: sum_t dy_t); T5LayerNorm (RMS norm, weight only): sum_t dy_t * x_t/rms(x_t);
     Embedding: dy_t added to the row of token t; the relative attention bias (one table shared by all
     layers): the gradient of each sequence's own copy of the (heads, L, L) position bias, summed by bucket.
+    A parameter used by several calls (here: the context and the premise forward) has its per-example
+    gradients summed over the calls before they are squared.
+
+    Forward hooks only record each call's input and output; one `autograd.grad` then returns the
+    gradients of all the outputs (the weights' own gradients are never formed), and parameters of one
+    kind and shape (the 12 layers' wi_0 and wi_1, ...) are done together: one batched matmul per
+    forward, one reduction, one multi-tensor add. Few, large kernels: a bf16 GPU step at batch 4 is
+    otherwise bound by kernel launches and Python, not by arithmetic.
     """
 
-    def __init__(self, model: nn.Module, names: dict[int, str], sums: dict[str, torch.Tensor], k: int) -> None:
-        self.model = model
-        self.names = names  # id(parameter) -> name, trainable parameters only
-        self.sums = sums
-        self.k = k
-        self.handles: list[Any] = []
-        self.expected: dict[str, int] = {}
-        self.received: dict[str, int] = {}
-        self.partial: dict[str, torch.Tensor] = {}
-        self.inputs: list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]] = []
-        self.casts: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        self.uses: dict[int, int] = {}  # id(linear input) -> Linear calls that read it
+    # Devices where sum_e g_e^2 is one reduction over the examples rather than k in-place products:
+    # that reduction was 10-30x slower than the products on the CPU.
+    reduce_on: tuple[str, ...] = ("cuda",)
+    # At most about this many per-example gradient entries at a time: a group's parameters are cut to fit.
+    chunk_entries: int = 2**28
 
-    def __enter__(self) -> _PerExampleGrads:
-        attentions = _relative_bias_attentions(self.model)
-        tables = {id(m.relative_attention_bias) for m in attentions}
-        for module in attentions:
-            if id(module.relative_attention_bias.weight) in self.names:
-                self.handles.append(module.register_forward_pre_hook(self._bias_pre_hook, with_kwargs=True))
-        for module in self.model.modules():
+    def __init__(self, model: nn.Module, names: dict[int, str]) -> None:
+        """Built once per model: `names` maps id(parameter) to its name, for the trainable parameters only."""
+        self.names = names
+        self.bias_attentions = [m for m in _relative_bias_attentions(model)
+                                if id(m.relative_attention_bias.weight) in names]
+        tables = {id(m.relative_attention_bias) for m in _relative_bias_attentions(model)}
+        # (module, kind, names of its trainable parameters): only modules with one are hooked.
+        self.hooked: list[tuple[nn.Module, str, tuple[str | None, ...]]] = []
+        for module in model.modules():
             if id(module) in tables:
                 continue
             if isinstance(module, nn.Linear):
-                self.handles.append(module.register_forward_hook(self._linear_hook))
+                bias = names.get(id(module.bias)) if module.bias is not None else None
+                kind, own = "linear", (names.get(id(module.weight)), bias)
             elif isinstance(module, nn.Embedding):
-                self.handles.append(module.register_forward_hook(self._embedding_hook))
+                kind, own = "embedding", (names.get(id(module.weight)),)
             elif isinstance(module, T5LayerNorm):
-                self.handles.append(module.register_forward_hook(self._norm_hook))
+                kind, own = "norm", (names.get(id(module.weight)),)
+            else:
+                continue
+            if any(n is not None for n in own):
+                self.hooked.append((module, kind, own))
+        self.handles: list[Any] = []
+        self.start(0)
+
+    def start(self, k: int) -> _PerExampleGrads:
+        """A new batch of `k` examples."""
+        self.k = k
+        # (kind, module, parameter names, the call's input (or bucket index), the tensor whose gradient is needed)
+        self.records: list[tuple[str, nn.Module, tuple[str | None, ...], torch.Tensor, torch.Tensor]] = []
+        return self
+
+    def __enter__(self) -> _PerExampleGrads:
+        for module in self.bias_attentions:
+            self.handles.append(module.register_forward_pre_hook(self._bias_pre_hook, with_kwargs=True))
+        for module, kind, own in self.hooked:
+            self.handles.append(module.register_forward_hook(self._recorder(kind, own)))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -223,118 +249,13 @@ class _PerExampleGrads:
             handle.remove()
         self.handles.clear()
 
-    # -- bookkeeping. A parameter used by several calls (here: the context and the premise forward) gets its
-    # per-example gradients summed over the calls before they are squared.
-    def _expect(self, param: torch.Tensor | None) -> str | None:
-        name = self.names.get(id(param)) if param is not None else None
-        if name is not None:
-            self.expected[name] = self.expected.get(name, 0) + 1
-        return name
+    # -- forward: record the calls
+    def _recorder(self, kind: str, own: tuple[str | None, ...]) -> Callable:
+        def record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if output.requires_grad:
+                self.records.append((kind, module, own, args[0], output))
 
-    def _contribute(self, name: str, update: Callable[[torch.Tensor | None], torch.Tensor]) -> None:
-        """`update(per-example gradients of the earlier calls, or None)` returns them with this call's added."""
-        partial = update(self.partial.pop(name, None))
-        self.received[name] = self.received.get(name, 0) + 1
-        if self.received[name] < self.expected[name]:
-            self.partial[name] = partial
-        else:
-            self._square_into(name, partial)
-
-    def _square_into(self, name: str, per_example: torch.Tensor) -> None:
-        # sum_e g_e^2 in fp32, reading the (k, *shape) per-example gradients once.
-        norm = torch.linalg.vector_norm(per_example, ord=2, dim=0, dtype=torch.float32)
-        self.sums[name].addcmul_(norm, norm)
-
-    def flush(self) -> None:
-        """Calls whose output did not reach the loss never report: square what the others gave."""
-        for name, per_example in self.partial.items():
-            self._square_into(name, per_example)
-        self.partial.clear()
-        self.casts.clear()
-        self.uses.clear()
-
-    def _cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """x in the dtype its Linear layers ran in (autocast's bf16 copy), made once for all the layers reading x."""
-        if x.dtype == dtype:
-            return x
-        key = (id(x), dtype)
-        cast = self.casts.get(key)
-        if cast is None:
-            cast = self.casts[key] = x.to(dtype)
-        self.uses[id(x)] -= 1
-        if self.uses[id(x)] <= 0:
-            self.casts.pop(key, None)
-        return cast
-
-    # -- hooks
-    def _linear_hook(self, module: nn.Linear, args: tuple, output: torch.Tensor) -> None:
-        weight, bias = self._expect(module.weight), self._expect(module.bias)
-        if (weight is None and bias is None) or not output.requires_grad:
-            return
-        x = args[0]
-        if weight is not None:
-            self.uses[id(x)] = self.uses.get(id(x), 0) + 1
-
-        def on_grad(dy: torch.Tensor) -> None:
-            dy = dy.reshape(self.k, -1, dy.shape[-1])
-            if weight is not None:
-                # In the dtype the layer ran in (bf16 under autocast), as the loop's weight gradient is.
-                dyt = dy.transpose(1, 2)
-                xs = self._cast(x, dy.dtype).reshape(self.k, -1, x.shape[-1])
-
-                def add_outer(partial: torch.Tensor | None) -> torch.Tensor:
-                    if partial is None:
-                        return torch.bmm(dyt, xs)
-                    if partial.dtype == dyt.dtype:
-                        return partial.baddbmm_(dyt, xs)
-                    return partial.float() + torch.bmm(dyt, xs).float()
-
-                self._contribute(weight, add_outer)
-            if bias is not None:
-                self._contribute(bias, _plus(dy.float().sum(dim=1)))
-
-        output.register_hook(on_grad)
-
-    def _norm_hook(self, module: T5LayerNorm, args: tuple, output: torch.Tensor) -> None:
-        weight = self._expect(module.weight)
-        if weight is None or not output.requires_grad:
-            return
-        x = args[0]
-
-        def on_grad(dy: torch.Tensor) -> None:
-            # T5LayerNorm.forward's own arithmetic, so the normalised input is the one it multiplied.
-            variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-            normed = x * torch.rsqrt(variance + module.variance_epsilon)
-            if module.weight.dtype in (torch.float16, torch.bfloat16):
-                normed = normed.to(module.weight.dtype)
-            per_example = (dy.float() * normed.float()).reshape(self.k, -1, dy.shape[-1]).sum(dim=1)
-            self._contribute(weight, _plus(per_example))
-
-        output.register_hook(on_grad)
-
-    def _embedding_hook(self, module: nn.Embedding, args: tuple, output: torch.Tensor) -> None:
-        weight = self._expect(module.weight)
-        if weight is None or not output.requires_grad:
-            return
-        ids = args[0]
-
-        def on_grad(dy: torch.Tensor) -> None:
-            vocab, dim = module.weight.shape
-            example = torch.arange(self.k, device=ids.device).repeat_interleave(ids.numel() // self.k)
-            rows = example * vocab + ids.reshape(-1)
-
-            def add_rows(partial: torch.Tensor | None) -> torch.Tensor:
-                if partial is None:
-                    partial = torch.zeros(self.k, vocab, dim, device=dy.device, dtype=torch.float32)
-                partial.view(self.k * vocab, dim).index_add_(0, rows, dy.reshape(-1, dim).float())
-                if module.padding_idx is not None:
-                    partial[:, module.padding_idx] = 0
-                return partial
-
-            self._contribute(weight, add_rows)
-
-        # Asked for from autograd.grad, not hooked: the gradient it returns for the output is the complete one.
-        self.inputs.append((output, on_grad))
+        return record
 
     def _bias_pre_hook(self, module: T5Attention, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         hidden = args[0] if args else kwargs["hidden_states"]
@@ -342,7 +263,6 @@ class _PerExampleGrads:
             return None
         if kwargs.get("cache") is not None:
             raise RuntimeError("the vectorised Fisher runs the encoder without a cache")
-        weight = self._expect(module.relative_attention_bias.weight)
         seqs, length = hidden.shape[0], hidden.shape[1]
         shared = module.compute_bias(length, length, device=hidden.device)  # (1, heads, L, L)
         # One copy per sequence, so that its gradient is per sequence; the module and the later layers use it.
@@ -351,55 +271,129 @@ class _PerExampleGrads:
         bucket = module._relative_position_bucket(
             position[None, :] - position[:, None], bidirectional=not module.is_decoder,
             num_buckets=module.relative_attention_num_buckets, max_distance=module.relative_attention_max_distance)
-
-        def on_grad(dp: torch.Tensor) -> None:
-            heads, buckets = dp.shape[1], module.relative_attention_num_buckets
-            per_example = dp.float().reshape(self.k, -1, heads, length * length).sum(dim=1)  # (k, heads, L*L)
-
-            def add_buckets(partial: torch.Tensor | None) -> torch.Tensor:
-                # Kept as (k, buckets, heads), the table's layout, over a (k, heads, buckets) tensor.
-                if partial is None:
-                    partial = torch.zeros(self.k, heads, buckets, device=dp.device, dtype=torch.float32).transpose(1, 2)
-                partial.transpose(1, 2).scatter_add_(2, bucket.reshape(1, 1, -1).expand(self.k, heads, -1),
-                                                     per_example)
-                return partial
-
-            self._contribute(weight, add_buckets)
-
-        self.inputs.append((per_seq, on_grad))
+        name = self.names[id(module.relative_attention_bias.weight)]
+        self.records.append(("bias", module, (name,), bucket, per_seq))
         return args, {**kwargs, "position_bias": per_seq}
 
+    # -- backward to the recorded outputs, then the per-example gradients, squared into `sums`
+    def backward(self, loss: torch.Tensor, sums: dict[str, torch.Tensor]) -> None:
+        records, self.records = self.records, []
+        grads = torch.autograd.grad(loss, [r[-1] for r in records], allow_unused=True)
+        # A parameter's calls, [(input, output gradient)], in call order; calls that did not reach the loss dropped.
+        calls: dict[tuple[str, nn.Module, tuple], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for (kind, module, names, aux, _), grad in zip(records, grads, strict=True):
+            if grad is not None:
+                calls.setdefault((kind, module, names), []).append((aux, grad))
+        del records, grads
+        groups: dict[tuple, list[tuple[tuple, nn.Module, list]]] = {}
+        for (kind, module, names), done in calls.items():
+            if kind == "embedding":
+                self._embedding(module, names[0], done, sums)
+            elif kind == "bias":
+                self._relative_bias(module, names[0], done, sums)
+            else:  # done together: same kind, parameter shape, norm epsilon, and the same shapes call by call
+                key = (kind, module.weight.shape, module.weight.dtype, getattr(module, "variance_epsilon", None),
+                       tuple((x.shape, x.dtype, g.shape, g.dtype) for x, g in done))
+                groups.setdefault(key, []).append((names, module, done))
+        del calls
+        for (kind, shape, *_), members in groups.items():
+            size = max(1, self.chunk_entries // (self.k * shape.numel()))
+            for i in range(0, len(members), size):
+                (self._linears if kind == "linear" else self._norms)(members[i : i + size], sums)
 
-def _plus(per_example: torch.Tensor) -> Callable[[torch.Tensor | None], torch.Tensor]:
-    return lambda partial: per_example if partial is None else partial + per_example
+    def _linears(self, members: list[tuple[tuple, nn.Module, list]], sums: dict[str, torch.Tensor]) -> None:
+        k, m = self.k, len(members)
+        with_weight, with_bias = members[0][0][0] is not None, members[0][0][1] is not None
+        weight = bias = None
+        for call in range(len(members[0][2])):
+            dy = torch.stack([done[call][1].reshape(k, -1, done[call][1].shape[-1]) for _, _, done in members])
+            dy = dy.view(m * k, -1, dy.shape[-1])  # (m k, tokens of one example in this call, out)
+            if with_weight:
+                # The input in the dtype the layer ran in (autocast's bf16), as the loop's weight gradient is.
+                x = torch.stack([done[call][0].reshape(k, -1, done[call][0].shape[-1]) for _, _, done in members])
+                x = x.view(m * k, -1, x.shape[-1]).to(dy.dtype)
+                dyt = dy.transpose(1, 2)
+                weight = torch.bmm(dyt, x) if weight is None else weight.baddbmm_(dyt, x)
+            if with_bias:
+                part = dy.float().sum(dim=1)
+                bias = part if bias is None else bias + part
+        if with_weight:
+            self._square([names[0] for names, _, _ in members], weight.view(m, k, *weight.shape[1:]), sums)
+        if with_bias:
+            self._square([names[1] for names, _, _ in members], bias.view(m, k, -1), sums)
+
+    def _norms(self, members: list[tuple[tuple, nn.Module, list]], sums: dict[str, torch.Tensor]) -> None:
+        k, m = self.k, len(members)
+        module = members[0][1]
+        total = None
+        for call in range(len(members[0][2])):
+            x = torch.stack([done[call][0] for _, _, done in members])
+            dy = torch.stack([done[call][1] for _, _, done in members])
+            # T5LayerNorm.forward's own arithmetic, so the normalised input is the one it multiplied.
+            variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+            normed = x * torch.rsqrt(variance + module.variance_epsilon)
+            if module.weight.dtype in (torch.float16, torch.bfloat16):
+                normed = normed.to(module.weight.dtype)
+            part = (dy.float() * normed.float()).view(m, k, -1, dy.shape[-1]).sum(dim=2)
+            total = part if total is None else total + part
+        self._square([names[0] for names, _, _ in members], total, sums)
+
+    def _embedding(self, module: nn.Embedding, name: str, done: list, sums: dict[str, torch.Tensor]) -> None:
+        vocab, dim = module.weight.shape
+        grad = torch.zeros(self.k, vocab, dim, device=module.weight.device, dtype=torch.float32)
+        for ids, dy in done:
+            example = torch.arange(self.k, device=ids.device).repeat_interleave(ids.numel() // self.k)
+            grad.view(self.k * vocab, dim).index_add_(0, example * vocab + ids.reshape(-1), dy.reshape(-1, dim).float())
+        if module.padding_idx is not None:
+            grad[:, module.padding_idx] = 0
+        self._square([name], grad.unsqueeze(0), sums)
+
+    def _relative_bias(self, module: T5Attention, name: str, done: list, sums: dict[str, torch.Tensor]) -> None:
+        buckets, heads = module.relative_attention_bias.weight.shape
+        grad = torch.zeros(self.k, heads, buckets, device=module.relative_attention_bias.weight.device,
+                           dtype=torch.float32)
+        for bucket, dp in done:
+            per_example = dp.float().reshape(self.k, -1, heads, bucket.numel()).sum(dim=1)  # (k, heads, L*L)
+            grad.scatter_add_(2, bucket.reshape(1, 1, -1).expand(self.k, heads, -1), per_example)
+        self._square([name], grad.transpose(1, 2).unsqueeze(0), sums)  # (1, k, buckets, heads), as the table
+
+    def _square(self, names: list[str], per_example: torch.Tensor, sums: dict[str, torch.Tensor]) -> None:
+        """sums[names[i]] += sum_e per_example[i, e]^2, each square taken in fp32 (exact for bf16)."""
+        totals = [sums[n] for n in names]
+        if per_example.device.type in self.reduce_on:
+            norm = torch.linalg.vector_norm(per_example, ord=2, dim=1, dtype=torch.float32)
+            rows = list(norm.unbind(0))
+            torch._foreach_addcmul_(totals, rows, rows)
+        else:
+            for e in range(per_example.shape[1]):
+                rows = list(per_example[:, e].unbind(0))
+                torch._foreach_addcmul_(totals, rows, rows)
 
 
 def accumulate_squared_example_grads(retriever: PremiseRetriever, batch: dict[str, Any],
-                                     sums: dict[str, torch.Tensor]) -> int:
+                                     sums: dict[str, torch.Tensor], hooks: _PerExampleGrads | None = None) -> int:
     """Adds sum over the batch's non-padding examples of (d loss_e / d theta)^2 to `sums`; returns their count.
 
     Two forwards, as in the training step (the examples' contexts, then their premise columns, each
     padded to its longest real sequence), the loss the sum of the examples' own losses (each exactly
     `FisherModule.example_loss`), one backward to the activations only (no weight gradient is formed),
     and the per-example parameter gradients rebuilt by `_PerExampleGrads` (an example's contributions
-    from the two forwards are added before they are squared).
+    from the two forwards are added before they are squared). `hooks`: one built for this retriever
+    and these sums' parameters, reused across batches.
     """
     if not bool((~batch["is_padding"].bool()).any()):
         return 0
+    if hooks is None:
+        hooks = _PerExampleGrads(retriever, {id(p): n for n, p in retriever.named_parameters() if n in sums})
     ctx_ids, ctx_mask, prem_ids, prem_mask, label = example_major_batch(batch)
     k, cols = label.shape
-    names = {id(p): n for n, p in retriever.named_parameters() if n in sums}
-    with _PerExampleGrads(retriever, names, sums, k) as hooks:
+    with hooks.start(k):
         context = retriever.encode(ctx_ids, ctx_mask)
         premises = retriever.encode(prem_ids, prem_mask).view(k, cols, -1)
     # contrastive_mse per example: (1 x d) @ (d x cols) (a matmul, bf16 under autocast as in the loop), mean over cols.
     similarity = torch.bmm(context.unsqueeze(1), premises.transpose(1, 2)).squeeze(1)
     loss = F.mse_loss(similarity, label.to(similarity.dtype), reduction="none").mean(dim=1).sum()
-    grads = torch.autograd.grad(loss, [t for t, _ in hooks.inputs], allow_unused=True)
-    for (_, on_grad), grad in zip(hooks.inputs, grads, strict=True):
-        if grad is not None:
-            on_grad(grad)
-    hooks.flush()
+    hooks.backward(loss, sums)
     return k
 
 

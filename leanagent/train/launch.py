@@ -36,6 +36,7 @@ from leanagent.train.heartbeat import heartbeat_dir, stale_ranks
 from leanagent.train.supervision import (
     SUPERVISION_ENV,
     descendants,
+    is_running,
     parent_death_signal,
     pids_dir,
     process_table,
@@ -57,6 +58,9 @@ TAIL_LINES = 30
 GRACE_SECONDS = 30.0
 KILL_WAIT_SECONDS = 15.0  # after SIGKILL: only a process in uninterruptible sleep (D) takes longer
 REFRESH_SECONDS = 1.0  # how often the launcher looks for new processes of the job
+# Once a rank has ended, its peers cannot complete any collective (with the seed's one-year DDP timeout they
+# would wait for a year): after SIGTERM, the survivors get this long for what they can do alone, not all of grace_s.
+PEER_GONE_GRACE_SECONDS = 5.0
 
 
 def result_filename(node_rank: int = 0) -> str:
@@ -123,8 +127,10 @@ class JobProcesses:
         self.proc = proc
         self.job_dir = job_dir
         self.known: dict[int, int] = {}  # pid -> start time
+        self.ranks: dict[int, int] = {}  # the rank processes among them (torchrun's children, pid records)
         info = read_proc(proc.pid)  # our unreaped child: this pid is torchrun's until we wait for it
-        if info is not None:
+        self.torchrun = (proc.pid, info.start) if info is not None else None
+        if self.torchrun is not None:
             self.known[proc.pid] = info.start
         self._refreshed = 0.0
 
@@ -139,7 +145,10 @@ class JobProcesses:
                    if pid in table and table[pid].start == start and table[pid].running}
         for pid in descendants(table, set(running)):
             running.setdefault(pid, table[pid].start)
+            if self.torchrun is not None and table[pid].ppid == self.torchrun[0] and self.torchrun[0] in running:
+                self.ranks.setdefault(pid, table[pid].start)
         for pid, start in rank_records(self.job_dir).items():
+            self.ranks.setdefault(pid, start)
             if pid in table and table[pid].start == start and table[pid].running:
                 running.setdefault(pid, start)
         # Forget the dead: their pids may be reused by anyone.
@@ -148,6 +157,11 @@ class JobProcesses:
 
     def alive(self) -> dict[int, int]:
         return self.refresh(force=True)
+
+    def ranks_ended(self) -> bool:
+        """Some rank has ended while another still runs."""
+        alive = [is_running(pid, start) for pid, start in self.ranks.items()]
+        return any(alive) and not all(alive)
 
     def signal(self, sig: int) -> int:
         """`sig` to every known process and to the process group each leads; the number signalled."""
@@ -158,7 +172,9 @@ def end_job(jobs: JobProcesses, grace_s: float = GRACE_SECONDS, emit: Callable[[
             interrupted: bool = False) -> None:
     """SIGTERM every process of the job, give them `grace_s` to write what they can, SIGKILL what remains.
 
-    Returns when none is left (or, for a process in uninterruptible sleep, after KILL_WAIT_SECONDS more).
+    Once one rank has ended, the others get at most PEER_GONE_GRACE_SECONDS more: they cannot complete
+    a collective without it. Returns when none is left (or, for a process in uninterruptible sleep, after
+    KILL_WAIT_SECONDS more).
     A SIGINT/SIGTERM/SIGHUP meanwhile (in the main thread) skips the rest of the grace period; unless the
     job is being ended because of an interrupt already, that signal is delivered again afterwards.
     """
@@ -186,11 +202,15 @@ def end_job(jobs: JobProcesses, grace_s: float = GRACE_SECONDS, emit: Callable[[
 
 def _wait_until_gone(jobs: JobProcesses, wait_s: float, hurry: _HurryOnSignals | None) -> bool:
     deadline = time.monotonic() + wait_s
+    peer_gone = hurry is None  # only the grace period (with `hurry`) is cut short
     while True:
         _reap(jobs.proc, block=False)
         if not jobs.alive():
             _reap(jobs.proc)
             return True
+        if not peer_gone and jobs.ranks_ended():
+            peer_gone = True
+            deadline = min(deadline, time.monotonic() + PEER_GONE_GRACE_SECONDS)
         if time.monotonic() >= deadline or (hurry is not None and hurry.signalled is not None):
             return False
         time.sleep(0.1)

@@ -66,6 +66,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             stale.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
+            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide checkpoints from a team's other users
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
@@ -75,6 +76,18 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             Path(tmp).unlink(missing_ok=True)
             raise
         fsync_dir(path.parent)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux); the usual 022 elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def fsync_dir(folder: Path) -> None:

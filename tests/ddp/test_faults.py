@@ -220,7 +220,9 @@ def test_sigkill_of_the_supervisor_leaves_nothing(tmp_path, probe, leftovers, op
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    # No PREFECT_API_URL (not even empty: Prefect would then take "" for a server): `leanagent run` starts its own.
+    dropped = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "PREFECT_API_URL")
+    base = {k: v for k, v in os.environ.items() if k not in dropped}
     return subprocess.Popen([sys.executable, "-m", "leanagent.cli", *args], cwd=REPO_ROOT, env={**base, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -249,7 +251,7 @@ def test_sigterm_to_leanagent_train_ends_the_job_and_exits_143(tmp_path, ddp_ass
     output, _ = cli.communicate(timeout=120)
     exited = time.monotonic() - started
     assert cli.returncode == 143, output[-3000:]
-    assert "interrupted (SIGTERM)" in output
+    assert "interrupted by SIGTERM" in output
     assert not _running(job), f"left behind by `leanagent train`: {_running(job)}"
     assert not (out / "result.json").exists()
     print(f"\n[faults] SIGTERM to leanagent train: exited 143 after {exited:.1f} s, all {len(job)} processes gone")
@@ -266,8 +268,8 @@ def _run_config(tmp_path: Path, ddp_assets: dict[str, Path]) -> tuple[Path, Path
 
 def _own_prefect_home(tmp_path: Path) -> dict[str, str]:
     """`leanagent run` with Prefect's temporary server, in a Prefect home of its own (not the user's database)."""
-    return {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": "",
-            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    return {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
 
 def _train_pids(run_dir: Path) -> dict[int, int]:
@@ -322,3 +324,72 @@ def test_sigint_to_leanagent_run_records_the_stage_interrupted(tmp_path, ddp_ass
     assert _manifest_stage(run_dir, "eval-untrained")["status"] == "done"
     print(f"\n[faults] SIGINT to leanagent run: exited 130 after {exited:.1f} s, all {len(job)} processes gone, "
           f"train stage recorded interrupted")
+
+
+# --- a served deployment, cancelled ---------------------------------------------------------------------
+
+
+def _flow_run_tree(runner: int) -> dict[int, int]:
+    """The flow-run process (the runner's child above torchrun) and its descendants; not the runner's helpers."""
+    table = process_table()
+    (torchrun,) = [p for p in descendants(table, {runner}) if "torch.distributed.run" in _cmdline(p)]
+    flow_run = torchrun
+    while table[flow_run].ppid != runner:
+        flow_run = table[flow_run].ppid
+    return {p: table[p].start for p in {flow_run} | descendants(table, {flow_run}) if table[p].running}
+
+
+@pytest.mark.prefect
+def test_cancelling_a_served_deployment_run_ends_its_job(tmp_path, ddp_assets, leftovers, prefect_harness):
+    """`prefect flow-run cancel` (or the UI's Cancel) on a run of `deployments/serve.py`: the runner sends the
+    flow-run process SIGTERM (after a cancel intent on its control channel); the launcher ends the job, the
+    stage is recorded interrupted, the run shows Cancelled, and no process of it is left."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.settings import PREFECT_API_URL
+    from prefect.states import Cancelling
+
+    cfg, run_dir = _run_config(tmp_path, ddp_assets)
+    name = f"cancel-{os.getpid()}-{tmp_path.name}"[:60]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(PREFECT_API_URL=PREFECT_API_URL.value(), PREFECT_RUNNER_POLL_FREQUENCY="1")
+    serve = subprocess.Popen([sys.executable, "deployments/serve.py", "--name", name], cwd=REPO_ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    leftovers[serve.pid] = read_proc(serve.pid).start
+    try:
+        with get_client(sync_client=True) as client:
+            deployment = None
+
+            def deployed() -> bool:
+                nonlocal deployment
+                try:
+                    deployment = client.read_deployment_by_name(f"lifelong-retrieval/{name}")
+                except Exception:
+                    return False
+                return True
+
+            _wait_for(deployed, STARTUP_S, "the deployment served", serve)
+            run = client.create_flow_run_from_deployment(deployment.id, parameters={"config_path": str(cfg)})
+            _wait_for(lambda: len(_train_pids(run_dir)) == 2, 2 * STARTUP_S, "the training job's ranks running", serve)
+            time.sleep(2.0)
+            job = {**_flow_run_tree(serve.pid), **_train_pids(run_dir)}
+            leftovers.update(job)
+            assert sum("leanagent.train.programs" in _cmdline(p) and "torch.distributed.run" not in _cmdline(p)
+                       for p in job) == 2
+            client.set_flow_run_state(run.id, Cancelling(message="cancelled by test_faults"))
+            cancelled = time.monotonic()
+            elapsed = _wait_gone(job, timeout_s=90)  # the runner's own SIGKILL comes 30 s after its SIGTERM
+            _wait_for(lambda: client.read_flow_run(run.id).state.type == StateType.CANCELLED, 120,
+                      "the flow run shown as Cancelled")
+            shown = time.monotonic() - cancelled
+        stage = _manifest_stage(run_dir, "train")
+        assert stage["status"] == "interrupted", stage
+        print(f"\n[faults] cancel of a served run: its {len(job)} processes gone {elapsed:.1f} s after the cancel, "
+              f"run Cancelled after {shown:.1f} s; train stage {stage['status']} ({stage['reason']})")
+    finally:
+        serve.send_signal(signal.SIGINT)
+        try:
+            serve.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            serve.communicate(timeout=10)

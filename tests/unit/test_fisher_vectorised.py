@@ -111,6 +111,18 @@ def test_vectorised_equals_the_loop_in_fp32_with_padding_items_and_uneven_length
     assert any("relative_attention_bias" in n for n in vec) and any(n.endswith("shared.weight") for n in vec)
 
 
+@pytest.mark.parametrize("reduce_on, chunk_entries", [(("cuda",), 2**28), (("cpu", "cuda"), 1)])
+def test_the_squares_are_the_same_however_they_are_summed(monkeypatch, reduce_on: tuple, chunk_entries: int) -> None:
+    """The GPU's one reduction over the examples (run here on the CPU), and groups of layers cut to one layer each."""
+    monkeypatch.setattr(fisher_mod._PerExampleGrads, "reduce_on", reduce_on)
+    monkeypatch.setattr(fisher_mod._PerExampleGrads, "chunk_entries", chunk_entries)
+    model = tiny_t5()
+    batches = [hand_batch(*LENGTHS, padding=[False, False, True, False])]
+    loop, _ = sums_by("loop", model, batches)
+    vec, _ = sums_by("vectorised", model, batches)
+    assert_same_sums(loop, vec, rel=2e-5)
+
+
 def test_vectorised_equals_the_loop_under_bf16_autocast() -> None:
     model = tiny_t5()
     batches = [hand_batch(*LENGTHS, padding=[False, True, False, False])]
