@@ -43,6 +43,7 @@ from leanagent.run_state import (
 )
 from leanagent.train.jobs import JobInputError
 from leanagent.train.launch import LaunchError
+from leanagent.train.supervision import HoldSignals
 from tasks.data import DatasetValidationError, order_curriculum, validate_datasets
 from tasks.jobs import compute_fisher, evaluate_retriever, train_retriever
 from tasks.options import JobOptions
@@ -60,8 +61,11 @@ INTERRUPTS = (KeyboardInterrupt, SystemExit, ExternalSignal, Abort, asyncio.Canc
 def describe_interrupt(exc: BaseException) -> str:
     """`SIGTERM (TerminationSignal)`, `SIGINT (Interrupted)`, `KeyboardInterrupt`, `Abort: ...`."""
     signum = getattr(exc, "signum", None) or getattr(exc, "signal", None)
-    if isinstance(signum, int) and signum in signal.Signals._value2member_map_:
-        return f"{signal.Signals(signum).name} ({type(exc).__name__})"
+    if isinstance(signum, int):
+        try:
+            return f"{signal.Signals(signum).name} ({type(exc).__name__})"
+        except ValueError:
+            pass
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
@@ -85,10 +89,12 @@ def run_stage(state: RunState, name: str, task: Task[..., dict], options: JobOpt
         result = task.with_options(task_run_name=name, retries=options.retries,
                                    retry_delay_seconds=options.retry_delay_s)(**kwargs)
     except INTERRUPTS as exc:
-        state.interrupt(name, describe_interrupt(exc))
+        with HoldSignals():  # a second signal must not cut the record short and leave the stage "running"
+            state.interrupt(name, describe_interrupt(exc))
         raise
     except BaseException as exc:
-        state.fail(name, f"{type(exc).__name__}: {exc}")
+        with HoldSignals():
+            state.fail(name, f"{type(exc).__name__}: {exc}")
         raise
     state.record(name, result)
     return result
@@ -121,12 +127,14 @@ def run_evaluations(state: RunState, stages: list[tuple[str, Path]], out: Path, 
             )(datasets=[d for _, d in pending], out=out.with_name(f"{out.name}-{suffix}"), checkpoint=checkpoint,
               **kwargs)
         except INTERRUPTS as exc:
-            for name, _ in pending:
-                state.interrupt(name, describe_interrupt(exc))
+            with HoldSignals():
+                for name, _ in pending:
+                    state.interrupt(name, describe_interrupt(exc))
             raise
         except BaseException as exc:
-            for name, _ in pending:
-                state.fail(name, f"{type(exc).__name__}: {exc}")
+            with HoldSignals():
+                for name, _ in pending:
+                    state.fail(name, f"{type(exc).__name__}: {exc}")
             raise
         for (name, _), evaluation in zip(pending, result["evaluations"], strict=True):
             state.record(name, {**evaluation, "checkpoint": result["checkpoint"],

@@ -7,9 +7,10 @@ torchrun Lightning detects the elastic environment and starts nothing itself.
 Why we end every process ourselves: torchrun forwards SIGTERM to its workers, but starts each
 in a session of its own, so no signal to torchrun's group reaches them, and a SIGKILL to torchrun
 alone orphans them; Prefect's runner signals a single PID. On interrupt, deadline or a stale
-heartbeat we SIGTERM torchrun and every rank we know (`JobProcesses`: torchrun's descendants seen
-in /proc, and the pid records the ranks write), wake stopped ones, wait `grace_s`, then SIGKILL
-whatever is left, each pid checked against its start time. `launch()` returns only when none is
+heartbeat we SIGTERM every rank we know (`JobProcesses`: torchrun's descendants seen in /proc, and
+the pid records the ranks write), wake stopped ones, wait `grace_s` (less on an interrupt, or once
+a rank has gone), then SIGKILL whatever is left, torchrun included, each pid checked against its
+start time. `launch()` returns only when none is
 left. If the launcher itself dies, torchrun's parent-death signal and each rank's watcher end the
 job (`leanagent/train/supervision.py`).
 """
@@ -24,7 +25,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +35,7 @@ from leanagent.config import TrainerConfig
 from leanagent.train.heartbeat import heartbeat_dir, stale_ranks
 from leanagent.train.supervision import (
     SUPERVISION_ENV,
+    HoldSignals,
     descendants,
     is_running,
     parent_death_signal,
@@ -61,6 +62,10 @@ REFRESH_SECONDS = 1.0  # how often the launcher looks for new processes of the j
 # Once a rank has ended, its peers cannot complete any collective (with the seed's one-year DDP timeout they
 # would wait for a year): after SIGTERM, the survivors get this long for what they can do alone, not all of grace_s.
 PEER_GONE_GRACE_SECONDS = 5.0
+# Ending a job because the launcher was interrupted: Prefect's runner SIGKILLs a cancelled flow-run process 30 s
+# after its SIGTERM, and the job must be over (and the stage recorded) before that. Under Lightning 2.6 the grace
+# buys little anyway: its SIGTERM handler broadcasts from inside the handler, which can deadlock the ranks.
+INTERRUPT_GRACE_SECONDS = 10.0
 
 
 def result_filename(node_rank: int = 0) -> str:
@@ -163,9 +168,16 @@ class JobProcesses:
         alive = [is_running(pid, start) for pid, start in self.ranks.items()]
         return any(alive) and not all(alive)
 
-    def signal(self, sig: int) -> int:
-        """`sig` to every known process and to the process group each leads; the number signalled."""
-        return sum(signal_verified(pid, start, sig, group=True) for pid, start in list(self.known.items()))
+    def signal(self, sig: int, torchrun: bool = True) -> int:
+        """`sig` to every known process and to the process group each leads; the number signalled.
+
+        `torchrun=False` spares torchrun itself: a second SIGTERM (its parent-death signal, if the launcher
+        dies during the grace) can break its own clean-up and leave it waiting forever on its log threads.
+        Ended ranks make it end its job and exit by itself.
+        """
+        spare = self.torchrun[0] if self.torchrun is not None and not torchrun else None
+        return sum(signal_verified(pid, start, sig, group=True) for pid, start in list(self.known.items())
+                   if pid != spare)
 
 
 def end_job(jobs: JobProcesses, grace_s: float = GRACE_SECONDS, emit: Callable[[str], None] | None = None,
@@ -178,15 +190,15 @@ def end_job(jobs: JobProcesses, grace_s: float = GRACE_SECONDS, emit: Callable[[
     A SIGINT/SIGTERM/SIGHUP meanwhile (in the main thread) skips the rest of the grace period; unless the
     job is being ended because of an interrupt already, that signal is delivered again afterwards.
     """
-    hurry = _HurryOnSignals(redeliver=not interrupted)
+    hurry = HoldSignals(redeliver=not interrupted)
     with hurry:
         alive = jobs.alive()
         if not alive:
             _reap(jobs.proc)
             return
         if emit is not None and grace_s > 1.0:
-            emit(f"[launcher] SIGTERM to {len(alive)} process(es) of the job: {sorted(alive)}")
-        jobs.signal(signal.SIGTERM)
+            emit(f"[launcher] SIGTERM to the ranks ({len(alive)} process(es) in the job: {sorted(alive)})")
+        jobs.signal(signal.SIGTERM, torchrun=False)
         jobs.signal(signal.SIGCONT)  # a stopped rank cannot act on SIGTERM until it runs again
         if _wait_until_gone(jobs, grace_s, hurry):
             return
@@ -200,7 +212,7 @@ def end_job(jobs: JobProcesses, grace_s: float = GRACE_SECONDS, emit: Callable[[
             emit(f"[launcher] still running after SIGKILL (uninterruptible sleep?): {sorted(jobs.alive())}")
 
 
-def _wait_until_gone(jobs: JobProcesses, wait_s: float, hurry: _HurryOnSignals | None) -> bool:
+def _wait_until_gone(jobs: JobProcesses, wait_s: float, hurry: HoldSignals | None) -> bool:
     deadline = time.monotonic() + wait_s
     peer_gone = hurry is None  # only the grace period (with `hurry`) is cut short
     while True:
@@ -221,37 +233,6 @@ def _reap(proc: subprocess.Popen, block: bool = True) -> None:
         proc.wait(timeout=5.0) if block else proc.poll()
     except subprocess.TimeoutExpired:
         pass
-
-
-class _HurryOnSignals:
-    """While the job is being ended, an interrupt must not abort the clean-up: it cuts the grace short.
-
-    With `redeliver`, a signal caught meanwhile is sent again once the previous handlers are back, so it
-    is deferred, not lost (ending a job after a deadline must not swallow a user's Ctrl-C).
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-    def __init__(self, redeliver: bool) -> None:
-        self.redeliver = redeliver
-        self.signalled: int | None = None
-        self._previous: dict[int, object] = {}
-
-    def _handler(self, signum: int, frame: object) -> None:
-        self.signalled = signum
-
-    def __enter__(self) -> _HurryOnSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                if signal.getsignal(sig) is not None:  # None: a handler set outside Python, which we could not restore
-                    self._previous[sig] = signal.signal(sig, self._handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)  # type: ignore[arg-type]
-        if self.redeliver and self.signalled is not None:
-            os.kill(os.getpid(), self.signalled)
 
 
 def launch(
@@ -320,7 +301,7 @@ def launch(
                     break
     except BaseException:
         emit("[launcher] interrupted: ending every process of the job")
-        end_job(jobs, grace_s, emit, interrupted=True)
+        end_job(jobs, min(grace_s, INTERRUPT_GRACE_SECONDS), emit, interrupted=True)
         raise
     finally:
         sel.close()

@@ -10,17 +10,22 @@ reaches any of them. Three mechanisms, each covering what the others cannot:
    the job runs, and each rank writes its own record into `JOB/pids/` (`start()`). It signals
    them one by one (and their process groups), so a rank that is stopped, hung or ignoring
    SIGTERM is SIGKILLed after the grace period, and a recycled pid is never signalled: a pid
-   whose start time differs is another process.
+   whose start time differs is another process (leanagent/train/launch.py, `end_job`).
 2. torchrun is started with the parent-death signal (`prctl(PR_SET_PDEATHSIG, SIGTERM)`, set in
    the child between fork and exec by `parent_death_signal()`): when the launching thread dies,
    SIGKILL included, the kernel sends torchrun SIGTERM, and torchrun ends its workers (SIGTERM,
    and SIGKILL 30 s later).
 3. Each rank runs a daemon thread (`watch_supervisor()`) that checks, every second, that the
    launcher (pid and start time in LEANAGENT_SUPERVISOR_PID / _START) and its parent torchrun
-   are still there. When either is gone, the rank SIGKILLs any sibling rank of this machine that
-   is stopped (it cannot watch for itself), then its own process group, and exits at once: the
-   main thread may be stuck in a collective, so no clean-up is attempted; a rerun resumes from
-   the job's last checkpoint.
+   are still there. When either is gone, the first rank to notice SIGKILLs the sibling ranks of
+   this machine (one that is stopped or hung cannot watch for itself), torchrun, and its own
+   process group: the main thread may be stuck in a collective, so no clean-up is attempted; a
+   rerun resumes from the job's last checkpoint.
+
+`leanagent run` starts Prefect's temporary server with the same parent-death signal, so it ends
+with the command too (flows/lifelong.py, `start_temporary_server_bound_to_this_process`).
+`HoldSignals` keeps a second Ctrl-C or SIGTERM from cutting short the ending of a job or the
+record that a stage was interrupted.
 
 Linux only (/proc, prctl); this module imports nothing heavy, so the launcher can use it too.
 """
@@ -37,6 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 
 ENV_SUPERVISOR_PID = "LEANAGENT_SUPERVISOR_PID"
 ENV_SUPERVISOR_START = "LEANAGENT_SUPERVISOR_START"
@@ -214,8 +220,43 @@ def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     return preexec
 
 
+class HoldSignals:
+    """Hold SIGINT, SIGTERM and SIGHUP while a block that must not be cut short runs (ending a job, recording
+    that it was interrupted); `signalled` tells whether one came meanwhile.
+
+    With `redeliver`, the last one is sent again once the previous handlers are back: deferred, not lost.
+    Works from the main thread only (where Python runs signal handlers); elsewhere it holds nothing.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self, redeliver: bool = True) -> None:
+        self.redeliver = redeliver
+        self.signalled: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handler(self, signum: int, frame: object) -> None:
+        self.signalled = signum
+
+    def __enter__(self) -> HoldSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                current = signal.getsignal(sig)
+                # None: a handler set outside Python, which we could not restore; SIG_IGN: nothing to hold.
+                if current is not None and current is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
+        if self.redeliver and self.signalled is not None:
+            os.kill(os.getpid(), self.signalled)
+
+
 def watch_supervisor(job_dir: Path | None, interval_s: float = WATCH_INTERVAL_S) -> threading.Thread | None:
-    """In a rank: end this rank (and stopped sibling ranks) when the launcher or torchrun is gone.
+    """In a rank: end this machine's part of the job when the launcher or torchrun is gone.
 
     Watches the launcher named by LEANAGENT_SUPERVISOR_PID/_START, and, under torchrun, the parent
     process. Does nothing when neither applies (a rank program run by hand).
@@ -225,22 +266,26 @@ def watch_supervisor(job_dir: Path | None, interval_s: float = WATCH_INTERVAL_S)
         supervisor = (int(os.environ[ENV_SUPERVISOR_PID]), int(os.environ[ENV_SUPERVISOR_START]))
     except (KeyError, ValueError):
         supervisor = None
-    parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+    parent: tuple[int, int] | None = None
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        ppid = os.getppid()
+        parent_start = start_time(ppid)
+        parent = (ppid, parent_start) if parent_start is not None else None
     if supervisor is None and parent is None:
         return None
 
     def check() -> str | None:
         if supervisor is not None and not is_running(*supervisor):
             return f"the launcher (pid {supervisor[0]}) is gone"
-        if parent is not None and os.getppid() != parent:
-            return f"torchrun (pid {parent}) is gone"
+        if parent is not None and os.getppid() != parent[0]:
+            return f"torchrun (pid {parent[0]}) is gone"
         return None
 
     def loop() -> None:
         while True:
             reason = check()
             if reason is not None:
-                end_orphaned_rank(job_dir, reason)
+                end_orphaned_job(job_dir, reason, parent)
             time.sleep(interval_s)
 
     thread = threading.Thread(target=loop, name="leanagent-supervision", daemon=True)
@@ -248,18 +293,22 @@ def watch_supervisor(job_dir: Path | None, interval_s: float = WATCH_INTERVAL_S)
     return thread
 
 
-def end_orphaned_rank(job_dir: Path | None, reason: str) -> None:
+def end_orphaned_job(job_dir: Path | None, reason: str, parent: tuple[int, int] | None) -> None:
+    """SIGKILL the sibling ranks of this machine (a stopped or hung one cannot watch for itself), torchrun
+    (whose own clean-up takes 30 s), then this rank with its process group. Nobody collects the job's
+    result any more; a rerun resumes from its last checkpoint."""
     me = os.getpid()
     try:
-        print(f"[supervision] rank {os.environ.get('RANK', '?')}: {reason}; ending this rank", file=sys.stderr,
-              flush=True)
+        print(f"[supervision] rank {os.environ.get('RANK', '?')}: {reason}; ending the job's processes",
+              file=sys.stderr, flush=True)
     except (OSError, ValueError):
         pass  # nobody reads our output any more
     if job_dir is not None:
         for pid, start in rank_records(job_dir).items():
-            info = read_proc(pid)
-            if pid != me and info is not None and info.start == start and info.state in ("T", "t"):
+            if pid != me:
                 signal_verified(pid, start, signal.SIGKILL, group=True)
+    if parent is not None and os.getppid() == parent[0]:
+        signal_verified(*parent, signal.SIGKILL)
     if os.getpgid(0) == me:  # our own session (torchrun's workers): our DataLoader workers go too
         os.killpg(me, signal.SIGKILL)
     os._exit(EXIT_SUPERVISOR_GONE)

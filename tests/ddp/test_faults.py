@@ -32,6 +32,8 @@ pytestmark = pytest.mark.ddp
 CPU2 = TrainerConfig(accelerator="cpu", devices=2, precision="32-true")
 STARTUP_S = 180.0  # torchrun + two Python ranks (+ Prefect) starting on a loaded 2-core machine
 GONE_S = 30.0  # the brief's "within a few seconds", with room for a busy machine
+# Offline, Prefect's telemetry flush at exit can hold a process for ~30 s: noise, not what is measured here.
+NO_TELEMETRY = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
 # Run under torchrun. Options (comma-separated): watch (start leanagent's supervision like the real programs),
 # ignore-term (SIGTERM does nothing), beat (touch the heartbeat file every 0.2 s), beat-once. Each rank writes
@@ -89,16 +91,33 @@ def _cmdline(pid: int) -> str:
 
 
 def _running(procs: dict[int, int]) -> list[str]:
-    return [f"{pid} [{read_proc(pid).state}] {_cmdline(pid)[:160]}" for pid, start in procs.items()
-            if is_running(pid, start)]
+    """Those of `procs` still running (same pid and start time, not a zombie), described."""
+    running = []
+    for pid, start in procs.items():
+        info = read_proc(pid)
+        if info is not None and info.start == start and info.running:
+            running.append(f"{pid} [{info.state}] {_cmdline(pid)[:160]}")
+    return running
+
+
+def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Output to a file, never a pipe: nobody reads a pipe while the test waits, and a full one would block the
+    process in a write (a Prefect flow logs every rank line), which is a hang, not the fault under test."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    proc.log_path = log  # type: ignore[attr-defined]
+    return proc
+
+
+def _log(proc: subprocess.Popen) -> str:
+    return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
 
 
 def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if proc is not None and proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout else ""
-            pytest.fail(f"the supervising process exited ({proc.returncode}) before {what}:\n{out[-3000:]}")
+            pytest.fail(f"the supervising process exited ({proc.returncode}) before {what}:\n{_log(proc)[-3000:]}")
         if time.monotonic() > deadline:
             pytest.fail(f"{what}: not within {timeout_s:.0f} s")
         time.sleep(0.2)
@@ -196,8 +215,7 @@ SUPERVISOR = (
 ], ids=["pdeathsig", "watchers", "stopped-sibling"])
 def test_sigkill_of_the_supervisor_leaves_nothing(tmp_path, probe, leftovers, options, stop_rank_1):
     out = tmp_path / "job"
-    sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(out), str(probe), options], cwd=REPO_ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sup = _spawn([sys.executable, "-c", SUPERVISOR, str(out), str(probe), options], tmp_path / "supervisor.log")
     leftovers[sup.pid] = read_proc(sup.pid).start
     _wait_for(lambda: _ranks_ready(out), STARTUP_S, "both ranks started", sup)
     job = {**_tree(sup.pid), **_rank_pids(out)}
@@ -219,12 +237,11 @@ def test_sigkill_of_the_supervisor_leaves_nothing(tmp_path, probe, leftovers, op
 # --- the command line -----------------------------------------------------------------------------------
 
 
-def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+def _cli(log: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     # No PREFECT_API_URL (not even empty: Prefect would then take "" for a server): `leanagent run` starts its own.
     dropped = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "PREFECT_API_URL")
     base = {k: v for k, v in os.environ.items() if k not in dropped}
-    return subprocess.Popen([sys.executable, "-m", "leanagent.cli", *args], cwd=REPO_ROOT, env={**base, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return _spawn([sys.executable, "-m", "leanagent.cli", *args], log, env={**base, **(env or {})})
 
 
 def _pid_records(folder: Path) -> dict[int, int]:
@@ -239,7 +256,8 @@ def _pid_records(folder: Path) -> dict[int, int]:
 def test_sigterm_to_leanagent_train_ends_the_job_and_exits_143(tmp_path, ddp_assets, leftovers):
     cfg = write_config(tmp_path / "cfg.yaml", ddp_assets["model"], lifelong={"epochs_per_repo": 50})
     out = tmp_path / "job"
-    cli = _cli("train", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]), "--out", str(out))
+    cli = _cli(tmp_path / "cli.log", "train", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]),
+               "--out", str(out))
     leftovers[cli.pid] = read_proc(cli.pid).start
     _wait_for(lambda: len(_pid_records(out / "pids")) == 2 and (out / "heartbeat" / "rank1.json").is_file(),
               STARTUP_S, "both ranks running", cli)
@@ -248,7 +266,8 @@ def test_sigterm_to_leanagent_train_ends_the_job_and_exits_143(tmp_path, ddp_ass
     leftovers.update(job)
     cli.send_signal(signal.SIGTERM)
     started = time.monotonic()
-    output, _ = cli.communicate(timeout=120)
+    cli.wait(timeout=120)
+    output = _log(cli)
     exited = time.monotonic() - started
     assert cli.returncode == 143, output[-3000:]
     assert "interrupted by SIGTERM" in output
@@ -269,7 +288,7 @@ def _run_config(tmp_path: Path, ddp_assets: dict[str, Path]) -> tuple[Path, Path
 def _own_prefect_home(tmp_path: Path) -> dict[str, str]:
     """`leanagent run` with Prefect's temporary server, in a Prefect home of its own (not the user's database)."""
     return {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+            **NO_TELEMETRY}
 
 
 def _train_pids(run_dir: Path) -> dict[int, int]:
@@ -287,7 +306,7 @@ def _manifest_stage(run_dir: Path, stage: str) -> dict:
 
 def test_sigkill_to_leanagent_run_leaves_no_rank_and_no_prefect_server(tmp_path, ddp_assets, leftovers):
     cfg, run_dir = _run_config(tmp_path, ddp_assets)
-    cli = _cli("run", "--config", str(cfg), env=_own_prefect_home(tmp_path))
+    cli = _cli(tmp_path / "cli.log", "run", "--config", str(cfg), env=_own_prefect_home(tmp_path))
     leftovers[cli.pid] = read_proc(cli.pid).start
     _wait_for(lambda: len(_train_pids(run_dir)) == 2, 2 * STARTUP_S, "the training job's ranks running", cli)
     time.sleep(2.0)
@@ -299,14 +318,14 @@ def test_sigkill_to_leanagent_run_leaves_no_rank_and_no_prefect_server(tmp_path,
     assert any("torch.distributed.run" in c for c in commands.values()), commands
     cli.kill()
     elapsed = _wait_gone(job)
-    cli.communicate(timeout=10)
+    cli.wait(timeout=10)
     print(f"\n[faults] SIGKILL of leanagent run: ranks, torchrun and the Prefect server ({len(job)} processes) "
           f"gone after {elapsed:.1f} s")
 
 
 def test_sigint_to_leanagent_run_records_the_stage_interrupted(tmp_path, ddp_assets, leftovers):
     cfg, run_dir = _run_config(tmp_path, ddp_assets)
-    cli = _cli("run", "--config", str(cfg), env=_own_prefect_home(tmp_path))
+    cli = _cli(tmp_path / "cli.log", "run", "--config", str(cfg), env=_own_prefect_home(tmp_path))
     leftovers[cli.pid] = read_proc(cli.pid).start
     _wait_for(lambda: len(_train_pids(run_dir)) == 2, 2 * STARTUP_S, "the training job's ranks running", cli)
     time.sleep(2.0)
@@ -314,7 +333,8 @@ def test_sigint_to_leanagent_run_records_the_stage_interrupted(tmp_path, ddp_ass
     leftovers.update(job)
     cli.send_signal(signal.SIGINT)
     started = time.monotonic()
-    output, _ = cli.communicate(timeout=120)
+    cli.wait(timeout=120)
+    output = _log(cli)
     exited = time.monotonic() - started
     assert cli.returncode == 130, output[-3000:]
     assert not _running(job), f"left behind by `leanagent run`: {_running(job)}"
@@ -352,9 +372,8 @@ def test_cancelling_a_served_deployment_run_ends_its_job(tmp_path, ddp_assets, l
     cfg, run_dir = _run_config(tmp_path, ddp_assets)
     name = f"cancel-{os.getpid()}-{tmp_path.name}"[:60]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(PREFECT_API_URL=PREFECT_API_URL.value(), PREFECT_RUNNER_POLL_FREQUENCY="1")
-    serve = subprocess.Popen([sys.executable, "deployments/serve.py", "--name", name], cwd=REPO_ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env.update(PREFECT_API_URL=PREFECT_API_URL.value(), PREFECT_RUNNER_POLL_FREQUENCY="1", **NO_TELEMETRY)
+    serve = _spawn([sys.executable, "deployments/serve.py", "--name", name], tmp_path / "serve.log", env=env)
     leftovers[serve.pid] = read_proc(serve.pid).start
     try:
         with get_client(sync_client=True) as client:
@@ -383,13 +402,13 @@ def test_cancelling_a_served_deployment_run_ends_its_job(tmp_path, ddp_assets, l
                       "the flow run shown as Cancelled")
             shown = time.monotonic() - cancelled
         stage = _manifest_stage(run_dir, "train")
-        assert stage["status"] == "interrupted", stage
+        assert stage["status"] == "interrupted", f"{stage}\n{_log(serve)[-5000:]}"
         print(f"\n[faults] cancel of a served run: its {len(job)} processes gone {elapsed:.1f} s after the cancel, "
               f"run Cancelled after {shown:.1f} s; train stage {stage['status']} ({stage['reason']})")
     finally:
         serve.send_signal(signal.SIGINT)
         try:
-            serve.communicate(timeout=60)
+            serve.wait(timeout=60)
         except subprocess.TimeoutExpired:
             serve.kill()
-            serve.communicate(timeout=10)
+            serve.wait(timeout=10)
