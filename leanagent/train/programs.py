@@ -8,6 +8,7 @@ and after fit) really synchronize, and rank 0 writes `JOB_DIR/result.json` atomi
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -336,5 +337,16 @@ def shutdown_process_group() -> None:
         dist.destroy_process_group()
 
 
+def run_main() -> None:
+    """`main()`, with a bad input file reported as the one line that names it, not as a traceback."""
+    from leanagent.checkpoints import BadFileError
+
+    try:
+        main()
+    except BadFileError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    main()
+    run_main()
