@@ -5,7 +5,35 @@ F_i = (1/N) * sum_n (d loss_n / d theta_i)^2 over the N training examples of a r
 example scored against its own positive and negatives. It squares *per-example* gradients. Under
 DDP the gradient all-reduce would average before squaring, so this pass takes gradients with
 `torch.autograd.grad` (DDP's reducer never sees them), accumulates local fp32 sums, and
-all-reduces the sums and the true example count once at the end.
+all-reduces the sums and the true example count once at the end. Padding items (`is_padding`) are
+skipped, dropout is off (eval mode), sums are fp32. Two computations of the same sums:
+
+- "loop": per example, its context alone and its premise columns (unpadded) through the encoder and
+  one `autograd.grad` to the parameters. Bit-identical however the data is batched or sharded, but
+  batch-1 work: on a GPU it is bound by kernel launches (3.9x a bf16 training step per example on an H200).
+- "vectorised" (`accumulate_squared_example_grads`): the batch's examples in two forwards, as the
+  training step pads them (contexts, then premise columns), loss = the sum of the examples' own
+  losses, one `autograd.grad` to the layers' outputs (no weight gradient is formed) and each
+  example's parameter gradients rebuilt from activations and output gradients (Linear: sum over its
+  tokens of dy x^T; T5LayerNorm, the RMS norm's weight; the embedding rows; the relative attention
+  bias table via a per-sequence copy of the position bias), same-shaped layers batched together.
+  Equal to the loop up to float tolerance (fp32: ~1e-6 of each tensor's scale; under bf16 autocast the
+  two round differently, ~1e-2 per entry on one batch, ~3e-3 over a repository, and the result now
+  depends on the batching at that level: 1e-4 between 1 and 2 ranks). It holds the gradients of all
+  the layers' outputs at once: peak memory ~1.3x a training step's (measured on the CPU, fp32).
+
+`FisherModule(retriever, method="auto")`, what `leanagent fisher` runs, takes "vectorised" on CUDA
+and `CPU_METHOD` ("loop") on the CPU. Measured per example against a training step (forward, backward,
+AdamW), batch 4, 3 negatives, contexts and premises of 150-400 bytes: on 2 idle CPU cores the loop is
+the faster (byt5-small widths, 4 of its 12 layers: loop 0.42x a training step in fp32 and 0.60x under
+bf16 autocast, vectorised 0.70x and 1.11x; tiny: 0.41x against 0.60x), since batching pads every
+sequence to the batch's longest and a CPU gains little from larger matrices; on a loaded machine the
+two come close or swap. On an H200 (byt5-small, all 12 layers) the loop was 3.9x a bf16 training step
+and 1.29x an fp32 one; the vectorised pass, in a first form that worked layer by layer during the
+backward, 1.28x and 1.04x. A bf16 step at batch 4 is bound by kernel launches and Python there; the
+form here issues fewer kernels than a training step and costs about the same CPU-side time (measured
+on the CPU); it has not yet been timed on a GPU. A retriever with a layer the vectorised path does not
+know (`unsupported_modules`) falls back to the loop.
 
 `reference` (ReferenceFisherModule) is LeanAgent's `compute_fisher` /
 `FisherComputationModule`, step for step: one epoch over the training loader (shuffled,
@@ -46,10 +74,10 @@ CPU_METHOD = "loop"
 class FisherModule(pl.LightningModule):
     """Runs one epoch over the training examples and accumulates squared per-example gradients.
 
-    `method`: "loop" (one `autograd.grad` per example), "vectorised" (one forward and one backward per
+    `method`: "loop" (one `autograd.grad` per example), "vectorised" (two forwards and one backward per
     batch, per-example gradients rebuilt from activations and output gradients) or "auto" (vectorised
     on CUDA, `CPU_METHOD` elsewhere; the loop where the retriever has a layer the vectorised path does
-    not know). Both give the same sums up to float tolerance.
+    not know). Both give the same sums up to float tolerance (see the module docstring).
     """
 
     def __init__(self, retriever: PremiseRetriever, method: str = "auto") -> None:
@@ -257,12 +285,11 @@ class _PerExampleGrads:
 
         return record
 
-    def _bias_pre_hook(self, module: T5Attention, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def _bias_pre_hook(self, module: T5Attention, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hidden = args[0] if args else kwargs["hidden_states"]
-        if kwargs.get("position_bias") is not None or kwargs.get("key_value_states") is not None:
-            return None
-        if kwargs.get("cache") is not None:
-            raise RuntimeError("the vectorised Fisher runs the encoder without a cache")
+        if len(args) > 1 or any(kwargs.get(a) is not None for a in ("position_bias", "key_value_states", "cache")):
+            # Not the self-attention of an encoder computing its own bias: its table's gradient would be missed.
+            raise RuntimeError("the vectorised Fisher cannot follow this attention call; use method='loop'")
         seqs, length = hidden.shape[0], hidden.shape[1]
         shared = module.compute_bias(length, length, device=hidden.device)  # (1, heads, L, L)
         # One copy per sequence, so that its gradient is per sequence; the module and the later layers use it.
@@ -278,6 +305,8 @@ class _PerExampleGrads:
     # -- backward to the recorded outputs, then the per-example gradients, squared into `sums`
     def backward(self, loss: torch.Tensor, sums: dict[str, torch.Tensor]) -> None:
         records, self.records = self.records, []
+        if not records:
+            return
         grads = torch.autograd.grad(loss, [r[-1] for r in records], allow_unused=True)
         # A parameter's calls, [(input, output gradient)], in call order; calls that did not reach the loss dropped.
         calls: dict[tuple[str, nn.Module, tuple], list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -297,7 +326,9 @@ class _PerExampleGrads:
                 groups.setdefault(key, []).append((names, module, done))
         del calls
         for (kind, shape, *_), members in groups.items():
-            size = max(1, self.chunk_entries // (self.k * shape.numel()))
+            # A member's temporaries: its per-example gradients and its share of the stacked inputs and gradients.
+            each = self.k * shape.numel() + sum(x.numel() + g.numel() for x, g in members[0][2])
+            size = max(1, self.chunk_entries // each)
             for i in range(0, len(members), size):
                 (self._linears if kind == "linear" else self._norms)(members[i : i + size], sums)
 
@@ -309,9 +340,16 @@ class _PerExampleGrads:
             dy = torch.stack([done[call][1].reshape(k, -1, done[call][1].shape[-1]) for _, _, done in members])
             dy = dy.view(m * k, -1, dy.shape[-1])  # (m k, tokens of one example in this call, out)
             if with_weight:
-                # The input in the dtype the layer ran in (autocast's bf16), as the loop's weight gradient is.
-                x = torch.stack([done[call][0].reshape(k, -1, done[call][0].shape[-1]) for _, _, done in members])
-                x = x.view(m * k, -1, x.shape[-1]).to(dy.dtype)
+                # The input in the dtype the layer ran in (autocast's bf16), as the loop's weight gradient is;
+                # one cast for the layers that read the same input (q, k and v; wi_0 and wi_1).
+                cast: dict[int, torch.Tensor] = {}
+                for _, _, done in members:
+                    x = done[call][0]
+                    if id(x) not in cast:
+                        cast[id(x)] = x.reshape(k, -1, x.shape[-1]).to(dy.dtype)
+                x = torch.stack([cast[id(done[call][0])] for _, _, done in members])
+                del cast
+                x = x.view(m * k, -1, x.shape[-1])
                 dyt = dy.transpose(1, 2)
                 weight = torch.bmm(dyt, x) if weight is None else weight.baddbmm_(dyt, x)
             if with_bias:
@@ -329,12 +367,15 @@ class _PerExampleGrads:
         for call in range(len(members[0][2])):
             x = torch.stack([done[call][0] for _, _, done in members])
             dy = torch.stack([done[call][1] for _, _, done in members])
-            # T5LayerNorm.forward's own arithmetic, so the normalised input is the one it multiplied.
-            variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-            normed = x * torch.rsqrt(variance + module.variance_epsilon)
-            if module.weight.dtype in (torch.float16, torch.bfloat16):
-                normed = normed.to(module.weight.dtype)
-            part = (dy.float() * normed.float()).view(m, k, -1, dy.shape[-1]).sum(dim=2)
+            # T5LayerNorm.forward: weight * (x * rsqrt(mean(x^2) + eps)), the mean taken in fp32.
+            norm = torch.linalg.vector_norm(x, ord=2, dim=-1, dtype=torch.float32)
+            scale = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(module.variance_epsilon))  # (m, rows, T)
+            if module.weight.dtype in (torch.float16, torch.bfloat16):  # the module rounds x / rms(x) first
+                normed = (x * scale.unsqueeze(-1)).to(module.weight.dtype)
+                part = (dy.float() * normed.float()).view(m, k, -1, dy.shape[-1]).sum(dim=2)
+            else:  # sum_t scale_t (dy_t * x_t) per example, without forming x / rms(x)
+                product = (dy * x).view(m * k, -1, dy.shape[-1]).float()
+                part = torch.bmm(scale.reshape(m * k, 1, -1), product).view(m, k, -1)
             total = part if total is None else total + part
         self._square([names[0] for names, _, _ in members], total, sums)
 

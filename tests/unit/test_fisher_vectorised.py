@@ -1,4 +1,4 @@
-"""The vectorised per-example Fisher (one forward and backward per batch) against the loop (one per example).
+"""The vectorised per-example Fisher (two forwards and one backward per batch) against the loop (one per example).
 
 Both accumulate sum over the non-padding examples of (d loss_e / d theta)^2 in fp32; the vectorised
 path rebuilds each example's gradient from activations and output gradients, so it must give the
