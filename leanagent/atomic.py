@@ -6,23 +6,35 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_atomic(path: Path, write: Callable[[IO], None], mode: str = "w", suffix: str = "",
+                 permissions: int | None = None) -> None:
+    """Write a temporary file beside `path` with `write`, fsync it, then rename it over `path`.
+
+    `permissions` replaces mkstemp's 0600 (files others must read, such as checkpoints).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True, default=str)
+        if permissions is not None:
+            os.fchmod(fd, permissions)
+        with os.fdopen(fd, mode) as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    write_atomic(path, lambda f: json.dump(data, f, indent=2, sort_keys=True, default=str))
 
 
 def read_json(path: Path) -> Any:

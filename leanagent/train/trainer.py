@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +22,7 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, LearningRateMon
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 
+from leanagent.atomic import write_atomic
 from leanagent.config import TrainerConfig
 
 MONITOR = "Recall@10_val"
@@ -64,17 +64,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path.parent.mkdir(parents=True, exist_ok=True)
         for stale in path.parent.glob(f".{path.name}.*.tmp"):
             stale.unlink(missing_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide checkpoints from a team's other users
-            with os.fdopen(fd, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        # mkstemp's 0600 would hide checkpoints from a team's other users.
+        write_atomic(path, lambda f: torch.save(checkpoint, f), mode="wb", suffix=".tmp",
+                     permissions=0o666 & ~_umask())
         fsync_dir(path.parent)
 
 
