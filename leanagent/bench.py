@@ -172,7 +172,7 @@ def bench_retrieval(corpus, evals: list, width: int, device: torch.device, preci
 
 
 def bench_train_vs_fisher(model, corpus, train: list, device: torch.device, precision_dtype: torch.dtype | None,
-                          examples: int) -> dict[str, float]:
+                          examples: int, fisher_method: str = "auto") -> dict[str, float]:
     """Seconds per example of a training step (forward, backward, AdamW) and of the per-example Fisher pass."""
     from leanagent.data.dataset import TrainDataset
     from leanagent.model.fisher import FisherModule
@@ -196,7 +196,7 @@ def bench_train_vs_fisher(model, corpus, train: list, device: torch.device, prec
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    fisher = FisherModule(model)
+    fisher = FisherModule(model, method=fisher_method)
 
     def fisher_pass() -> None:
         fisher.on_train_epoch_start()
@@ -238,12 +238,16 @@ def bench_launch(workdir: Path) -> dict[str, float]:
             "launch_total_s": time.time() - start}
 
 
-def bench_cuda_training(batch_sizes: tuple[int, ...] = (4, 32), lengths: tuple[int, ...] = (512, 1024),
-                        steps: int = 10, peak_tflops: float = H200_BF16_PEAK_TFLOPS) -> list[dict[str, float]]:
+def bench_cuda_training(batch_sizes: tuple[int, ...] = (4, 8, 16), lengths: tuple[int, ...] = (512, 1024),
+                        steps: int = 10, peak_tflops: float = H200_BF16_PEAK_TFLOPS, device: str = "cuda",
+                        preset: str = "byt5-small", compile_model: bool = False) -> list[dict[str, Any]]:
     """Training steps of a byt5-small-shaped retriever in bf16 on random bytes: examples/s, tokens/s, MFU.
 
     Each example is a context and 4 premises (1 positive, 3 negatives), all of length L, as the
     worst case of LeanAgent's 1024-byte budget; FLOPs per example = 3 x 5 x (434.1M L + 18,432 L^2).
+    All premise slots go through one forward call, as in training. `compile_model` times the same
+    step with `torch.compile` on the encoder (not what training uses yet: a measure of the head room).
+    `device="cpu", preset="tiny"` only checks this function; its MFU means nothing.
     """
     from transformers import T5EncoderModel
 
@@ -251,49 +255,64 @@ def bench_cuda_training(batch_sizes: tuple[int, ...] = (4, 32), lengths: tuple[i
     from leanagent.model.presets import encoder_config
     from leanagent.model.retriever import contrastive_mse
 
-    device = torch.device("cuda")
+    dev = torch.device(device)
     torch.manual_seed(0)
-    encoder = T5EncoderModel(encoder_config("byt5-small")).to(device).train()
-    opt = build_optimizer_and_schedule(encoder.parameters(), 1e-4, 10, 1000, fused=True)["optimizer"]
+    config = encoder_config(preset)
+    config._attn_implementation = "sdpa"
+    encoder = T5EncoderModel(config).to(dev).train()
+    # As training builds it: the seed clips gradients, so the foreach (not fused) AdamW update.
+    opt = build_optimizer_and_schedule(encoder.parameters(), 1e-4, 10, 1000, gradient_clip_val=1.0)["optimizer"]
+    forward = torch.compile(encoder) if compile_model else encoder
 
     def encode(ids: torch.Tensor) -> torch.Tensor:
-        hidden = encoder(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+        hidden = forward(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
         return torch.nn.functional.normalize(hidden.float().mean(dim=1), dim=1)
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for length in lengths:
         for b in batch_sizes:
-            ctx = torch.randint(3, 259, (b, length), device=device)
-            prem = torch.randint(3, 259, (4 * b, length), device=device)
-            label = torch.zeros(b, 4 * b, device=device)
+            ctx = torch.randint(3, 259, (b, length), device=dev)
+            prem = torch.randint(3, 259, (4 * b, length), device=dev)
+            label = torch.zeros(b, 4 * b, device=dev)
             label[torch.arange(b), torch.arange(b)] = 1.0
 
             def step(ctx: torch.Tensor = ctx, prem: torch.Tensor = prem, label: torch.Tensor = label) -> None:
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                with torch.autocast(dev.type, dtype=torch.bfloat16):
                     loss = contrastive_mse(encode(ctx), encode(prem), label)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(encoder.parameters(), 1.0)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
-            for _ in range(3):
-                step()
-            _sync(device)
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            _sync(device)
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            try:
+                for _ in range(3):
+                    step()
+                _sync(dev)
+                start = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                _sync(dev)
+            except torch.OutOfMemoryError as e:
+                rows.append({"length": length, "batch_size": b, "compiled": compile_model,
+                             "error": "out of memory: " + str(e).split(".")[0]})
+                opt.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                continue
             per_s = b * steps / (time.perf_counter() - start)
             flops = 3 * 5 * (BYT5_SMALL_FLOPS_PER_TOKEN * length + BYT5_SMALL_FLOPS_PER_TOKEN_SQ * length ** 2)
-            rows.append({"length": length, "batch_size": b, "examples_per_s": per_s,
+            rows.append({"length": length, "batch_size": b, "compiled": compile_model, "examples_per_s": per_s,
                          "tokens_per_s": per_s * 5 * length, "tflops": per_s * flops / 1e12,
-                         "mfu": per_s * flops / 1e12 / peak_tflops})
+                         "mfu": per_s * flops / 1e12 / peak_tflops,
+                         "peak_memory_gb": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda"
+                         else None})
     return rows
 
 
 def run_bench(dataset: Path, model_path: str | None, preset: str | None, device_name: str, split: str = "random",
               min_seconds: float = 3.0, embed_sample: int | None = None, fisher_examples: int = 8,
-              launch: bool = True) -> dict[str, Any]:
+              launch: bool = True, compile_model: bool = False) -> dict[str, Any]:
     from leanagent.model.presets import write_random_encoder
     from leanagent.model.retriever import PremiseRetriever
 
@@ -324,6 +343,8 @@ def run_bench(dataset: Path, model_path: str | None, preset: str | None, device_
     if device.type == "cuda":
         results["cuda_device"] = torch.cuda.get_device_name(device)
         results["cuda_training"] = bench_cuda_training()
+        if compile_model:
+            results["cuda_training"] += bench_cuda_training(compile_model=True)
     return results
 
 
@@ -346,8 +367,13 @@ def format_table(results: dict[str, Any]) -> str:
         if key in results:
             lines.append(f"  {label:<46} {results[key]:>12.4g}")
     for row in results.get("cuda_training", []):
-        lines.append(f"  cuda training L={row['length']:<5} batch {row['batch_size']:<3} {row['examples_per_s']:>9.1f} "
-                     f"ex/s {row['tokens_per_s']:>12.0f} tok/s  MFU {100 * row['mfu']:.1f}%")
+        compiled = " compiled" if row.get("compiled") else ""
+        head = f"  cuda training{compiled} L={row['length']:<5} batch {row['batch_size']:<3}"
+        if "error" in row:
+            lines.append(f"{head} {row['error']}")
+            continue
+        lines.append(f"{head} {row['examples_per_s']:>9.1f} ex/s {row['tokens_per_s']:>12.0f} tok/s  "
+                     f"MFU {100 * row['mfu']:.1f}%")
     return "\n".join(lines)
 
 

@@ -153,7 +153,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             return _fail("--device cuda: torch sees no CUDA device")
     results = run_bench(dataset, args.model, args.preset, args.device, split=args.split,
-                        min_seconds=args.min_seconds, embed_sample=args.embed_sample, launch=not args.no_launch)
+                        min_seconds=args.min_seconds, embed_sample=args.embed_sample, launch=not args.no_launch,
+                        compile_model=args.compile)
     print(format_table(results))
     if args.json:
         write_json(results, Path(args.json))
@@ -290,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-seconds", type=float, default=3.0, help="time each rate for at least this long")
     p.add_argument("--embed-sample", type=int, help="premises embedded (default 512 on cpu, 4096 on cuda)")
     p.add_argument("--no-launch", action="store_true", help="skip the job-launch measurement")
+    p.add_argument("--compile", action="store_true", help="with --device cuda: also time torch.compile'd training")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("init-model", help="write a random ByT5-architecture encoder (offline)")

@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
+import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler

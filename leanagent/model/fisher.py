@@ -22,18 +22,17 @@ skipped, dropout is off (eval mode), sums are fp32. Two computations of the same
   depends on the batching at that level: 1e-4 between 1 and 2 ranks). It holds the gradients of all
   the layers' outputs at once: peak memory ~1.3x a training step's (measured on the CPU, fp32).
 
-`FisherModule(retriever, method="auto")`, what `leanagent fisher` runs, takes "vectorised" on CUDA
-and `CPU_METHOD` ("loop") on the CPU. Measured per example against a training step (forward, backward,
-AdamW), batch 4, 3 negatives, contexts and premises of 150-400 bytes: on 2 idle CPU cores the loop is
-the faster (byt5-small widths, 4 of its 12 layers: loop 0.42x a training step in fp32 and 0.60x under
-bf16 autocast, vectorised 0.70x and 1.11x; tiny: 0.41x against 0.60x), since batching pads every
-sequence to the batch's longest and a CPU gains little from larger matrices; on a loaded machine the
-two come close or swap. On an H200 (byt5-small, all 12 layers) the loop was 3.9x a bf16 training step
-and 1.29x an fp32 one; the vectorised pass, in a first form that worked layer by layer during the
-backward, 1.28x and 1.04x. A bf16 step at batch 4 is bound by kernel launches and Python there; the
-form here issues fewer kernels than a training step and costs about the same CPU-side time (measured
-on the CPU); it has not yet been timed on a GPU. A retriever with a layer the vectorised path does not
-know (`unsupported_modules`) falls back to the loop.
+`FisherModule(retriever, method="auto")`, what `leanagent fisher` runs, takes `AUTO_METHOD`, the
+loop, on every device. Measured per example against a training step (forward, backward, AdamW), batch
+4, 3 negatives: on 2 idle CPU cores the loop is the faster (byt5-small widths, 4 of its 12 layers,
+contexts and premises of 150-400 bytes: loop 0.42x a training step in fp32 and 0.60x under bf16
+autocast, vectorised 0.70x and 1.11x; tiny: 0.41x against 0.60x), since batching pads every sequence
+to the batch's longest and a CPU gains little from larger matrices. On an H200 (byt5-small, all 12
+layers, bf16, mathlib-scale data of up to 1024 bytes, `leanagent bench --device cuda`): the loop
+1.38x a training step (32 examples); the vectorised pass 1.04x on 8 examples, but it ran out of the
+card's 139 GiB on 32 examples and in a real Fisher job at batch 8, length 512, so it is opt-in
+(`method="vectorised"`). A retriever with a layer the vectorised path does not know
+(`unsupported_modules`) always takes the loop.
 
 `reference` (ReferenceFisherModule) is LeanAgent's `compute_fisher` /
 `FisherComputationModule`, step for step: one epoch over the training loader (shuffled,
@@ -55,7 +54,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
+import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -67,17 +66,18 @@ from transformers.models.t5.modeling_t5 import T5Attention, T5LayerNorm
 from leanagent.model.retriever import PremiseRetriever, contrastive_mse
 
 METHODS = ("auto", "loop", "vectorised")
-# What `auto` picks on a CPU, by measurement (see the module docstring); on CUDA it always picks "vectorised".
-CPU_METHOD = "loop"
+# What `auto` picks, by measurement: on CPU the loop is faster; on an H200 the vectorised pass ran out of
+# its 139 GiB at batch 4-8 with 512-1024-byte sequences (per-example weight gradients of every linear layer),
+# while the loop took 1.38x a training example. So `auto` is the loop everywhere; "vectorised" is opt-in.
+AUTO_METHOD = "loop"
 
 
 class FisherModule(pl.LightningModule):
     """Runs one epoch over the training examples and accumulates squared per-example gradients.
 
     `method`: "loop" (one `autograd.grad` per example), "vectorised" (two forwards and one backward per
-    batch, per-example gradients rebuilt from activations and output gradients) or "auto" (vectorised
-    on CUDA, `CPU_METHOD` elsewhere; the loop where the retriever has a layer the vectorised path does
-    not know). Both give the same sums up to float tolerance (see the module docstring).
+    batch, per-example gradients rebuilt from activations and output gradients; memory-hungry) or
+    "auto" (`AUTO_METHOD`). Both give the same sums up to float tolerance (see the module docstring).
     """
 
     def __init__(self, retriever: PremiseRetriever, method: str = "auto") -> None:
@@ -105,7 +105,7 @@ class FisherModule(pl.LightningModule):
             return self.method
         if self.unsupported:
             return "loop"
-        return "vectorised" if device.type == "cuda" else CPU_METHOD
+        return AUTO_METHOD
 
     def on_train_epoch_start(self) -> None:
         self.sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.retriever.named_parameters()

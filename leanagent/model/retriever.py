@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import lightning.pytorch as pl
 import numpy as np
+import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -174,7 +174,7 @@ class PremiseRetriever(pl.LightningModule):
             horizon = reference_horizon(trainer.max_epochs, trainer.datamodule.unsharded_train_batches(),
                                         trainer.accumulate_grad_batches)
         return build_optimizer_and_schedule(self.parameters(), self.hparams["lr"], self.hparams["warmup_steps"],
-                                            horizon)
+                                            horizon, gradient_clip_val=trainer.gradient_clip_val)
 
     # ---- retrieval evaluation (validation and test share it) ------------------------------
     @torch.no_grad()

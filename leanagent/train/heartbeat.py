@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from lightning.pytorch.callbacks import Callback
+from pytorch_lightning.callbacks import Callback
 
 from leanagent.atomic import write_json_atomic
 from leanagent.ranks import global_rank

@@ -95,8 +95,9 @@ PROGRAMS_ENTRY = ("-m", "leanagent.train.programs")
 
 def torchrun_command(cfg: TrainerConfig, program_args: Sequence[str], log_dir: Path | None = None,
                      entry: Sequence[str] = PROGRAMS_ENTRY) -> list[str]:
-    """torchrun for `python -m leanagent.train.programs ...`: one process per device, also on CPU."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.devices}"]
+    """torchrun (with a launcher watchdog, leanagent/train/torchrun.py) for `python -m leanagent.train.programs
+    ...`: one process per device, also on CPU."""
+    cmd = [sys.executable, "-m", "leanagent.train.torchrun", f"--nproc-per-node={cfg.devices}"]
     if cfg.num_nodes > 1:
         cmd += [f"--nnodes={cfg.num_nodes}", f"--node-rank={cfg.node_rank}", "--rdzv-backend=static",
                 f"--rdzv-endpoint={cfg.rdzv_endpoint}"]

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import lightning.pytorch as pl
+import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset

@@ -14,7 +14,9 @@ reaches any of them. Three mechanisms, each covering what the others cannot:
 2. torchrun is started with the parent-death signal (`prctl(PR_SET_PDEATHSIG, SIGTERM)`, set in
    the child between fork and exec by `parent_death_signal()`): when the launching thread dies,
    SIGKILL included, the kernel sends torchrun SIGTERM, and torchrun ends its workers (SIGTERM,
-   and SIGKILL 30 s later).
+   and SIGKILL 30 s later). That clean-up can outlive the workers, so torchrun runs under a
+   watchdog of ours (leanagent/train/torchrun.py) that SIGKILLs the job and exits within a second
+   of the launcher's death.
 3. Each rank runs a daemon thread (`watch_supervisor()`) that checks, every second, that the
    launcher (pid and start time in LEANAGENT_SUPERVISOR_PID / _START) and its parent torchrun
    are still there. When either is gone, the first rank to notice SIGKILLs the sibling ranks of

@@ -14,13 +14,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
+import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.strategies import DDPStrategy
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from pytorch_lightning.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.strategies import DDPStrategy
 
 from leanagent.atomic import write_atomic
 from leanagent.config import TrainerConfig

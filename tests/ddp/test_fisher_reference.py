@@ -71,7 +71,7 @@ PROBE = textwrap.dedent('''
 
     import torch
     import torch.distributed as dist
-    from lightning.pytorch.callbacks import Callback
+    from pytorch_lightning.callbacks import Callback
     from transformers import T5Config
 
     from leanagent.config import DataConfig, TrainerConfig

@@ -9,10 +9,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
+import pytorch_lightning as pl
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 

@@ -11,11 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
+import pytorch_lightning as pl
 import torch
 import yaml
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from transformers import ByT5Tokenizer
 
 from leanagent.atomic import write_json_atomic

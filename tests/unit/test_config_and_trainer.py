@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
+from pytorch_lightning.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from pytorch_lightning.strategies import DDPStrategy
 
 from leanagent.config import ONE_YEAR_SECONDS, ConfigError, PipelineConfig, TrainerConfig, load_config
 from leanagent.train.launch import SCRUBBED_ENV, child_environment, torchrun_command

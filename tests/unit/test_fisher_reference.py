@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
+import pytorch_lightning as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from pytorch_lightning.callbacks import Callback
 from torch.utils.data import DataLoader
 from transformers import T5Config
 

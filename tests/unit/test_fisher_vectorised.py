@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
+import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -212,11 +212,13 @@ def test_vectorised_equals_the_loop_on_data_module_batches(real: dict, precision
 
 # ---- choosing the method -----------------------------------------------------------------------
 
-def test_auto_picks_vectorised_on_cuda_and_the_measured_one_on_cpu() -> None:
+def test_auto_picks_the_loop_everywhere() -> None:
+    # Measured: faster on CPU; on an H200 the vectorised pass ran out of memory at realistic batches.
     module = FisherModule(tiny_t5())
     assert module.method == "auto"
-    assert module.resolved_method(torch.device("cuda", 0)) == "vectorised"
-    assert module.resolved_method(torch.device("cpu")) == fisher_mod.CPU_METHOD
+    assert module.resolved_method(torch.device("cuda", 0)) == "loop"
+    assert module.resolved_method(torch.device("cpu")) == fisher_mod.AUTO_METHOD == "loop"
+    assert FisherModule(tiny_t5(), method="vectorised").resolved_method(torch.device("cpu")) == "vectorised"
     assert FisherModule(tiny_t5(), method="loop").resolved_method(torch.device("cuda")) == "loop"
     with pytest.raises(ValueError, match="unknown Fisher method"):
         FisherModule(tiny_t5(), method="vmap")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-import lightning.pytorch as pl
 import pytest
+import pytorch_lightning as pl
 import torch
 from transformers import ByT5Tokenizer
 
@@ -59,3 +59,37 @@ def test_a_fit_uses_the_reference_horizon(tmp_path):
     # drop_last: n // 4 batches an epoch; Lightning also steps on an epoch's last, partial accumulation
     assert trainer.global_step == 2 * math.ceil((n // 4) / 2)
     assert scheduler.get_last_lr()[0] == pytest.approx(expected_lr(1e-3, 3, horizon, trainer.global_step), abs=1e-12)
+
+
+def test_fused_adamw_only_when_nothing_clips():
+    # Lightning's mixed-precision plugin refuses to clip for an optimizer that unscales its own gradients
+    # (fused AdamW): with the seed's clip of 1.0 a fused optimizer crashed the first step on an H200.
+    from leanagent.model.lr_schedule import use_fused_adamw
+
+    cpu = [torch.nn.Parameter(torch.zeros(2))]
+    assert not use_fused_adamw(cpu, None)  # not on a GPU
+    assert not use_fused_adamw([], None)
+
+
+def test_lightning_refuses_to_clip_for_a_fused_optimizer():
+    """What `use_fused_adamw` avoids, checked on CPU (fused AdamW runs there too): if a Lightning release lifts
+    the restriction this fails, and fusing under clipping can come back."""
+
+    class Module(pl.LightningModule):
+        def __init__(self, fused: bool):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+            self.fused = fused
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused or None)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    kwargs = dict(accelerator="cpu", devices=1, precision="bf16-mixed", gradient_clip_val=1.0, max_steps=2,
+                  logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        pl.Trainer(**kwargs).fit(Module(fused=True), data)
+    pl.Trainer(**kwargs).fit(Module(fused=False), data)
