@@ -10,6 +10,7 @@ skips it without touching its files.
 # No `from __future__ import annotations` here: Prefect builds a pydantic model of the flow's signature
 # to validate parameters, and string annotations fail to resolve when a served runner loads the flow.
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -51,6 +52,11 @@ from tasks.options import JobOptions
 TABLE_KEY = "lifelong-retrieval-results"
 PROGRESS_KEY = "lifelong-retrieval-progress"
 SUMMARY_KEY = "lifelong-retrieval-summary"
+# The temporary server's defaults, under any value the user set (environment, profile, prefect.toml: Prefect
+# passes those to the server's environment after these). Its telemetry service writes a session row into the
+# fresh SQLite database while the server's other services and the flow's first calls write too, and the
+# "database is locked" it can hit is logged as a long traceback; a throwaway local server has nothing to report.
+TEMPORARY_SERVER_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 BAD_INPUT = (ConfigError, DatasetValidationError, ManifestMismatchError, RunLockedError, JobInputError)
 # A stage stopped from outside, not failed: Ctrl-C or SIGTERM (the CLI's handlers raise KeyboardInterrupt
 # subclasses), Prefect's TerminationSignal (a runner's cancel or any SIGTERM to a flow-run process), an
@@ -78,13 +84,18 @@ def resolve_config(config: PipelineConfig | None, config_path: str | None) -> Pi
     return resolve_paths(config, Path.cwd())
 
 
-def run_stage(state: RunState, name: str, task: Task[..., dict], options: JobOptions, **kwargs: Any) -> dict:
+def run_stage(state: RunState, name: str, task: Task[..., dict], options: JobOptions,
+              artifacts: "_Artifacts | None" = None, **kwargs: Any) -> dict:
     """Skip a stage the manifest has finished; otherwise run its task and record the outcome either way."""
     done = state.stage_done(name)
     if done is not None:
         get_run_logger().info(f"{name}: finished in an earlier run; skipped")
+        if artifacts is not None:
+            artifacts.stages_done([name], publish=False)
         return done
     state.start(name)
+    if artifacts is not None:
+        artifacts.stages_running([name])
     try:
         result = task.with_options(task_run_name=name, retries=options.retries,
                                    retry_delay_seconds=options.retry_delay_s)(**kwargs)
@@ -97,11 +108,13 @@ def run_stage(state: RunState, name: str, task: Task[..., dict], options: JobOpt
             state.fail(name, f"{type(exc).__name__}: {exc}")
         raise
     state.record(name, result)
+    if artifacts is not None:
+        artifacts.stages_done([name])
     return result
 
 
 def run_evaluations(state: RunState, stages: list[tuple[str, Path]], out: Path, checkpoint: Path | None,
-                    options: JobOptions, **kwargs: Any) -> list[dict]:
+                    options: JobOptions, artifacts: "_Artifacts | None" = None, **kwargs: Any) -> list[dict]:
     """Evaluate one model on several repositories in ONE job, each recorded as its own stage.
 
     One torchrun start and one model load per repository stage, so a run of T repositories
@@ -113,6 +126,8 @@ def run_evaluations(state: RunState, stages: list[tuple[str, Path]], out: Path, 
     for k, (name, dataset) in enumerate(stages):
         if state.stage_done(name) is not None:
             logger.info(f"{name}: finished in an earlier run; skipped")
+            if artifacts is not None:
+                artifacts.stages_done([name], publish=False)
         else:
             pending.append((name, dataset))
             numbers.append(f"{k:02d}")
@@ -120,6 +135,8 @@ def run_evaluations(state: RunState, stages: list[tuple[str, Path]], out: Path, 
         suffix = "-".join(numbers)
         for name, _ in pending:
             state.start(name)
+        if artifacts is not None:
+            artifacts.stages_running([name for name, _ in pending])
         try:
             result = evaluate_retriever.with_options(
                 task_run_name=f"{out.parent.name}/{out.name}-{suffix}", retries=options.retries,
@@ -139,26 +156,50 @@ def run_evaluations(state: RunState, stages: list[tuple[str, Path]], out: Path, 
         for (name, _), evaluation in zip(pending, result["evaluations"], strict=True):
             state.record(name, {**evaluation, "checkpoint": result["checkpoint"],
                                 "world_size": result["world_size"]})
+        if artifacts is not None:
+            artifacts.stages_done([name for name, _ in pending])
     return [state.stage_done(name) for name, _ in stages]
 
 
+def stage_count(repositories: int) -> int:
+    """Untrained evaluations (one per repository), then per repository i: train, Fisher, i + 1 evaluations."""
+    return repositories + 2 * repositories + repositories * (repositories + 1) // 2
+
+
 class _Artifacts:
-    """The table, summary and progress artifacts, refreshed after each repository: a run of days shows
-    its recall matrix and lifelong metrics as they grow, not only at the end."""
+    """The table and summary artifacts, refreshed after each repository: a run of days shows its recall matrix
+    and lifelong metrics as they grow, not only at the end. The progress artifact moves with every stage and
+    names the one running, so the UI tells which job a long run is in."""
 
     def __init__(self, report: RunReport, manifest: Path) -> None:
         self.report = report
         self.manifest = manifest
+        self.total = stage_count(len(report.names))
+        self.done: set[str] = set()
         self.progress_id: UUID = create_progress_artifact(
-            progress=0.0, key=PROGRESS_KEY, description=f"repositories done of {len(report.names)}")
+            progress=0.0, key=PROGRESS_KEY, description=f"0 of {self.total} stages done")
+
+    def _publish(self, description: str) -> None:
+        update_progress_artifact(self.progress_id, progress=100.0 * len(self.done) / self.total,
+                                 description=description)
+
+    def stages_running(self, names: list[str]) -> None:
+        self._publish(f"running {', '.join(names)} ({len(self.done)} of {self.total} stages done)")
+
+    def stages_done(self, names: list[str], publish: bool = True) -> None:
+        """`publish=False` for stages skipped as finished: the next running stage's update counts them."""
+        self.done.update(names)
+        if publish:
+            self._publish(f"{len(self.done)} of {self.total} stages done" if len(self.done) < self.total
+                          else f"all {self.total} stages done")
 
     def repository_done(self) -> None:
         done, total = len(self.report.rows), len(self.report.names)
         create_table_artifact(table=self.report.rows, key=TABLE_KEY,
                               description=f"Recall per repository after training on it ({done} of {total} done)")
         publish_summary(self.report, self.manifest)
-        update_progress_artifact(self.progress_id, progress=100.0 * done / total,
-                                 description=f"{done} of {total} repositories done")
+        if len(self.done) >= self.total:  # a rerun that skipped every stage still ends at 100 %
+            self.stages_done([])
 
 
 def publish_summary(report: RunReport, manifest: Path) -> None:
@@ -173,6 +214,9 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
     cfg = resolve_config(config, config_path)
     options = options or JobOptions()
     preflight_run(cfg)  # model, devices, rendezvous, disk: before anything is written (datasets: below)
+    start = cfg.lifelong.start_checkpoint
+    if start is not None and not start.exists():
+        raise ConfigError(f"lifelong.start_checkpoint: {start}: no such checkpoint file or folder")
     with RunLock(cfg.run_dir):
         # Open the manifest before writing anything: a mismatched run_dir must stay untouched.
         state = RunState(cfg.run_dir, cfg)
@@ -197,27 +241,29 @@ def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoCo
     # Validated once above; the jobs need not re-read every dataset (evaluation would do it n^2 times).
     common = {"cfg": cfg, "config_path": config_file, "heartbeat_timeout_s": options.heartbeat_timeout_s,
               "validate": False}
-    # The untrained model on every test split: the row that training gains and transfers are measured from.
+    # The starting model (model.name_or_path, or lifelong.start_checkpoint) on every test split: the row that
+    # training gains and transfers are measured from.
     report.set_baseline(run_evaluations(
         state, [(stage_name(j, r.display_name, EVAL_UNTRAINED), r.path) for j, r in enumerate(ordered)],
-        jobs / "untrained" / "evaluate", None, options, timeout_s=options.evaluate_timeout_s, **common))
-    checkpoint: Path | None = None  # None: start from model.name_or_path
+        jobs / "untrained" / "evaluate", cfg.lifelong.start_checkpoint, options, artifacts,
+        timeout_s=options.evaluate_timeout_s, **common))
+    checkpoint: Path | None = cfg.lifelong.start_checkpoint  # None: start from model.name_or_path
     fisher: Path | None = None
     for i, repo in enumerate(ordered):
         name = stage_name(i, repo.display_name, TRAIN)
-        train = run_stage(state, name, train_retriever, options, dataset=repo.path, out=jobs / name,
+        train = run_stage(state, name, train_retriever, options, artifacts, dataset=repo.path, out=jobs / name,
                           checkpoint=checkpoint, fisher=fisher if ewc else None, timeout_s=options.train_timeout_s,
                           **common)
         checkpoint = Path(train["checkpoint"])  # the newest (LeanAgent) or the best: lifelong.checkpoint
         # Always, as LeanAgent does, so that EWC can be switched on for a later repository.
         name = stage_name(i, repo.display_name, FISHER)
-        result = run_stage(state, name, compute_fisher, options, dataset=repo.path, out=jobs / name,
+        result = run_stage(state, name, compute_fisher, options, artifacts, dataset=repo.path, out=jobs / name,
                            checkpoint=checkpoint, timeout_s=options.fisher_timeout_s, **common)
         fisher = Path(result["fisher"])
         evaluations = run_evaluations(
             state, [(stage_name(i, repo.display_name, eval_stage(j, seen.display_name)), seen.path)
                     for j, seen in enumerate(ordered[: i + 1])],
-            jobs / repo_key(i, repo.display_name) / "evaluate", checkpoint, options,
+            jobs / repo_key(i, repo.display_name) / "evaluate", checkpoint, options, artifacts,
             timeout_s=options.evaluate_timeout_s, **common)
         report.add_repository(i, train, evaluations)
         if cfg.lifelong.keep_checkpoints == "best_and_last":  # its stages are done: keep start, best, last
@@ -286,7 +332,9 @@ def start_temporary_server_bound_to_this_process() -> None:
             real = server_module.subprocess
             bound = types.ModuleType(real.__name__)
             bound.__dict__.update(real.__dict__)
-            bound.Popen = lambda *args, **kwargs: real.Popen(*args, **{"preexec_fn": preexec, **kwargs})
+            bound.Popen = lambda *args, **kwargs: real.Popen(*args, **{
+                "preexec_fn": preexec, **kwargs,
+                "env": {**TEMPORARY_SERVER_DEFAULTS, **(kwargs.get("env") or os.environ)}})
             server_module.subprocess = bound  # only `_run_uvicorn_command` reads it, and only here
             try:
                 return super()._run_uvicorn_command()

@@ -19,7 +19,7 @@ import pickle
 import re
 import struct
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,9 +63,11 @@ def _unreadable(path: Path, reason: str) -> CheckpointError:
 
 # ---- checkpoints ------------------------------------------------------------------------------
 
-def read_checkpoint(path: Path) -> dict:
+def read_checkpoint(path: Path, safe_globals: Sequence[Any] = ()) -> dict:
     """A checkpoint's dict, loaded weights-only and memory-mapped (tensors are read when touched).
 
+    `safe_globals` widens the restricted unpickler for this one load only (torch's `safe_globals`
+    context), e.g. the Lightning `AttributeDict` of a reference checkpoint's hyper-parameters.
     Raises FileNotFoundError for a missing file and CheckpointError (one line naming the file)
     for a truncated, corrupt, or unsafe one.
     """
@@ -74,7 +76,8 @@ def read_checkpoint(path: Path) -> dict:
         raise FileNotFoundError(f"{path}: no such checkpoint")
     _check_zip(path)
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with torch.serialization.safe_globals(list(safe_globals)):
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as exc:
         unsafe = re.search(r"GLOBAL (\S+)", str(exc))
         if unsafe or "WeightsUnpickler" in str(exc):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -235,6 +236,98 @@ def cmd_run(args: argparse.Namespace) -> int:
             return exc.exit_code
 
 
+EXIT_USAGE = 2  # export, index, retrieve: a bad argument or input, as argparse reports its own
+
+
+def _usage_error(message: str) -> int:
+    _fail(message)
+    return EXIT_USAGE
+
+
+def _check_device(device: str) -> str | None:
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "--device cuda: torch sees no CUDA device"
+    return None
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from leanagent.checkpoints import BadFileError
+    from leanagent.export import export_model
+    from leanagent.model.source import ModelSourceError
+
+    try:
+        out = export_model(Path(args.checkpoint), Path(args.out), force=args.force, base_model=args.base_model)
+    except (ModelSourceError, BadFileError, FileExistsError, FileNotFoundError) as exc:
+        return _usage_error(str(exc))
+    print(f"wrote {out}: model.safetensors, config.json, tokenizer files, retriever.json, README.md")
+    return 0
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from leanagent.checkpoints import BadFileError
+    from leanagent.data.errors import DatasetError
+    from leanagent.index import PremiseIndexError, build_index
+    from leanagent.model.source import ModelSourceError
+
+    problem = _check_device(args.device)
+    if problem:
+        return _usage_error(problem)
+    if args.batch_tokens is not None and args.batch_tokens < 1:
+        return _usage_error(f"--batch-tokens {args.batch_tokens}: must be positive")
+    try:
+        meta = build_index(Path(args.checkpoint or args.model), Path(args.dataset), Path(args.out),
+                           device=args.device, batch_tokens=args.batch_tokens, force=args.force,
+                           base_model=args.base_model)
+    except (PremiseIndexError, ModelSourceError, BadFileError, DatasetError, FileNotFoundError) as exc:
+        return _usage_error(str(exc))
+    print(f"indexed {meta['num_premises']} premises of {meta['num_files']} files ({meta['embedding_dim']} wide) "
+          f"in {meta['embed_seconds']:.1f}s: {args.out}")
+    return 0
+
+
+def cmd_retrieve(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from leanagent.index import PremiseIndex, PremiseIndexError
+
+    problem = _check_device(args.device)
+    if problem:
+        return _usage_error(problem)
+    if (args.file is None) != (args.line is None):
+        return _usage_error("--file and --line go together: accessibility is a position in a file")
+    if args.state_file is not None:
+        try:
+            state = Path(args.state_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            return _usage_error(f"--state-file {args.state_file}: cannot be read ({exc.__class__.__name__})")
+    else:
+        state = args.state
+    try:
+        index = PremiseIndex.load(Path(args.index), device=args.device)
+        start = time.perf_counter()
+        hits = index.retrieve(state, k=args.k, file=args.file, line=args.line, column=args.column)
+        seconds = time.perf_counter() - start
+    except PremiseIndexError as exc:
+        return _usage_error(str(exc))
+    if args.json:
+        print(json.dumps({"index": str(args.index), "file": args.file, "line": args.line, "k": args.k,
+                          "seconds": round(seconds, 6), "premises": [h.to_json() for h in hits]}, ensure_ascii=False))
+        return 0
+    for h in hits:
+        print(f"{h.rank:>3}  {h.score:+.4f}  {h.full_name}  ({h.path}:{h.start[0]})")
+    if not hits:
+        print("no accessible premise", file=sys.stderr)
+    return 0
+
+
+VERBOSE_HELP = ("show every line of the ranks, known third-party warnings included (LEANAGENT_VERBOSE=1 does the "
+                "same for the flow and deployments); the job's logs under JOB/logs/ always have them")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leanagent", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -270,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--rdzv-endpoint", help="override trainer.rdzv_endpoint (multi-node)")
         p.add_argument("--timeout", type=float, help="end the job after this many seconds")
         p.add_argument("--heartbeat-timeout", type=float, help="end the job when a rank is silent this long")
+        p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
         p.set_defaults(func=cmd_job, program=name)
 
     p = sub.add_parser("examples", help="write exactly what the retriever is fed: DIR/{train,val,test}.jsonl")
@@ -331,12 +425,51 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run the lifelong curriculum as a Prefect flow, in this process")
     p.add_argument("--config", required=True)
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder with a model card")
+    p.add_argument("checkpoint", help="a leanagent .ckpt, a LeanAgent/ReProver .ckpt (or consolidated DeepSpeed "
+                                      "folder), or a Hugging Face model folder")
+    p.add_argument("out", help="a new or empty folder")
+    p.add_argument("--force", action="store_true", help="replace model files already in OUT (others are kept)")
+    p.add_argument("--base-model", help="for a LeanAgent/ReProver checkpoint: the HF folder or cached id giving its "
+                                        "architecture (default: its model_name, else byt5-small's shape)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("index", help="embed a dataset's corpus once, for `leanagent retrieve`")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--checkpoint", help="a leanagent or LeanAgent/ReProver .ckpt")
+    group.add_argument("--model", help="a Hugging Face model folder (e.g. from `leanagent export`)")
+    p.add_argument("--dataset", required=True, help="a LeanDojo dataset folder (its corpus.jsonl is embedded)")
+    p.add_argument("--out", required=True, help="the INDEX folder: new or empty")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--batch-tokens", type=int, help="padded tokens per embedding batch (default: the model's "
+                                                    "eval_batch_size x max_seq_len)")
+    p.add_argument("--force", action="store_true", help="replace an index already in --out")
+    p.add_argument("--base-model", help="for a LeanAgent/ReProver checkpoint: the HF folder or cached id giving its "
+                                        "architecture (default: its model_name, else byt5-small's shape)")
+    p.set_defaults(func=cmd_index)
+
+    p = sub.add_parser("retrieve", help="the top-k premises of an index for a proof state")
+    p.add_argument("index", help="an INDEX folder written by `leanagent index`")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--state", help="the proof state (a leading `N goals` is dropped, as in training)")
+    group.add_argument("--state-file", help="read the proof state from this file")
+    p.add_argument("--file", help="only premises accessible in this file (a corpus path or a unique suffix)...")
+    p.add_argument("--line", type=int, help="...at this line: its imports' premises and its own ending before")
+    p.add_argument("--column", type=int, default=0, help="with --line: the column (default 0, the line's start)")
+    p.add_argument("-k", type=int, default=10)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.set_defaults(func=cmd_retrieve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if getattr(args, "verbose", False):  # the launcher and the ranks read it from the environment
+        os.environ["LEANAGENT_VERBOSE"] = "1"
     sys.exit(args.func(args))
 
 

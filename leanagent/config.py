@@ -98,6 +98,11 @@ class LifelongConfig(_Section):
     checkpoint: Literal["latest", "best"] = Field(
         "latest", description="which checkpoint of a repository the next one starts from and is evaluated: "
                               "the newest (LeanAgent) or the best by Recall@10_val")
+    start_checkpoint: Path | None = Field(
+        None, description="the first repository's training starts from this checkpoint (and the untrained "
+                          "baseline is scored with it): one of ours, or a LeanAgent/ReProver retriever .ckpt, "
+                          "a file or a zero_to_fp32-consolidated DeepSpeed folder; its epochs count towards "
+                          "max_epochs. None: start from model.name_or_path")
 
 
 class RepoConfig(_Section):
@@ -145,6 +150,9 @@ def resolve_paths(config: PipelineConfig, base: Path) -> PipelineConfig:
     base = base.resolve()
     update: dict = {"run_dir": _absolute(config.run_dir, base)}
     update["repos"] = [r.model_copy(update={"path": _absolute(r.path, base)}) for r in config.repos]
+    if config.lifelong.start_checkpoint is not None:
+        start = _absolute(config.lifelong.start_checkpoint, base)
+        update["lifelong"] = config.lifelong.model_copy(update={"start_checkpoint": start})
     local_model = base / config.model.name_or_path
     if not Path(config.model.name_or_path).is_absolute() and local_model.exists():
         update["model"] = config.model.model_copy(update={"name_or_path": str(local_model.resolve())})

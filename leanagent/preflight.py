@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from leanagent.checkpoints import BadFileError, CheckpointInfo, check_checkpoint, check_fisher
+from leanagent.checkpoints import BadFileError, check_fisher
 from leanagent.config import PipelineConfig, TrainerConfig
+from leanagent.reference_checkpoint import checkpoint_encoder_config
 from leanagent.train.jobs import JobInputError
 
 Program = Literal["train", "fisher", "evaluate"]
@@ -293,22 +294,20 @@ def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path
                   free_bytes: int | None = None, device_count: int | None = None) -> None:
     """Everything one job needs, checked before it is launched; raises PreflightError listing each problem."""
     problems = check_accelerator(cfg.trainer, device_count) + check_rendezvous(cfg.trainer)
-    info: CheckpointInfo | None = None
+    checkpoint_config: dict[str, Any] | None = None
     unknown = False  # a bad input file: what it would have told us (architecture, size) is unknown
     if checkpoint is not None:
-        if not Path(checkpoint).is_file():
-            problems.append(f"checkpoint {checkpoint}: no such file")
+        if not Path(checkpoint).exists():
+            problems.append(f"checkpoint {checkpoint}: no such file or folder")
             unknown = True
         else:
+            # Ours, or a LeanAgent/ReProver checkpoint (file or consolidated DeepSpeed folder) whose weights
+            # must fit the architecture found locally.
             try:
-                info = check_checkpoint(Path(checkpoint))
+                checkpoint_config = checkpoint_encoder_config(Path(checkpoint), cfg.model.name_or_path)
             except BadFileError as exc:
                 problems.append(str(exc))
                 unknown = True
-            else:
-                if not info.encoder_config:
-                    problems.append(f"{checkpoint}: not a leanagent retriever checkpoint (no encoder_config in its "
-                                    f"hyper-parameters)")
     if fisher is not None:
         if not Path(fisher).is_file():
             problems.append(f"fisher {fisher}: no such file")
@@ -317,7 +316,7 @@ def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path
                 check_fisher(Path(fisher))
             except BadFileError as exc:
                 problems.append(str(exc))
-    model_config: dict[str, Any] | None = info.encoder_config if info else None
+    model_config: dict[str, Any] | None = checkpoint_config
     if checkpoint is None:  # the job starts from model.name_or_path
         model_config, problem = resolve_model(cfg.model.name_or_path)
         if problem:

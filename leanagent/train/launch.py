@@ -32,7 +32,9 @@ from pathlib import Path
 
 from leanagent.atomic import read_json
 from leanagent.config import TrainerConfig
-from leanagent.train.heartbeat import heartbeat_dir, stale_ranks
+from leanagent.train.heartbeat import heartbeat_dir, read_progress, stale_ranks
+from leanagent.train.progress_view import job_label, progress_view
+from leanagent.train.quiet import NoiseFilter, quiet_environment, verbose
 from leanagent.train.supervision import (
     SUPERVISION_ENV,
     HoldSignals,
@@ -245,22 +247,37 @@ def launch(
     heartbeat_timeout_s: float | None = None,
     grace_s: float = GRACE_SECONDS,
     entry: Sequence[str] = PROGRAMS_ENTRY,
+    progress_interval_s: float | None = None,
 ) -> LaunchResult:
     """Run one rank program to completion and return its `result.json`.
 
     `on_line` receives every output line, rank lines as `[rank N] ...` and torchrun's own lines
-    as they come. Raises LaunchError with the failing rank's last lines when anything fails.
+    as they come, less known third-party noise unless LEANAGENT_VERBOSE is set (`quiet.py`; the
+    rank log files under JOB/logs/ keep everything), plus `[progress] ...` lines when stderr is
+    not a terminal (a bar when it is; `progress_view.py`). Raises LaunchError with the failing
+    rank's last lines when anything fails.
     """
     job_dir = Path(job_dir)
     job_dir.mkdir(parents=True, exist_ok=True)
     # A retry reuses the job folder: the failed attempt's heartbeats are stale by now and must not count.
     shutil.rmtree(heartbeat_dir(job_dir), ignore_errors=True)
     shutil.rmtree(pids_dir(job_dir), ignore_errors=True)
-    emit = on_line or (lambda line: print(line, flush=True))
+    sink = on_line or (lambda line: print(line, flush=True))
+    view = progress_view(job_label(program_args), sink, progress_interval_s)
+
+    def emit(line: str) -> None:
+        if view is None:
+            sink(line)
+            return
+        with view.writing():
+            sink(line)
+
+    noise = NoiseFilter(enabled=not verbose())
     log_dir = job_dir / "logs" / f"attempt-{time.strftime('%Y%m%d-%H%M%S')}"
     cmd = torchrun_command(cfg, program_args, log_dir=log_dir, entry=entry)
     started = time.monotonic()
     env = {**child_environment(), **supervisor_environment(job_dir)}
+    quiet_environment(env, cfg.devices)
     # Own session: signals meant for the launcher (a terminal's Ctrl-C) do not hit the ranks mid-step; the
     # launcher ends the job itself. PDEATHSIG: if this thread dies (SIGKILL, OOM), the kernel SIGTERMs torchrun.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -284,7 +301,11 @@ def launch(
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\n")
                 for raw in lines:
-                    _route(raw.decode("utf-8", "replace").rstrip("\r"), tails, launcher_tail, emit)
+                    _route(raw.decode("utf-8", "replace").rstrip("\r"), tails, launcher_tail, emit, noise)
+            if view is not None:
+                progress = read_progress(job_dir)
+                if progress is not None:
+                    view.update(progress)
             now = time.monotonic()
             jobs.refresh(force=False)
             if proc.poll() is not None:
@@ -306,8 +327,10 @@ def launch(
         raise
     finally:
         sel.close()
+        if view is not None:
+            view.close()
     if buffer:
-        _route(buffer.decode("utf-8", "replace"), tails, launcher_tail, emit)
+        _route(buffer.decode("utf-8", "replace"), tails, launcher_tail, emit, noise)
     if reason is not None:
         emit(f"[launcher] {reason}: ending every process of the job")
         end_job(jobs, grace_s, emit)
@@ -326,11 +349,12 @@ def launch(
     return LaunchResult(returncode, read_json(result_path), time.monotonic() - started)
 
 
-def _route(line: str, tails, launcher_tail, emit) -> None:
+def _route(line: str, tails, launcher_tail, emit, noise: NoiseFilter | None = None) -> None:
     m = RANK_LINE.match(line)
     if m:
         tails[int(m.group(1))].append(m.group(2))
-        emit(line)
+        if noise is None or noise.keep(int(m.group(1)), m.group(2)):
+            emit(line)
     else:
         launcher_tail.append(line)
         emit(f"[launcher] {line}" if line else line)

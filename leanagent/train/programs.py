@@ -27,6 +27,7 @@ from leanagent.data.errors import DatasetError
 from leanagent.model.fisher import FisherModule, ReferenceFisherModule, save_fisher
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.ranks import global_rank, local_rank, node_rank
+from leanagent.reference_checkpoint import is_leanagent, read_any_checkpoint, reference_retriever
 from leanagent.train import supervision
 from leanagent.train.heartbeat import Heartbeat, beat
 from leanagent.train.launch import result_filename
@@ -58,17 +59,19 @@ def epochs_completed(checkpoint: dict) -> int:
 def load_retriever(cfg: PipelineConfig, checkpoint: Path | None, weights: bool = True) -> PremiseRetriever:
     """The retriever for a job, reading a checkpoint once.
 
-    From a checkpoint the architecture comes from its hparams, so no hub access is needed;
-    `weights=False` when Lightning's `fit(ckpt_path=...)` restores them anyway.
+    From one of our checkpoints the architecture comes from its hparams, so no hub access is needed;
+    `weights=False` when Lightning's `fit(ckpt_path=...)` restores them anyway. A LeanAgent/ReProver
+    checkpoint (file or consolidated DeepSpeed folder) always has its weights loaded: Lightning
+    never resumes from it (see `reference_checkpoint`).
     """
     overrides = {"lr": cfg.model.lr, "warmup_steps": cfg.model.warmup_steps, "max_seq_len": cfg.model.max_seq_len,
                  "num_retrieved": cfg.model.num_retrieved, "eval_batch_size": cfg.data.eval_batch_size}
     if checkpoint is None:
         return PremiseRetriever(cfg.model.name_or_path, **overrides)
-    ckpt = read_checkpoint(checkpoint)
+    ckpt = read_any_checkpoint(checkpoint)
+    if not is_leanagent(ckpt):
+        return reference_retriever(checkpoint, ckpt, cfg.model.name_or_path, **overrides)
     hparams = dict(ckpt.get("hyper_parameters", {}))
-    if "encoder_config" not in hparams:
-        raise ValueError(f"{checkpoint}: not a leanagent retriever checkpoint (no encoder_config in its hparams)")
     model = PremiseRetriever(**{**hparams, **overrides})
     if weights:
         model.load_state_dict(ckpt["state_dict"])
@@ -91,11 +94,19 @@ class TrainPlan:
     target_epochs: int
     resume_from: str | None
     unreadable: tuple[str, ...] = ()  # this job's checkpoints skipped as unreadable (one line each)
+    # resume_from is a LeanAgent/ReProver checkpoint: its weights go into a fresh trainer started at
+    # start_epochs; Lightning resumes only checkpoints of ours (loops, optimizer, scheduler).
+    from_reference: bool = False
 
     @property
     def is_retry(self) -> bool:
         """An earlier attempt of this very job left a checkpoint behind."""
         return self.resume_from != self.start_checkpoint
+
+    @property
+    def ckpt_path(self) -> str | None:
+        """What `fit(ckpt_path=...)` restores trainer state from."""
+        return None if self.from_reference else self.resume_from
 
 
 def plan_training(job_dir: Path, start_checkpoint: Path | None, epochs_per_repo: int) -> TrainPlan:
@@ -109,13 +120,30 @@ def plan_training(job_dir: Path, start_checkpoint: Path | None, epochs_per_repo:
             raise ValueError(f"{plan_file}: this job started from {saved.get('start_checkpoint')}, not {start}; "
                              f"use a new --out folder")
         already, target = int(saved["start_epochs"]), int(saved["target_epochs"])
+        start_ckpt = None
     else:
-        already = epochs_completed(read_checkpoint(Path(start))) if start else 0
+        # A reference checkpoint counts its epochs as ours do: LeanAgent's max_epochs = its epoch + epochs_per_repo.
+        start_ckpt = read_any_checkpoint(Path(start)) if start else None
+        already = epochs_completed(start_ckpt) if start_ckpt is not None else 0
         target = already + epochs_per_repo
     # A retry resumes from last.ckpt; if that was cut short, from the newest readable epoch checkpoint
     # of this job, and failing that from where the job started.
     resume, unreadable = first_readable(resume_candidates(job_dir / "checkpoints"))
-    return TrainPlan(start, already, target, str(resume) if resume else start, tuple(unreadable))
+    from_reference = False
+    if resume is None and start:
+        from_reference = not is_leanagent(start_ckpt if start_ckpt is not None else read_any_checkpoint(Path(start)))
+    return TrainPlan(start, already, target, str(resume) if resume else start, tuple(unreadable), from_reference)
+
+
+def start_at_epoch(trainer: pl.Trainer, epochs: int) -> None:
+    """A fresh trainer counts from `epochs` finished epochs, as if resumed there, without any other state.
+
+    Used for a reference checkpoint: max_epochs, checkpoint names (`epoch=N`), the loop state saved in
+    our checkpoints (what the next repository counts from) and the epoch-seeded negatives then match
+    LeanAgent's resumed run, while optimizer, schedule and step count start afresh.
+    """
+    for tracker in (trainer.fit_loop.epoch_progress.total, trainer.fit_loop.epoch_progress.current):
+        tracker.ready = tracker.started = tracker.processed = tracker.completed = epochs
 
 
 def ewc_anchor(cfg: PipelineConfig, plan: TrainPlan) -> dict[str, torch.Tensor] | None:
@@ -124,7 +152,10 @@ def ewc_anchor(cfg: PipelineConfig, plan: TrainPlan) -> dict[str, torch.Tensor] 
         return None  # fit restores the start weights; the retriever snapshots them in on_fit_start
     if plan.start_checkpoint is None:
         return load_retriever(cfg, None).state_dict()
-    return read_checkpoint(Path(plan.start_checkpoint))["state_dict"]
+    start = read_any_checkpoint(Path(plan.start_checkpoint))
+    if not is_leanagent(start):
+        return load_retriever(cfg, Path(plan.start_checkpoint)).state_dict()  # under our keys, checked
+    return start["state_dict"]
 
 
 def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path | None,
@@ -134,7 +165,7 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
         for line in plan.unreadable:
             print(f"skipped unreadable checkpoint: {line}", flush=True)
         print(f"resuming from {plan.resume_from or cfg.model.name_or_path} instead", flush=True)
-    model = load_retriever(cfg, Path(plan.resume_from) if plan.resume_from else None, weights=False)
+    model = load_retriever(cfg, Path(plan.resume_from) if plan.resume_from else None, weights=plan.from_reference)
     if fisher is not None and cfg.lifelong.ewc_lambda > 0:
         fisher_tensors, _ = read_fisher(fisher)
         model.set_ewc(fisher_tensors, cfg.lifelong.ewc_lambda, anchor=ewc_anchor(cfg, plan))
@@ -142,6 +173,8 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
     heartbeat = Heartbeat(job_dir)
     trainer = build_training_trainer(cfg.trainer, job_dir, plan.target_epochs, [heartbeat],
                                      restore_early_stopping=plan.is_retry)
+    if plan.from_reference:
+        start_at_epoch(trainer, plan.start_epochs)
     trainer.strategy.barrier()  # before loading data (seed)
     if global_rank() == 0 and not (job_dir / JOB_PLAN).is_file():
         write_json_atomic(job_dir / JOB_PLAN, {"start_checkpoint": plan.start_checkpoint,
@@ -153,7 +186,7 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
                            f"found in the corpus); Recall@10_val, which selects checkpoints, cannot be computed")
     trainer.strategy.barrier()  # before fit
     started = time.monotonic()
-    trainer.fit(model, datamodule=datamodule, ckpt_path=plan.resume_from, weights_only=True)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=plan.ckpt_path, weights_only=True)
     trainer.strategy.barrier()  # after fit (seed)
     fit_seconds = time.monotonic() - started
     ckpt = trainer.checkpoint_callback
@@ -173,6 +206,7 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
         "global_step": trainer.global_step,
         "world_size": trainer.world_size,
         "target_epochs": plan.target_epochs,
+        "start_epochs": plan.start_epochs,  # epochs the start checkpoint had trained (ours or a reference's)
         "resumed_from": plan.resume_from,
         # The optimizer step training (re)started at: 0 from the base model, the step of resumed_from otherwise.
         "start_global_step": next((cb.start_global_step for cb in trainer.callbacks

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from pytorch_lightning.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
-from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.strategies import DDPStrategy
 
 from leanagent.atomic import write_atomic
@@ -27,6 +27,7 @@ from leanagent.config import TrainerConfig
 
 MONITOR = "Recall@10_val"
 LAST_CHECKPOINT = "last.ckpt"
+TENSORBOARD_DIR = "tensorboard"
 
 
 class RepositoryEarlyStopping(EarlyStopping):
@@ -266,7 +267,15 @@ def init_process_group(cfg: TrainerConfig) -> None:
                             rank=int(os.environ["RANK"]), world_size=world_size, **kwargs)
 
 
-def _common(cfg: TrainerConfig, job_dir: Path) -> dict:
+def tensorboard_logger(job_dir: Path) -> TensorBoardLogger:
+    """JOB/tensorboard/, no version folder: the job is the run, so `tensorboard --logdir RUN_DIR/jobs` lists
+    one run per repository by its job folder (`00-repo_0/train/tensorboard`). Lightning logs at the global
+    step, which a repository's training continues from the previous one's checkpoint, so the runs line up
+    end to end over the curriculum; a retry of the job appends to the same run from where it resumed."""
+    return TensorBoardLogger(save_dir=str(job_dir), name=TENSORBOARD_DIR, version="", default_hp_metric=False)
+
+
+def _common(cfg: TrainerConfig, job_dir: Path, tensorboard: bool = False) -> dict:
     return {
         "accelerator": cfg.accelerator,
         "devices": cfg.devices,
@@ -276,8 +285,10 @@ def _common(cfg: TrainerConfig, job_dir: Path) -> dict:
         "log_every_n_steps": cfg.log_every_n_steps,
         "num_sanity_val_steps": cfg.num_sanity_val_steps,
         "default_root_dir": str(job_dir),
-        # Explicit, so the metrics file is always JOB/lightning_logs/version_N/metrics.csv.
-        "logger": CSVLogger(save_dir=str(job_dir), name="lightning_logs"),
+        # Explicit, so the metrics file is always JOB/lightning_logs/version_N/metrics.csv (the first logger
+        # names the log_dir Lightning reports).
+        "logger": [CSVLogger(save_dir=str(job_dir), name="lightning_logs"),
+                   *([tensorboard_logger(job_dir)] if tensorboard else [])],
         "enable_progress_bar": False,
     }
 
@@ -306,7 +317,7 @@ def build_training_trainer(cfg: TrainerConfig, job_dir: Path, max_epochs: int,
         *(extra_callbacks or []),
     ]
     return pl.Trainer(
-        **_common(cfg, job_dir),
+        **_common(cfg, job_dir, tensorboard=True),
         plugins=[AtomicCheckpointIO()],
         gradient_clip_val=cfg.gradient_clip_val,
         accumulate_grad_batches=cfg.accumulate_grad_batches,

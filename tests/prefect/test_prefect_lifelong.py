@@ -121,6 +121,9 @@ def test_artifacts_are_on_the_server(run3: FinishedRun) -> None:
     assert {"R@1", "R@10", "MRR", "epoch", "checkpoint", "WF5", "FM", "EBWT", "WP5", "IP", "CFR"} <= set(rows[0])
     assert rows[-1]["FM"] is not None and rows[0]["FM"] is None  # the metrics after each repository
     assert float(artifacts[PROGRESS_KEY].data) == pytest.approx(100.0)
+    # The description names the running stage while it runs, and says all are done at the end.
+    assert (artifacts[PROGRESS_KEY].description or "").startswith("all ") and "stages done" in \
+        artifacts[PROGRESS_KEY].description
     summary = str(artifacts[SUMMARY_KEY].data)
     assert "Recall@10 matrix" in summary and "EBWT" in summary and "CFR" in summary
     # The summary is published after every repository, not only at the end: one version per repository.

@@ -1,0 +1,334 @@
+"""A premise index: a dataset's corpus embedded once, queried many times by a prover.
+
+`build_index` embeds the corpus with the retriever's own sorted, token-budget `embed_corpus` and writes
+an INDEX folder:
+
+- `embeddings.safetensors`: one bf16 row per premise, in corpus order (tensor `embeddings`);
+- `premises.jsonl`: per premise its path, full_name, start, end, kind and the serialized text the
+  retriever encoded, line k for row k;
+- `files.jsonl`: per corpus file its direct imports, its premises' row range and the last line a
+  premise of it reaches: what accessibility needs, in the corpus's own terms, so the import closure
+  is computed by the same `Corpus` code evaluation uses (exactly the same premises count);
+- `index.json`, written last (a folder without it is an unfinished index): the model, the dataset,
+  the embedding width and count, and the lengths states and premises are cut at.
+
+`PremiseIndex.load` reads it and loads the encoder once; `PremiseIndex.retrieve` then formats a
+proof state as training did, encodes it and ranks premises with `top_k_accessible`, restricted to
+those accessible at a file and line when given: the premises of the files it imports
+(transitively) and those of the same file ending at or before that position.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from leanagent.atomic import refuse_non_empty, write_atomic
+from leanagent.data.corpus import Corpus, FileRecord, Premise
+
+INDEX_FILE = "index.json"
+EMBEDDINGS_FILE = "embeddings.safetensors"
+PREMISES_FILE = "premises.jsonl"
+FILES_FILE = "files.jsonl"
+INDEX_FILES = (INDEX_FILE, EMBEDDINGS_FILE, PREMISES_FILE, FILES_FILE)
+FORMAT_VERSION = 1
+CONTEXT_MAX_LEN = 1024  # data.max_seq_len's default: states are cut there in training and evaluation
+
+
+class PremiseIndexError(ValueError):
+    """An index, a query or its arguments that cannot be used; the message is one line naming what is wrong."""
+
+
+# ---- building ---------------------------------------------------------------------------------
+
+def build_index(model: str | Path, dataset: str | Path, out: str | Path, device: str = "cpu",
+                batch_tokens: int | None = None, force: bool = False,
+                context_max_len: int = CONTEXT_MAX_LEN, base_model: str | None = None) -> dict[str, Any]:
+    """Embed `dataset`'s corpus with `model` (a .ckpt or an HF folder) into the INDEX folder `out`; its index.json.
+
+    `batch_tokens` is the padded-token budget of one embedding batch (default: the model's
+    eval_batch_size x max_seq_len, as at evaluation); it is rounded down to whole premises of max_seq_len.
+    """
+    from safetensors.torch import save
+
+    from leanagent.model.source import load_model
+
+    dataset, out = Path(dataset), Path(out)
+    corpus_file = dataset / "corpus.jsonl"
+    if not corpus_file.is_file():
+        raise PremiseIndexError(f"--dataset {dataset}: no corpus.jsonl in it")
+    _check_out(out, force)
+    loaded = load_model(model, device, base_model=base_model)
+    retriever = loaded.retriever
+    max_len = int(retriever.hparams["max_seq_len"])
+    if batch_tokens is not None:
+        if batch_tokens < max_len:
+            raise PremiseIndexError(f"--batch-tokens {batch_tokens}: below the model's premise length {max_len}")
+        retriever.hparams["eval_batch_size"] = batch_tokens // max_len
+    corpus = Corpus.from_jsonl(corpus_file)
+    start = time.perf_counter()
+    # bf16 on a GPU, as evaluation runs under bf16-mixed; float32 on a CPU, where bf16 is slow.
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if retriever.device.type == "cuda" else nullcontext()
+    with torch.inference_mode(), autocast:
+        embeddings = retriever.embed_corpus(corpus).to(torch.bfloat16).cpu().contiguous()
+    seconds = time.perf_counter() - start
+    _clear_out(out)  # only now: a model or corpus that fails to load leaves an earlier index as it was
+    blob = save({"embeddings": embeddings}, metadata={"format": str(FORMAT_VERSION)})
+    write_atomic(out / EMBEDDINGS_FILE, lambda f: f.write(blob), mode="wb", permissions=0o644)
+    write_atomic(out / PREMISES_FILE, lambda f: _write_premises(f, corpus), permissions=0o644)
+    write_atomic(out / FILES_FILE, lambda f: _write_files(f, corpus), permissions=0o644)
+    meta = {
+        "format": FORMAT_VERSION,
+        "checkpoint": str(loaded.checkpoint) if loaded.checkpoint else None,
+        "model": str(loaded.model_dir) if loaded.model_dir else None,
+        "base_model": base_model,  # the architecture of a LeanAgent/ReProver checkpoint, if given
+        "dataset": str(dataset.resolve()),
+        "corpus": str(corpus_file.resolve()),
+        "num_premises": int(embeddings.shape[0]),
+        "num_files": len(corpus.paths),
+        "embedding_dim": int(embeddings.shape[1]),
+        "dtype": "bfloat16",
+        "max_seq_len": max_len,
+        "context_max_len": context_max_len,
+        "model_metrics": loaded.metrics,
+        "embed_seconds": round(seconds, 3),
+        "device": device,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    write_atomic(out / INDEX_FILE, lambda f: json.dump(meta, f, indent=2, sort_keys=True), permissions=0o644)
+    return meta
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """A non-empty folder is refused unless `force`, before any time is spent embedding."""
+    if out.exists() and not out.is_dir():
+        raise PremiseIndexError(f"--out {out}: exists and is not a folder; nothing was overwritten")
+    if not force:
+        try:
+            refuse_non_empty(out)
+        except FileExistsError as exc:
+            raise PremiseIndexError(f"--out {exc} (pass --force to replace an index there)") from None
+
+
+def _clear_out(out: Path) -> None:
+    """With --force only an earlier index's own files go (index.json first: the folder reads as unfinished
+    until the new one is written); anything else a user keeps there stays."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in INDEX_FILES:
+        (out / name).unlink(missing_ok=True)
+
+
+def _write_premises(f, corpus: Corpus) -> None:
+    for p in corpus.premises:
+        f.write(json.dumps({"path": p.path, "full_name": p.full_name, "start": list(p.start), "end": list(p.end),
+                            "kind": p.kind, "text": p.text}, ensure_ascii=False) + "\n")
+
+
+def _write_files(f, corpus: Corpus) -> None:
+    for path in corpus.paths:
+        rows = corpus.file_range(path)
+        last = max((corpus.premises[i].end[0] for i in rows), default=None)
+        f.write(json.dumps({"path": path, "imports": corpus.imports[path], "premises": [rows.start, rows.stop],
+                            "last_line": last}, ensure_ascii=False) + "\n")
+
+
+# ---- loading and querying ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Hit:
+    """One retrieved premise: its rank (1 = best), cosine score and where it is declared."""
+
+    rank: int
+    score: float
+    index: int
+    full_name: str
+    path: str
+    start: tuple[int, int]
+    end: tuple[int, int]
+    text: str
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["start"], out["end"] = list(self.start), list(self.end)
+        return out
+
+
+@dataclass(frozen=True)
+class _FileInfo:
+    imports: list[str]
+    rows: tuple[int, int]
+    last_line: int | None
+
+
+class PremiseIndex:
+    """A loaded index and its encoder: load once, query many times (each query is one encoder pass)."""
+
+    def __init__(self, folder: Path, meta: dict[str, Any], embeddings: torch.Tensor, premises: list[dict[str, Any]],
+                 files: dict[str, _FileInfo], retriever: Any) -> None:
+        self.folder = folder
+        self.meta = meta
+        self.embeddings = embeddings
+        self.premises = premises
+        self.files = files
+        self.retriever = retriever
+        self.device = retriever.device
+        self.corpus = _accessibility_corpus(premises, files)
+
+    @classmethod
+    def load(cls, folder: str | Path, device: str = "cpu") -> PremiseIndex:
+        from safetensors.torch import load_file
+
+        from leanagent.model.source import ModelSourceError, load_model
+
+        folder = Path(folder)
+        meta = _read_meta(folder)
+        model = meta.get("checkpoint") or meta.get("model")
+        if not model:
+            raise PremiseIndexError(f"{folder / INDEX_FILE}: names no checkpoint or model")
+        try:
+            embeddings = load_file(str(folder / EMBEDDINGS_FILE))["embeddings"]
+        except Exception as exc:  # safetensors raises its own SafetensorError; a wrong file, KeyError
+            raise PremiseIndexError(f"{folder / EMBEDDINGS_FILE}: not a readable index embedding "
+                                    f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        premises = _read_jsonl(folder / PREMISES_FILE)
+        files = {r["path"]: _FileInfo(list(r["imports"]), (int(r["premises"][0]), int(r["premises"][1])),
+                                      r.get("last_line")) for r in _read_jsonl(folder / FILES_FILE)}
+        if embeddings.shape[0] != len(premises) or len(premises) != meta.get("num_premises"):
+            raise PremiseIndexError(f"{folder}: {embeddings.shape[0]} embeddings, {len(premises)} premises and "
+                                    f"num_premises {meta.get('num_premises')} disagree; rebuild the index")
+        try:
+            loaded = load_model(model, device, base_model=meta.get("base_model"))
+        except (ModelSourceError, FileNotFoundError, ValueError) as exc:
+            raise PremiseIndexError(f"{folder / INDEX_FILE}: its model cannot be loaded: {exc}") from None
+        width = loaded.retriever.encoder.config.d_model
+        if width != embeddings.shape[1]:
+            raise PremiseIndexError(f"{folder}: embeddings are {embeddings.shape[1]} wide, the model {model} gives "
+                                    f"{width}; rebuild the index")
+        # bf16 on disk; on a CPU the product runs in float32 (bf16 matmuls are slow there), on a GPU in bf16.
+        embeddings = embeddings.to(loaded.retriever.device,
+                                   torch.bfloat16 if loaded.retriever.device.type == "cuda" else torch.float32)
+        return cls(folder, meta, embeddings, premises, files, loaded.retriever)
+
+    def __len__(self) -> int:
+        return len(self.premises)
+
+    # -- accessibility --
+    def resolve_file(self, file: str) -> str:
+        """The corpus path of `file` (exact, or a unique suffix such as Mathlib/X.lean of a lake package's path)."""
+        resolved = self.corpus.resolve_path(file[2:] if file.startswith("./") else file)
+        if resolved is None:
+            raise PremiseIndexError(f"--file {file}: not a file of the indexed corpus ({self.meta.get('corpus')})")
+        return resolved
+
+    def accessible_mask(self, file: str, line: int, column: int = 0) -> torch.Tensor:
+        """Premises accessible at (line, column) of `file`, exactly as at evaluation (`Corpus.accessible_mask`):
+        those of the files it imports, transitively, and those of `file` ending at or before that position."""
+        path = self.resolve_file(file)
+        last = self.files[path].last_line
+        if line < 1 or (last is not None and line > last):
+            known = f"1-{last}" if last is not None else "from 1"
+            raise PremiseIndexError(f"--line {line}: out of range for {file} (the index knows lines {known})")
+        return self.corpus.accessible_mask(path, (line, column))
+
+    # -- querying --
+    @torch.inference_mode()
+    def encode_state(self, state: str) -> torch.Tensor:
+        """A proof state's embedding, the state formatted as training and evaluation format it."""
+        from leanagent.data.dataset import tokenize_texts
+        from leanagent.data.theorems import strip_goal_count
+
+        ids, mask = tokenize_texts(self.retriever.tokenizer, [strip_goal_count(state)],
+                                   int(self.meta.get("context_max_len", CONTEXT_MAX_LEN)))
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+        with autocast:
+            return self.retriever.encode(ids.to(self.device), mask.to(self.device))
+
+    def retrieve(self, state: str, k: int = 10, file: str | None = None, line: int | None = None,
+                 column: int = 0) -> list[Hit]:
+        """The k best premises for `state`, best first; only those accessible at `file`:`line` when given."""
+        from leanagent.model.retrieval import top_k_accessible
+
+        if k < 1:
+            raise PremiseIndexError(f"-k {k}: must be at least 1")
+        if (file is None) != (line is None):
+            raise PremiseIndexError("--file and --line go together: accessibility is a position in a file")
+        if file is not None:
+            mask = self.accessible_mask(file, int(line), column)  # type: ignore[arg-type]
+        else:
+            mask = torch.ones(len(self.premises), dtype=torch.bool)
+        scores, rows = top_k_accessible(self.encode_state(state), self.embeddings, mask[None], k)
+        hits = []
+        for score, row in zip(scores[0].tolist(), rows[0].tolist(), strict=True):
+            if score == float("-inf"):
+                break  # fewer accessible premises than k
+            p = self.premises[row]
+            hits.append(Hit(len(hits) + 1, float(score), row, p["full_name"], p["path"], tuple(p["start"]),
+                            tuple(p["end"]), p["text"]))
+        return hits
+
+
+def _accessibility_corpus(premises: list[dict[str, Any]], files: dict[str, _FileInfo]) -> Corpus:
+    """A `Corpus` with the index's files, imports and premise positions (no code): its import closure and
+    in-file cut-off are the ones evaluation computes, so accessibility cannot drift from evaluation's."""
+    records = []
+    for path, info in files.items():
+        lo, hi = info.rows
+        records.append(FileRecord(path, info.imports, [
+            Premise(p["full_name"], path, "", tuple(p["start"]), tuple(p["end"]), p.get("kind"))
+            for p in premises[lo:hi]]))
+    corpus = Corpus(records)
+    if len(corpus) != len(premises):
+        raise PremiseIndexError(f"{FILES_FILE}: its premise ranges cover {len(corpus)} of {len(premises)} premises; "
+                                f"rebuild the index")
+    return corpus
+
+
+def _read_meta(folder: Path) -> dict[str, Any]:
+    file = folder / INDEX_FILE
+    if not folder.is_dir():
+        raise PremiseIndexError(f"{folder}: no such index folder (build one with `leanagent index`)")
+    if not file.is_file():
+        raise PremiseIndexError(f"{folder}: not a finished index (no {INDEX_FILE}); build it with `leanagent index`")
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PremiseIndexError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        raise PremiseIndexError(f"{file}: not a format-{FORMAT_VERSION} leanagent index")
+    return meta
+
+
+def _read_jsonl(file: Path) -> list[dict[str, Any]]:
+    try:
+        with open(file, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        raise PremiseIndexError(f"{file}: missing from the index; rebuild it") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PremiseIndexError(f"{file}: unreadable ({exc})") from None
+
+
+# ---- the prover's entry point -----------------------------------------------------------------
+
+_LOADED: dict[tuple[str, str], PremiseIndex] = {}
+_LOCK = threading.Lock()
+
+
+def retrieve(index: str | Path | PremiseIndex, state: str, k: int = 10, file: str | None = None,
+             line: int | None = None, column: int = 0, device: str = "cpu") -> list[Hit]:
+    """`leanagent.retrieve`: the k best premises for a proof state. A path is loaded on first use and kept,
+    so calling this in a loop costs one encoder pass per call, not a model load."""
+    if not isinstance(index, PremiseIndex):
+        key = (str(Path(index).resolve()), device)
+        with _LOCK:
+            if key not in _LOADED:
+                _LOADED[key] = PremiseIndex.load(index, device=device)
+            index = _LOADED[key]
+    return index.retrieve(state, k=k, file=file, line=line, column=column)

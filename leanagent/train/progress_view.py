@@ -1,0 +1,114 @@
+"""The launcher's view of rank 0's progress: a live bar on a terminal, a plain line every N seconds elsewhere.
+
+A bar is only readable where something redraws it; in CI logs and Prefect's run logs it would be
+thousands of carriage returns, so there a `[progress] ...` line is printed through the same path as
+the job's output, every `LEANAGENT_PROGRESS_INTERVAL` seconds (default 30). `LEANAGENT_PROGRESS=bar`,
+`plain` or `off` overrides the choice made from whether stderr is a terminal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from leanagent.train.progress import describe, format_duration, rate_and_eta
+
+MODE_ENV = "LEANAGENT_PROGRESS"
+INTERVAL_ENV = "LEANAGENT_PROGRESS_INTERVAL"
+DEFAULT_INTERVAL_SECONDS = 30.0
+
+
+def job_label(program_args: Sequence[str]) -> str:
+    """`train repo_1`, `evaluate repo_0,repo_1`: the program and the dataset folders it runs on."""
+    args = list(program_args)
+    names = [Path(args[i + 1]).name for i, a in enumerate(args[:-1]) if a == "--dataset"]
+    program = args[0] if args else "job"
+    return f"{program} {','.join(names)}" if names else program
+
+
+def interval_from_env() -> float:
+    try:
+        value = float(os.environ.get(INTERVAL_ENV, DEFAULT_INTERVAL_SECONDS))
+    except ValueError:
+        return DEFAULT_INTERVAL_SECONDS
+    return value if value > 0 else DEFAULT_INTERVAL_SECONDS
+
+
+class PlainProgress:
+    """`[progress] train repo_1: epoch 2/5, ...` through `emit`, at most every `interval_s` seconds."""
+
+    def __init__(self, label: str, emit: Callable[[str], None], interval_s: float) -> None:
+        self.label = label
+        self.emit = emit
+        self.interval_s = interval_s
+        self._next = time.monotonic() + interval_s
+        self._last: Mapping[str, Any] | None = None
+
+    def update(self, progress: Mapping[str, Any]) -> None:
+        self._last = progress
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + self.interval_s
+            self.emit(f"[progress] {describe(self.label, progress)}")
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        yield
+
+    def close(self) -> None:
+        pass
+
+
+class BarProgress:
+    """A tqdm bar on stderr; job lines are printed above it (`writing`) instead of through it."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.bar: tqdm | None = None
+        self._key: tuple | None = None
+
+    def update(self, progress: Mapping[str, Any]) -> None:
+        stage, total = progress.get("stage"), progress.get("total")
+        key = (stage, total, progress.get("epochs"))
+        if self.bar is None or key != self._key:
+            self.close()
+            self._key = key
+            self.bar = tqdm(total=total, file=sys.stderr, dynamic_ncols=True, leave=False,
+                            bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}{postfix}")
+        head = self.label if str(self.label).split(" ", 1)[0] == stage else f"{self.label} ({stage})"
+        epoch = f" epoch {progress.get('epoch')}/{progress['epochs']}" if progress.get("epochs") else ""
+        rate, eta = rate_and_eta(progress)
+        extra = ", ".join(x for x in (f"{rate:.1f} examples/s" if rate is not None else "",
+                                      f"ETA {format_duration(eta)}" if eta is not None else "") if x)
+        self.bar.set_description_str(f"{head}{epoch}", refresh=False)
+        self.bar.set_postfix_str(extra, refresh=False)
+        self.bar.n = int(progress.get("step") or 0)
+        self.bar.refresh()
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        with tqdm.external_write_mode(file=sys.stderr):
+            yield
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def progress_view(label: str, emit: Callable[[str], None], interval_s: float | None = None
+                  ) -> PlainProgress | BarProgress | None:
+    """The view for this process's output: bar on a terminal, plain lines elsewhere, None when switched off."""
+    mode = os.environ.get(MODE_ENV, "auto").strip().lower()
+    if mode == "off":
+        return None
+    if mode == "bar" or (mode != "plain" and sys.stderr.isatty()):
+        return BarProgress(label)
+    return PlainProgress(label, emit, interval_from_env() if interval_s is None else interval_s)

@@ -1,0 +1,105 @@
+"""What a person sees of a real job: no known third-party noise (unless --verbose), progress lines when the
+output is not a terminal, the rank log files complete, and TensorBoard runs that continue across repositories."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from leanagent.train.quiet import NOISE
+
+from .conftest import REPO_ROOT, write_config
+
+pytestmark = pytest.mark.ddp
+
+OMP_BANNER = "Setting OMP_NUM_THREADS environment variable"
+# Printed by every train job of this config (2 CPU ranks, bf16-mixed): the test is void without them.
+EXPECTED_IN_RANK_LOGS = ("`isinstance(treespec, LeafSpec)` is deprecated",
+                         "Precision bf16-mixed is not supported by the model summary",
+                         "Tip: For seamless cloud logging")
+PROGRESS_LINE = re.compile(r"^\[progress\] train (\S+): epoch (\d+)/(\d+), step (\d+)/(\d+) \(\d+%\)"
+                           r"(, [\d.]+ examples/s)?(, ETA \S+)?$")
+
+
+def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "LEANAGENT_VERBOSE", "OMP_NUM_THREADS",
+                         "LEANAGENT_PROGRESS")}
+    proc = subprocess.run([sys.executable, "-m", "leanagent.cli", *args], capture_output=True, text=True,
+                          timeout=600, env={**base, **env}, cwd=REPO_ROOT)
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}"
+                                  f"\nstderr:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def _rank_logs(job: Path) -> str:
+    files = sorted((job / "logs").rglob("*.log"))
+    assert files, f"no rank log file under {job / 'logs'}"
+    return "\n".join(f.read_text(errors="replace") for f in files)
+
+
+@pytest.fixture(scope="module")
+def jobs(ddp_assets, tmp_path_factory) -> dict:
+    """Repo A from the base model, repo B from A's checkpoint (both quiet), and a --verbose evaluation."""
+    work = tmp_path_factory.mktemp("logs_progress")
+    cfg = write_config(work / "cfg.yaml", ddp_assets["model"])
+    a = _cli("train", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]), "--out", str(work / "a"),
+             LEANAGENT_PROGRESS_INTERVAL="0.2")
+    a_result = json.loads((work / "a" / "result.json").read_text())
+    b = _cli("train", "--config", str(cfg), "--dataset", str(ddp_assets["repo_b"]), "--checkpoint",
+             a_result["checkpoint"], "--out", str(work / "b"))
+    ev = _cli("evaluate", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]), "--out", str(work / "ev"),
+              "--verbose")
+    return {"work": work, "a": a, "b": b, "ev": ev, "a_result": a_result, "repo_a": Path(ddp_assets["repo_a"]).name}
+
+
+def test_known_warnings_are_not_shown_but_stay_in_the_rank_logs(jobs):
+    shown = jobs["a"].stdout + jobs["a"].stderr
+    for pattern in NOISE:
+        assert not pattern.search(shown), f"{pattern.pattern!r} was shown:\n{shown[-3000:]}"
+    assert OMP_BANNER not in shown
+    logs = _rank_logs(jobs["work"] / "a")
+    for message in EXPECTED_IN_RANK_LOGS:
+        assert message in logs, f"{message!r} missing from the rank logs"
+
+
+def test_verbose_shows_everything(jobs):
+    shown = jobs["ev"].stdout + jobs["ev"].stderr
+    assert "`isinstance(treespec, LeafSpec)` is deprecated" in shown
+    assert "Using `DistributedSampler` with the dataloaders" in shown
+    assert OMP_BANNER in shown
+
+
+def test_plain_progress_lines_when_not_on_a_terminal(jobs):
+    lines = [m for m in (PROGRESS_LINE.match(line) for line in jobs["a"].stdout.splitlines()) if m]
+    assert lines, f"no [progress] line:\n{jobs['a'].stdout[-3000:]}"
+    assert {m.group(1) for m in lines} == {jobs["repo_a"]}
+    assert all(int(m.group(3)) == 1 for m in lines)  # epochs_per_repo: 1
+    steps = [int(m.group(4)) for m in lines]
+    assert steps == sorted(steps) and all(0 < int(m.group(4)) <= int(m.group(5)) for m in lines)
+    assert any(m.group(6) for m in lines), "no examples/s in any progress line"
+
+
+def _scalars(run: Path) -> dict[str, list[int]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert list(run.glob("events.out.tfevents.*")), f"no events file in {run}"
+    acc = EventAccumulator(str(run))
+    acc.Reload()
+    return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_one_run_per_repository_with_continuing_steps(jobs):
+    a = _scalars(jobs["work"] / "a" / "tensorboard")
+    b = _scalars(jobs["work"] / "b" / "tensorboard")
+    for scalars in (a, b):
+        assert "loss_train_step" in scalars and any(t.startswith("lr-") for t in scalars), sorted(scalars)
+        assert "Recall@10_val" in scalars
+    assert max(a["loss_train_step"]) <= jobs["a_result"]["global_step"]
+    assert min(b["loss_train_step"]) >= max(a["loss_train_step"]), "repository B's steps restart instead of continuing"

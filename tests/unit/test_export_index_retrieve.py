@@ -1,0 +1,285 @@
+"""`leanagent export`, `index` and `retrieve` on a real trained checkpoint.
+
+The checkpoint is written by a 1-process Lightning Trainer on CPU (the tiny preset, six epochs of 19 steps
+at a high learning rate on one synthetic repository, validation each epoch, so it carries Recall@10_val):
+about 20 s, and enough for the trained retriever to beat the random one clearly on validation states
+(27 vs 19 of 32 states with a positive in the top 10 when written).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.callbacks import ModelCheckpoint
+from transformers import AutoTokenizer, ByT5Tokenizer, T5EncoderModel
+
+from leanagent import cli
+from leanagent.config import DataConfig
+from leanagent.data.corpus import Corpus
+from leanagent.data.dataset import build_eval_examples, tokenize_premises
+from leanagent.data.synthetic import write_demo_repos
+from leanagent.data.theorems import load_split
+from leanagent.export import export_model
+from leanagent.index import PremiseIndex, PremiseIndexError, build_index
+from leanagent.model.metrics import aggregate, score_context
+from leanagent.model.presets import write_random_encoder
+from leanagent.model.retriever import PremiseRetriever
+from leanagent.model.source import load_model
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MAX_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("export_index")
+    repo = write_demo_repos(root / "data", 1, seed=3, theorems_per_repo=90, scale=3)[0]
+    model_dir = write_random_encoder(root / "model", "tiny", seed=0)
+    torch.manual_seed(0)
+    model = PremiseRetriever(str(model_dir), lr=5e-3, warmup_steps=5, max_seq_len=MAX_LEN, eval_batch_size=64)
+    from leanagent.data.datamodule import RetrievalDataModule
+
+    data = RetrievalDataModule(repo, ByT5Tokenizer(), DataConfig(batch_size=8, eval_batch_size=64, num_workers=0,
+                                                                 max_seq_len=MAX_LEN),
+                               premise_max_len=MAX_LEN, seed=0)
+    folder = root / "job" / "checkpoints"
+    checkpoint = ModelCheckpoint(dirpath=folder, filename="{epoch}-{step}-{Recall@10_val:.2f}",
+                                 monitor="Recall@10_val", mode="max", save_top_k=1, auto_insert_metric_name=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=6, num_sanity_val_steps=0, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint])
+    trainer.fit(model, datamodule=data)
+    # The job folder's result.json is where export learns the dataset, as for a real training job.
+    (root / "job" / "result.json").write_text(json.dumps({"dataset": str(repo)}))
+    corpus = Corpus.from_jsonl(repo / "corpus.jsonl")
+    val = build_eval_examples(corpus, load_split(repo / "random" / "val.json"))
+    assert len(val) >= 20, len(val)
+    return {"root": root, "repo": repo, "model_dir": model_dir, "ckpt": Path(checkpoint.best_model_path),
+            "corpus": corpus, "val": val, "history": model.validation_history}
+
+
+@pytest.fixture(scope="module")
+def indexes(trained) -> dict[str, Path]:
+    root = trained["root"]
+    build_index(trained["ckpt"], trained["repo"], root / "index-trained")
+    build_index(trained["model_dir"], trained["repo"], root / "index-untrained")
+    return {"trained": root / "index-trained", "untrained": root / "index-untrained"}
+
+
+def _pooled(model: T5EncoderModel, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """ReProver's embedding written out from the HF model alone: masked mean pool, L2 normalise."""
+    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    m = mask.unsqueeze(-1).to(hidden.dtype)
+    return F.normalize((hidden * m).sum(1) / m.sum(1).clamp(min=1), dim=1)
+
+
+# ---- export -----------------------------------------------------------------------------------
+
+def test_export_loads_offline_and_embeds_exactly_as_the_checkpoint(trained, tmp_path):
+    out = export_model(trained["ckpt"], tmp_path / "hf")
+    encoder = T5EncoderModel.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    corpus = trained["corpus"]
+    rows = [0, 7, len(corpus) // 2, len(corpus) - 1]
+    texts = [corpus.premises[i].serialize() for i in rows]
+    batch = tokenizer(texts, padding="longest", truncation=True, max_length=MAX_LEN, return_tensors="pt")
+    with torch.no_grad():
+        exported = _pooled(encoder, batch["input_ids"], batch["attention_mask"])
+        retriever = load_model(trained["ckpt"]).retriever
+        ids, mask = tokenize_premises(retriever.tokenizer, corpus, rows, MAX_LEN)
+        from_checkpoint = retriever.encode(ids, mask)
+    assert torch.equal(batch["input_ids"], ids)
+    torch.testing.assert_close(exported, from_checkpoint, rtol=0, atol=1e-5)
+    # It differs from the random start, so the comparison above is about the trained weights.
+    with torch.no_grad():
+        start = _pooled(T5EncoderModel.from_pretrained(trained["model_dir"]).eval(), ids, mask)
+    assert (start - from_checkpoint).abs().max() > 1e-3
+
+    # As `model.name_or_path` of a new run: the retriever loads it with the same weights.
+    again = PremiseRetriever(str(out))
+    for name, value in retriever.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[name], value, rtol=0, atol=0)
+
+    card = (out / "README.md").read_text()
+    best = max(h["Recall@10_val"] for h in trained["history"])
+    assert trained["ckpt"].name in card
+    assert str(trained["repo"]) in card
+    assert f"| Recall@10_val | {best:.2f}% |" in card
+    assert "Recall@1_val" in card and "MRR" in card
+
+
+def test_export_refuses_a_non_empty_folder_unless_forced(trained, tmp_path):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        export_model(trained["ckpt"], out)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    (out / "pytorch_model.bin").write_text("stale weights from_pretrained would otherwise consider")
+    export_model(trained["ckpt"], out, force=True)
+    assert (out / "notes.txt").read_text() == "mine"  # --force replaces model files only
+    assert not (out / "pytorch_model.bin").exists()
+    T5EncoderModel.from_pretrained(out)
+
+
+def test_export_of_an_exported_folder_keeps_its_metrics(trained, tmp_path):
+    first = export_model(trained["ckpt"], tmp_path / "a")
+    second = export_model(first, tmp_path / "b")
+    assert load_model(second).metrics == load_model(first).metrics != {}
+    assert load_model(second).retriever.hparams["max_seq_len"] == MAX_LEN
+
+
+# ---- index and retrieve -----------------------------------------------------------------------
+
+def _recall(index: PremiseIndex, examples) -> tuple[int, dict[str, float]]:
+    """(validation states with a positive in the top 10, evaluation's metrics) through the index."""
+    hits, scores = 0, []
+    for e in examples:
+        found = index.retrieve(e.context, k=100, file=e.file_path, line=e.theorem_start[0],
+                               column=e.theorem_start[1])
+        rows = [h.index for h in found]
+        hits += bool(set(rows[:10]) & set(e.all_pos_premises))
+        scores.append(score_context(e.index, rows, e.all_pos_premises))
+    return hits, aggregate(scores)
+
+
+def test_trained_index_ranks_positives_higher_than_untrained(trained, indexes):
+    trained_hits, trained_metrics = _recall(PremiseIndex.load(indexes["trained"]), trained["val"])
+    untrained_hits, untrained_metrics = _recall(PremiseIndex.load(indexes["untrained"]), trained["val"])
+    assert trained_hits > untrained_hits, (trained_hits, untrained_hits)
+    assert trained_metrics["MRR"] > untrained_metrics["MRR"], (trained_metrics, untrained_metrics)
+    # The index answers as evaluation scored the checkpoint (bf16 storage may swap near-ties).
+    best = max(trained["history"], key=lambda h: h["Recall@10_val"])
+    assert abs(trained_metrics["Recall@10"] - best["Recall@10_val"]) <= 5.0, (trained_metrics, best)
+
+
+def test_index_files(trained, indexes):
+    meta = json.loads((indexes["trained"] / "index.json").read_text())
+    assert meta["checkpoint"] == str(trained["ckpt"].resolve()) and meta["model"] is None
+    assert meta["num_premises"] == len(trained["corpus"]) and meta["embedding_dim"] == 64
+    from safetensors.torch import load_file
+
+    emb = load_file(str(indexes["trained"] / "embeddings.safetensors"))["embeddings"]
+    assert emb.dtype == torch.bfloat16 and emb.shape == (len(trained["corpus"]), 64)
+    premises = [json.loads(line) for line in (indexes["trained"] / "premises.jsonl").read_text().splitlines()]
+    assert [p["full_name"] for p in premises] == [p.full_name for p in trained["corpus"].premises]
+    assert premises[3]["text"] == trained["corpus"].premises[3].serialize()
+    # The stored rows are the checkpoint's own embeddings.
+    retriever = load_model(trained["ckpt"]).retriever
+    with torch.no_grad():
+        expected = retriever.embed_corpus(trained["corpus"])
+    torch.testing.assert_close(emb.float(), expected, rtol=0, atol=1e-2)
+    with pytest.raises(PremiseIndexError, match="not empty"):
+        build_index(trained["ckpt"], trained["repo"], indexes["trained"])
+
+
+def test_file_and_line_restrict_to_accessible_premises_exactly_as_evaluation(trained, indexes):
+    index = PremiseIndex.load(indexes["trained"])
+    corpus = trained["corpus"]
+    for e in trained["val"]:
+        assert torch.equal(index.accessible_mask(e.file_path, *e.theorem_start),
+                           corpus.accessible_mask(e.file_path, e.theorem_start))
+    # A file that imports some files but not all, at a line in its middle.
+    path = next(p for p in corpus.paths if 0 < len(corpus.transitive_imports(p)) < len(corpus.paths) - 1)
+    rows = corpus.file_range(path)
+    line = corpus.premises[rows[len(rows) // 2]].start[0]
+    imported = corpus.transitive_imports(path)
+    not_imported = {p for p in corpus.paths if p not in imported and p != path}
+    later = {corpus.premises[i].full_name for i in rows if corpus.premises[i].end > (line, 0)}
+    assert later
+    state = "x y n m : Nat\n⊢ glend 0 + blix (quon x) m = 0 + quon (blix x m)"
+    everything = index.retrieve(state, k=len(corpus))
+    assert len(everything) == len(corpus)
+    assert {h.path for h in everything} & not_imported and {h.full_name for h in everything} & later
+    restricted = index.retrieve(state, k=len(corpus), file=path, line=line)
+    assert restricted and not {h.path for h in restricted} & not_imported
+    assert not {h.full_name for h in restricted} & later
+    assert len(restricted) == int(corpus.accessible_mask(path, (line, 0)).sum())
+    assert [h.score for h in restricted] == sorted((h.score for h in restricted), reverse=True)
+
+
+def test_query_errors_name_the_argument(indexes, trained):
+    index = PremiseIndex.load(indexes["trained"])
+    with pytest.raises(PremiseIndexError, match=r"^--file Nope\.lean: not a file"):
+        index.retrieve("x", file="Nope.lean", line=3)
+    path = trained["corpus"].paths[-1]
+    with pytest.raises(PremiseIndexError, match=r"^--line 100000: out of range for"):
+        index.retrieve("x", file=path, line=100000)
+    with pytest.raises(PremiseIndexError, match=r"^--line 0"):
+        index.retrieve("x", file=path, line=0)
+    with pytest.raises(PremiseIndexError, match="no such index folder"):
+        PremiseIndex.load(trained["root"] / "missing")
+
+
+def test_leanagent_retrieve_is_lazy_and_fast(indexes):
+    code = "import sys, leanagent; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    light = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert light.stdout.split() == ["False", "False"]
+    import leanagent
+
+    state = "1 goals\nx y n m : Nat\n⊢ glend 0 + blix (quon x) m = 0 + quon (blix x m)"
+    first = leanagent.retrieve(indexes["trained"], state, k=5)  # loads the index and encoder once
+    timings = []
+    for _ in range(10):
+        start = time.perf_counter()
+        again = leanagent.retrieve(indexes["trained"], state, k=5)
+        timings.append(time.perf_counter() - start)
+    assert [h.full_name for h in again] == [h.full_name for h in first] and len(first) == 5
+    assert sorted(timings)[len(timings) // 2] < 0.25, timings
+    # A leading goal count is dropped before encoding, as in training.
+    assert [h.score for h in leanagent.retrieve(indexes["trained"], state.split("\n", 1)[1], k=5)] == \
+        [h.score for h in first]
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run([sys.executable, "-m", "leanagent.cli", *args], capture_output=True, text=True,
+                          cwd=REPO_ROOT, env=env, timeout=300)
+
+
+def test_cli_index_then_retrieve_json(trained, tmp_path):
+    out = tmp_path / "index"
+    done = _run_cli("index", "--checkpoint", str(trained["ckpt"]), "--dataset", str(trained["repo"]),
+                    "--out", str(out), "--batch-tokens", "2048")
+    assert done.returncode == 0, done.stderr
+    e = trained["val"][0]
+    state_file = tmp_path / "state.txt"
+    state_file.write_text(e.context)
+    done = _run_cli("retrieve", str(out), "--state-file", str(state_file), "--file", e.file_path,
+                    "--line", str(e.theorem_start[0]), "--column", str(e.theorem_start[1]), "-k", "10", "--json")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    expected = PremiseIndex.load(out).retrieve(e.context, k=10, file=e.file_path, line=e.theorem_start[0],
+                                               column=e.theorem_start[1])
+    assert [p["full_name"] for p in answer["premises"]] == [h.full_name for h in expected]
+    assert [p["rank"] for p in answer["premises"]] == list(range(1, 11))
+    assert all(set(p) >= {"score", "path", "start", "end", "text"} for p in answer["premises"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["retrieve", "{root}/missing", "--state", "x"], "missing: no such index folder"),
+    (["retrieve", "{index}", "--state", "x", "--file", "Nope.lean", "--line", "1"], "--file Nope.lean"),
+    (["retrieve", "{index}", "--state", "x", "--file", "{path}", "--line", "99999"], "--line 99999: out of range"),
+    (["retrieve", "{index}", "--state", "x", "--file", "{path}"], "--file and --line go together"),
+    (["index", "--model", "{root}/model", "--dataset", "{repo}", "--out", "{index}"], "not empty"),
+    (["index", "--model", "{root}/nothing", "--dataset", "{repo}", "--out", "{root}/new"], "nothing"),
+    (["export", "{root}/nothing.ckpt", "{root}/new"], "nothing.ckpt: no such"),
+])
+def test_cli_errors_are_one_line_with_exit_code_2(argv, message, trained, indexes, capsys):
+    fill = {"root": trained["root"], "index": indexes["trained"], "repo": trained["repo"],
+            "path": trained["corpus"].paths[-1]}
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([a.format(**fill) for a in argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err

@@ -1,0 +1,59 @@
+"""The launcher's noise filter and progress text, on the exact lines the ranks print."""
+
+from __future__ import annotations
+
+from leanagent.train.progress import batch_size, describe
+from leanagent.train.progress_view import PlainProgress, job_label
+from leanagent.train.quiet import NoiseFilter, quiet_environment, verbose
+
+PYTREE = ("/x/pytorch_lightning/utilities/_pytree.py:21: `isinstance(treespec, LeafSpec)` is deprecated, use "
+          "`isinstance(treespec, TreeSpec) and treespec.is_leaf()` instead.")
+SET_VITAL = "/x/torchdata/stateful_dataloader.py:379: UserWarning: 'set_vital' is deprecated and will be removed"
+
+
+def test_noise_dropped_with_its_source_line_and_nothing_else():
+    f = NoiseFilter()
+    assert not f.keep(0, SET_VITAL)
+    assert not f.keep(0, '  torch.set_vital("Dataloader", "enabled", "True")')
+    assert f.keep(0, "  indented line that follows a kept line")
+    assert not f.keep(1, PYTREE)
+    assert f.keep(1, "Epoch 0: something else")
+    assert f.keep(0, "/x/model_checkpoint.py:566: The dirpath has changed")
+    assert NoiseFilter(enabled=False).keep(0, PYTREE)
+
+
+def test_verbose_and_omp_environment():
+    assert verbose({"LEANAGENT_VERBOSE": "1"}) and not verbose({}) and not verbose({"LEANAGENT_VERBOSE": "0"})
+    env: dict[str, str] = {}
+    quiet_environment(env, 2)
+    assert env == {"OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "4"}
+    quiet_environment(env, 2)
+    assert env["OMP_NUM_THREADS"] == "4"
+    env = {}
+    quiet_environment(env, 1)  # torchrun sets nothing for one process: neither do we
+    assert env == {}
+    env = {"LEANAGENT_VERBOSE": "1"}
+    quiet_environment(env, 2)
+    assert "OMP_NUM_THREADS" not in env
+
+
+def test_progress_text():
+    p = {"stage": "train", "epoch": 2, "epochs": 5, "step": 120, "total": 400, "done": 100, "examples": 852,
+         "elapsed": 10.0}
+    assert describe("train repo_1", p) == "train repo_1: epoch 2/5, step 120/400 (30%), 85.2 examples/s, ETA 28s"
+    assert describe("train repo_1", {**p, "stage": "validate", "epochs": None}).startswith(
+        "train repo_1 (validate): step 120/400")
+    assert job_label(["evaluate", "--config", "c", "--dataset", "/d/repo_0", "--dataset", "/d/repo_1"]) == \
+        "evaluate repo_0,repo_1"
+    assert batch_size({"index": __import__("torch").zeros(8), "name": "x"}) == 8
+
+
+def test_plain_progress_waits_for_its_interval():
+    lines: list[str] = []
+    view = PlainProgress("train r", lines.append, interval_s=3600)
+    view.update({"stage": "train", "step": 1, "total": 2})
+    assert lines == []
+    view = PlainProgress("train r", lines.append, interval_s=1e-9)
+    view.update({"stage": "train", "step": 1, "total": 2})
+    assert lines == ["[progress] train r: step 1/2 (50%)"]
