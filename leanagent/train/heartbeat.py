@@ -102,6 +102,10 @@ class Heartbeat(Callback):
         if self.progress is not None:
             self.progress.eval_start(trainer, "test")
 
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self.progress is not None:  # where each epoch ended, however short: the launcher's last line
+            self._maybe_beat(trainer, "train", force=True)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.first_train_batch_time is None:
             self.first_train_batch_time = time.time()

@@ -328,6 +328,9 @@ def launch(
     finally:
         sel.close()
         if view is not None:
+            progress = read_progress(job_dir)  # the last snapshot, written as training ended
+            if progress is not None:
+                view.update(progress)
             view.close()
     if buffer:
         _route(buffer.decode("utf-8", "replace"), tails, launcher_tail, emit, noise)

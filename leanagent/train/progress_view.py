@@ -50,20 +50,30 @@ class PlainProgress:
         self.interval_s = interval_s
         self._next = time.monotonic() + interval_s
         self._last: Mapping[str, Any] | None = None
+        self._emitted: Mapping[str, Any] | None = None
+        self._line = ""
 
     def update(self, progress: Mapping[str, Any]) -> None:
         self._last = progress
         now = time.monotonic()
         if now >= self._next:
             self._next = now + self.interval_s
-            self.emit(f"[progress] {describe(self.label, progress)}")
+            self._emit(progress)
+
+    def _emit(self, progress: Mapping[str, Any]) -> None:
+        line = f"[progress] {describe(self.label, progress)}"
+        if line != self._line:  # a job that has not moved says nothing new
+            self.emit(line)
+        self._emitted, self._line = progress, line
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
         yield
 
     def close(self) -> None:
-        pass
+        """Where the job ended: a job shorter than the interval still says how far it got."""
+        if self._last is not None and self._last != self._emitted:
+            self._emit(self._last)
 
 
 class BarProgress:

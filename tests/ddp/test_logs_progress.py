@@ -23,8 +23,9 @@ OMP_BANNER = "Setting OMP_NUM_THREADS environment variable"
 EXPECTED_IN_RANK_LOGS = ("`isinstance(treespec, LeafSpec)` is deprecated",
                          "Precision bf16-mixed is not supported by the model summary",
                          "Tip: For seamless cloud logging")
-PROGRESS_LINE = re.compile(r"^\[progress\] train (\S+): epoch (\d+)/(\d+), step (\d+)/(\d+) \(\d+%\)"
-                           r"(, [\d.]+ examples/s)?(, ETA \S+)?$")
+# The job is short: its lines may all come from the validation that ends an epoch ("train repo_0 (validate): ...").
+PROGRESS_LINE = re.compile(r"^\[progress\] train (\S+)(?: \((?:validate|train)\))?: epoch (\d+)/(\d+), "
+                           r"step (\d+)/(\d+) \(\d+%\)(, [\d.]+ examples/s)?(, ETA \S+)?$")
 
 
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -77,8 +78,10 @@ def test_verbose_shows_everything(jobs):
 
 
 def test_plain_progress_lines_when_not_on_a_terminal(jobs):
-    lines = [m for m in (PROGRESS_LINE.match(line) for line in jobs["a"].stdout.splitlines()) if m]
-    assert lines, f"no [progress] line:\n{jobs['a'].stdout[-3000:]}"
+    shown = [line for line in jobs["a"].stdout.splitlines() if line.startswith("[progress]")]
+    lines = [m for m in map(PROGRESS_LINE.match, shown) if m]
+    assert lines and len(lines) == len(shown), f"[progress] lines not as expected:\n{jobs['a'].stdout[-3000:]}"
+    assert len(set(shown)) == len(shown), "the same progress line printed twice"
     assert {m.group(1) for m in lines} == {jobs["repo_a"]}
     assert all(int(m.group(3)) == 1 for m in lines)  # epochs_per_repo: 1
     steps = [int(m.group(4)) for m in lines]

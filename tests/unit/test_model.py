@@ -145,7 +145,8 @@ def test_fisher_loader_refuses_negative_or_nan(tmp_path):
 
 def _fake_checkpoint(path: Path, processed: int) -> Path:
     progress = {"ready": processed, "started": processed, "processed": processed, "completed": processed - 1}
-    torch.save({"epoch": processed - 1, "loops": {"fit_loop": {"epoch_progress": {"current": progress}}}}, path)
+    torch.save({"epoch": processed - 1, "loops": {"fit_loop": {"epoch_progress": {"current": progress}}},
+                "state_dict": {}, "hyper_parameters": {"encoder_config": {}}}, path)  # one of ours
     return path
 
 
