@@ -232,8 +232,18 @@ def bench_launch(workdir: Path) -> dict[str, float]:
     })
     cfg_path = workdir / "cfg.yaml"
     dump_config(cfg, cfg_path)
+    from leanagent.train.progress_view import MODE_ENV
+
+    before = os.environ.get(MODE_ENV)
+    os.environ[MODE_ENV] = "off"  # a measurement, not a job to watch: no bar over the bench's table
     start = time.time()
-    result = run_job(cfg, cfg_path, "train", repo, workdir / "job", on_line=lambda line: None)
+    try:
+        result = run_job(cfg, cfg_path, "train", repo, workdir / "job", on_line=lambda line: None)
+    finally:
+        if before is None:
+            os.environ.pop(MODE_ENV, None)
+        else:
+            os.environ[MODE_ENV] = before
     return {"launch_overhead_s": result["first_train_batch_time"] - start,
             "launch_total_s": time.time() - start}
 
