@@ -25,6 +25,12 @@ NOISE = (
     re.compile(r"Precision bf16-mixed is not supported by the model summary"),
     re.compile(r"'set_vital' is deprecated"),
     re.compile(r"Using `DistributedSampler` with the dataloaders\. During `trainer\.test\(\)`"),
+    # transformers' bar while it loads a model's weights (twice per rank and job, at 0% and 100%)
+    re.compile(r"^Loading weights: +\d+%\|"),
+    # the Fisher pass has no optimizer by design
+    re.compile(r"`LightningModule\.configure_optimizers` returned `None`, this fit will run with no optimizer"),
+    # loss_train is logged per rank, without an all-reduce per step (LeanAgent syncs it; README, Differences)
+    re.compile(r"It is recommended to use `self\.log\('loss_train', \.\.\., sync_dist=True\)`"),
 )
 # The indented source line Python's default warning format prints under a warning.
 SOURCE_LINE = re.compile(r"^\s+\S")
@@ -60,6 +66,8 @@ class NoiseFilter:
             self._after_noise.discard(rank)
             if SOURCE_LINE.match(text):
                 return False
+        if not text.strip():  # blank rank lines (transformers prints one before each weights bar)
+            return False
         if any(p.search(text) for p in NOISE):
             self._after_noise.add(rank)
             return False

@@ -20,6 +20,14 @@ def test_noise_dropped_with_its_source_line_and_nothing_else():
     assert f.keep(1, "Epoch 0: something else")
     assert f.keep(0, "/x/model_checkpoint.py:566: The dirpath has changed")
     assert NoiseFilter(enabled=False).keep(0, PYTREE)
+    # Copied from the demo's output.
+    assert not f.keep(0, "Loading weights: 100%|██████████| 21/21 [00:00<00:00, 15002.62it/s]")
+    assert not f.keep(0, "")
+    assert not f.keep(0, "/x/pytorch_lightning/core/optimizer.py:183: `LightningModule.configure_optimizers` "
+                         "returned `None`, this fit will run with no optimizer")
+    assert not f.keep(0, "/x/result.py:433: It is recommended to use `self.log('loss_train', ..., sync_dist=True)` "
+                         "when logging on epoch level in distributed setting to accumulate the metric across devices.")
+    assert f.keep(0, "It is recommended to use `self.log('Recall@10_val', ..., sync_dist=True)`")
 
 
 def test_verbose_and_omp_environment():
