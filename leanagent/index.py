@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from leanagent.atomic import refuse_non_empty, write_atomic
+from leanagent.config import DataConfig
 from leanagent.data.corpus import Corpus, FileRecord, Premise
 
 INDEX_FILE = "index.json"
@@ -39,7 +40,8 @@ PREMISES_FILE = "premises.jsonl"
 FILES_FILE = "files.jsonl"
 INDEX_FILES = (INDEX_FILE, EMBEDDINGS_FILE, PREMISES_FILE, FILES_FILE)
 FORMAT_VERSION = 1
-CONTEXT_MAX_LEN = 1024  # data.max_seq_len's default: states are cut there in training and evaluation
+# data.max_seq_len's default: states are cut there in training and evaluation
+CONTEXT_MAX_LEN: int = DataConfig.model_fields["max_seq_len"].default
 
 
 class PremiseIndexError(ValueError):
@@ -74,9 +76,7 @@ def build_index(model: str | Path, dataset: str | Path, out: str | Path, device:
         retriever.hparams["eval_batch_size"] = batch_tokens // max_len
     corpus = Corpus.from_jsonl(corpus_file)
     start = time.perf_counter()
-    # bf16 on a GPU, as evaluation runs under bf16-mixed; float32 on a CPU, where bf16 is slow.
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if retriever.device.type == "cuda" else nullcontext()
-    with torch.inference_mode(), autocast:
+    with torch.inference_mode(), _precision(retriever.device):
         embeddings = retriever.embed_corpus(corpus).to(torch.bfloat16).cpu().contiguous()
     seconds = time.perf_counter() - start
     _clear_out(out)  # only now: a model or corpus that fails to load leaves an earlier index as it was
@@ -104,6 +104,11 @@ def build_index(model: str | Path, dataset: str | Path, out: str | Path, device:
     }
     write_atomic(out / INDEX_FILE, lambda f: json.dump(meta, f, indent=2, sort_keys=True), permissions=0o644)
     return meta
+
+
+def _precision(device: torch.device):
+    """bf16 autocast on a GPU, as evaluation runs under bf16-mixed; float32 on a CPU, where bf16 is slow."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
 
 def _check_out(out: Path, force: bool) -> None:
@@ -246,8 +251,7 @@ class PremiseIndex:
 
         ids, mask = tokenize_texts(self.retriever.tokenizer, [strip_goal_count(state)],
                                    int(self.meta.get("context_max_len", CONTEXT_MAX_LEN)))
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
-        with autocast:
+        with _precision(self.device):
             return self.retriever.encode(ids.to(self.device), mask.to(self.device))
 
     def retrieve(self, state: str, k: int = 10, file: str | None = None, line: int | None = None,

@@ -136,8 +136,7 @@ def check_weights(path: Path, state_dict: Mapping[str, torch.Tensor], config: T5
     """
     with torch.device("meta"):
         expected = {ENCODER_PREFIX + k: tuple(v.shape) for k, v in T5EncoderModel(config).state_dict().items()}
-    tied = TIED
-    missing = [k for k in expected if k not in state_dict and tied.get(k) not in state_dict]
+    missing = [k for k in expected if k not in state_dict and TIED.get(k) not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
     if missing or unexpected:
         raise CheckpointError(f"{path}: its keys do not match the retriever's encoder ({source}): missing "
@@ -145,7 +144,7 @@ def check_weights(path: Path, state_dict: Mapping[str, torch.Tensor], config: T5
                               f"file, {len(expected)} expected); if it was trained from another encoder, set "
                               f"model.name_or_path to it")
     for key, shape in expected.items():
-        tensor = state_dict.get(key, state_dict.get(tied.get(key, "")))
+        tensor = state_dict.get(key, state_dict.get(TIED.get(key, "")))
         if tensor is not None and tuple(tensor.shape) != shape:
             raise CheckpointError(f"{path}: {key} has shape {tuple(tensor.shape)}, but {source} gives {shape}; set "
                                   f"model.name_or_path to the encoder it was trained from")

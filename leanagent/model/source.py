@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from leanagent.checkpoints import check_checkpoint, read_checkpoint
 from leanagent.model.retriever import PremiseRetriever
 
 # Written by `leanagent export` beside config.json: what a plain HF folder cannot say about the retriever.
@@ -82,16 +81,15 @@ def _from_checkpoint(path: Path, base_model: str | None = None) -> LoadedModel:
     from leanagent.reference_checkpoint import is_leanagent, read_any_checkpoint, reference_hparams
     from leanagent.train.programs import load_retriever
 
-    ckpt = read_any_checkpoint(path)
+    ckpt = read_any_checkpoint(path)  # memory-mapped: its tensors are read by `load_retriever` below
     if not is_leanagent(ckpt):
         return _from_reference(path, ckpt, reference_hparams(ckpt), base_model)
-    hparams = check_checkpoint(path).hparams
+    hparams = dict(ckpt["hyper_parameters"])
     model_fields = {k: hparams[k] for k in ("name_or_path", "lr", "warmup_steps", "max_seq_len", "num_retrieved")
                     if k in hparams}
     data = DataConfig(eval_batch_size=hparams["eval_batch_size"]) if "eval_batch_size" in hparams else DataConfig()
     cfg = PipelineConfig(model=ModelConfig(**model_fields), data=data)
     retriever = load_retriever(cfg, path)
-    ckpt = read_checkpoint(path)  # memory-mapped: the second read touches no tensor
     epoch, step = ckpt.get("epoch"), ckpt.get("global_step")
     history = [dict(h) for h in ckpt.get("leanagent_validation_history", [])]
     return LoadedModel(retriever, checkpoint=path.resolve(), base_model=hparams.get("name_or_path"),

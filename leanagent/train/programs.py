@@ -27,7 +27,13 @@ from leanagent.data.errors import DatasetError
 from leanagent.model.fisher import FisherModule, ReferenceFisherModule, save_fisher
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.ranks import global_rank, local_rank, node_rank
-from leanagent.reference_checkpoint import is_leanagent, read_any_checkpoint, reference_retriever
+from leanagent.reference_checkpoint import (
+    complete_tied,
+    is_leanagent,
+    read_any_checkpoint,
+    reference_retriever,
+    reference_state_dict,
+)
 from leanagent.train import supervision
 from leanagent.train.heartbeat import Heartbeat, beat
 from leanagent.train.launch import result_filename
@@ -153,8 +159,8 @@ def ewc_anchor(cfg: PipelineConfig, plan: TrainPlan) -> dict[str, torch.Tensor] 
     if plan.start_checkpoint is None:
         return load_retriever(cfg, None).state_dict()
     start = read_any_checkpoint(Path(plan.start_checkpoint))
-    if not is_leanagent(start):
-        return load_retriever(cfg, Path(plan.start_checkpoint)).state_dict()  # under our keys, checked
+    if not is_leanagent(start):  # under our keys (its fit was checked by the first attempt's load)
+        return complete_tied(reference_state_dict(start))
     return start["state_dict"]
 
 

@@ -19,7 +19,14 @@ from leanagent.data.synthetic import write_demo_repos
 from leanagent.model.presets import encoder_config, write_random_encoder
 from leanagent.preflight import preflight_job
 from leanagent.reference_checkpoint import checkpoint_encoder_config, read_any_checkpoint
-from leanagent.train.programs import epochs_completed, load_retriever, plan_training, run_train
+from leanagent.train.programs import (
+    TrainPlan,
+    epochs_completed,
+    ewc_anchor,
+    load_retriever,
+    plan_training,
+    run_train,
+)
 
 REFERENCE_EPOCH = 2
 STRINGS = ["theorem foo : 1 + 1 = 2 := by simp", "⊢ ∀ n : ℕ, n + 0 = n", "lemma bar (a b : ℕ) : a + b = b + a"]
@@ -101,6 +108,18 @@ def test_reference_weights_load_identically(assets, which):
             assert torch.equal(model.encoder.state_dict()[key], value), key
     # Our settings are the ones trained with; the architecture is now stored, so what we write is ours.
     assert model.hparams["max_seq_len"] == 128 and model.hparams["encoder_config"]["d_model"] == 64
+
+
+@pytest.mark.parametrize("which", ["ckpt", "folder"])
+def test_a_retry_anchors_ewc_at_the_reference_weights(assets, which):
+    """theta* of a retry that started from a reference checkpoint: its weights under our keys, every parameter."""
+    plan = TrainPlan(str(assets[which]), REFERENCE_EPOCH + 1, REFERENCE_EPOCH + 2, "job/checkpoints/last.ckpt")
+    assert plan.is_retry
+    anchor = ewc_anchor(config(assets), plan)
+    expected = load_retriever(config(assets), assets[which]).state_dict()
+    assert set(anchor) == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(anchor[key].float(), value), key
 
 
 def test_architecture_falls_back_to_byt5_small_without_a_local_config(assets, tmp_path):
