@@ -126,18 +126,27 @@ def rate_and_eta(p: Mapping[str, Any]) -> tuple[float | None, float | None]:
     return rate, eta
 
 
+def heading(label: str, p: Mapping[str, Any]) -> str:
+    """`train repo_1`, or `train repo_1 (validate)` while the job is in another stage than its own."""
+    stage = p.get("stage", "?")
+    return label if label.split(" ", 1)[0] == stage else f"{label} ({stage})"
+
+
+def epoch_text(p: Mapping[str, Any]) -> str | None:
+    return f"epoch {p.get('epoch')}/{p['epochs']}" if p.get("epochs") else None
+
+
+def speed_texts(p: Mapping[str, Any]) -> list[str]:
+    """`85.2 examples/s` and `ETA 4m10s`, each when known."""
+    rate, eta = rate_and_eta(p)
+    return ([f"{rate:.1f} examples/s"] if rate is not None else []) + \
+        ([f"ETA {format_duration(eta)}"] if eta is not None else [])
+
+
 def describe(label: str, p: Mapping[str, Any]) -> str:
     """`train repo_1: epoch 2/5, step 120/400 (30%), 85.2 examples/s, ETA 4m10s`."""
-    stage = p.get("stage", "?")
-    head = label if label.split(" ", 1)[0] == stage else f"{label} ({stage})"
-    parts = []
-    if p.get("epochs"):
-        parts.append(f"epoch {p.get('epoch')}/{p['epochs']}")
+    epoch = epoch_text(p)
     total, step = p.get("total"), int(p.get("step") or 0)
-    parts.append(f"step {step}/{total} ({100 * step / total:.0f}%)" if total else f"step {step}")
-    rate, eta = rate_and_eta(p)
-    if rate is not None:
-        parts.append(f"{rate:.1f} examples/s")
-    if eta is not None:
-        parts.append(f"ETA {format_duration(eta)}")
-    return f"{head}: {', '.join(parts)}"
+    parts = ([epoch] if epoch else []) + \
+        [f"step {step}/{total} ({100 * step / total:.0f}%)" if total else f"step {step}"] + speed_texts(p)
+    return f"{heading(label, p)}: {', '.join(parts)}"

@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from leanagent.train.progress import describe, format_duration, rate_and_eta
+from leanagent.train.progress import describe, epoch_text, heading, speed_texts
 
 MODE_ENV = "LEANAGENT_PROGRESS"
 INTERVAL_ENV = "LEANAGENT_PROGRESS_INTERVAL"
@@ -92,13 +92,9 @@ class BarProgress:
             self._key = key
             self.bar = tqdm(total=total, file=sys.stderr, dynamic_ncols=True, leave=False,
                             bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}{postfix}")
-        head = self.label if str(self.label).split(" ", 1)[0] == stage else f"{self.label} ({stage})"
-        epoch = f" epoch {progress.get('epoch')}/{progress['epochs']}" if progress.get("epochs") else ""
-        rate, eta = rate_and_eta(progress)
-        extra = ", ".join(x for x in (f"{rate:.1f} examples/s" if rate is not None else "",
-                                      f"ETA {format_duration(eta)}" if eta is not None else "") if x)
-        self.bar.set_description_str(f"{head}{epoch}", refresh=False)
-        self.bar.set_postfix_str(extra, refresh=False)
+        epoch = epoch_text(progress)
+        self.bar.set_description_str(heading(self.label, progress) + (f" {epoch}" if epoch else ""), refresh=False)
+        self.bar.set_postfix_str(", ".join(speed_texts(progress)), refresh=False)
         self.bar.n = int(progress.get("step") or 0)
         self.bar.refresh()
 
