@@ -148,11 +148,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     dataset = Path(args.dataset)
     if not (dataset / "corpus.jsonl").is_file():
         return _fail(f"{dataset}: no corpus.jsonl (write one with `leanagent demo-data OUT --mathlib-scale`)")
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            return _fail("--device cuda: torch sees no CUDA device")
+    problem = _check_device(args.device)
+    if problem:
+        return _fail(problem)
     results = run_bench(dataset, args.model, args.preset, args.device, split=args.split,
                         min_seconds=args.min_seconds, embed_sample=args.embed_sample, launch=not args.no_launch,
                         compile_model=args.compile)
@@ -292,13 +290,13 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from leanagent.index import PremiseIndex, PremiseIndexError
+    from leanagent.index import FILE_WITHOUT_LINE, PremiseIndex, PremiseIndexError
 
     problem = _check_device(args.device)
     if problem:
         return _usage_error(problem)
-    if (args.file is None) != (args.line is None):
-        return _usage_error("--file and --line go together: accessibility is a position in a file")
+    if (args.file is None) != (args.line is None):  # before the model is loaded
+        return _usage_error(FILE_WITHOUT_LINE)
     if args.state_file is not None:
         try:
             state = Path(args.state_file).read_text(encoding="utf-8")

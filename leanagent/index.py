@@ -44,6 +44,9 @@ FORMAT_VERSION = 1
 CONTEXT_MAX_LEN: int = DataConfig.model_fields["max_seq_len"].default
 
 
+FILE_WITHOUT_LINE = "--file and --line go together: accessibility is a position in a file"
+
+
 class PremiseIndexError(ValueError):
     """An index, a query or its arguments that cannot be used; the message is one line naming what is wrong."""
 
@@ -262,7 +265,7 @@ class PremiseIndex:
         if k < 1:
             raise PremiseIndexError(f"-k {k}: must be at least 1")
         if (file is None) != (line is None):
-            raise PremiseIndexError("--file and --line go together: accessibility is a position in a file")
+            raise PremiseIndexError(FILE_WITHOUT_LINE)
         if file is not None:
             mask = self.accessible_mask(file, int(line), column)  # type: ignore[arg-type]
         else:

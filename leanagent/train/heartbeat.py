@@ -8,14 +8,13 @@ launcher shows as a progress bar or line.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 from pytorch_lightning.callbacks import Callback
 
-from leanagent.atomic import write_json_atomic
+from leanagent.atomic import read_json, write_json_atomic
 from leanagent.ranks import global_rank
 from leanagent.train.progress import ProgressTracker
 
@@ -37,8 +36,7 @@ def beat(job_dir: Path, stage: str, step: int | None = None, progress: dict[str,
 def read_progress(job_dir: Path) -> dict[str, Any] | None:
     """Rank 0's latest progress snapshot, or None (no beat yet, or one without progress)."""
     try:
-        with open(heartbeat_dir(job_dir) / "rank0.json") as f:
-            progress = json.load(f).get("progress")
+        progress = read_json(heartbeat_dir(job_dir) / "rank0.json").get("progress")
     except (OSError, ValueError, AttributeError):
         return None
     return progress if isinstance(progress, dict) else None
