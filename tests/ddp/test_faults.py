@@ -305,7 +305,9 @@ def _manifest_stage(run_dir: Path, stage: str) -> dict:
     return repo["stages"][stage]
 
 
-def test_sigkill_to_leanagent_run_leaves_no_rank_and_no_prefect_server(tmp_path, ddp_assets, leftovers):
+def _run_until_training(tmp_path: Path, ddp_assets, leftovers) -> tuple[subprocess.Popen, Path, dict[int, int]]:
+    """`leanagent run` started with its own Prefect home, once both training ranks run: the CLI, the run
+    folder, and every process of it (pid -> start time), all registered for clean-up."""
     cfg, run_dir = _run_config(tmp_path, ddp_assets)
     cli = _cli(tmp_path / "cli.log", "run", "--config", str(cfg), env=_own_prefect_home(tmp_path))
     leftovers[cli.pid] = read_proc(cli.pid).start
@@ -313,6 +315,11 @@ def test_sigkill_to_leanagent_run_leaves_no_rank_and_no_prefect_server(tmp_path,
     time.sleep(2.0)
     job = {**_tree(cli.pid), **_train_pids(run_dir)}
     leftovers.update(job)
+    return cli, run_dir, job
+
+
+def test_sigkill_to_leanagent_run_leaves_no_rank_and_no_prefect_server(tmp_path, ddp_assets, leftovers):
+    cli, run_dir, job = _run_until_training(tmp_path, ddp_assets, leftovers)
     commands = {pid: _cmdline(pid) for pid in job}
     assert any("uvicorn" in c and "prefect.server" in c for c in commands.values()), commands
     assert sum("leanagent.train.programs" in c and "leanagent.train.torchrun" not in c for c in commands.values()) == 2
@@ -325,13 +332,7 @@ def test_sigkill_to_leanagent_run_leaves_no_rank_and_no_prefect_server(tmp_path,
 
 
 def test_sigint_to_leanagent_run_records_the_stage_interrupted(tmp_path, ddp_assets, leftovers):
-    cfg, run_dir = _run_config(tmp_path, ddp_assets)
-    cli = _cli(tmp_path / "cli.log", "run", "--config", str(cfg), env=_own_prefect_home(tmp_path))
-    leftovers[cli.pid] = read_proc(cli.pid).start
-    _wait_for(lambda: len(_train_pids(run_dir)) == 2, 2 * STARTUP_S, "the training job's ranks running", cli)
-    time.sleep(2.0)
-    job = {**_tree(cli.pid), **_train_pids(run_dir)}
-    leftovers.update(job)
+    cli, run_dir, job = _run_until_training(tmp_path, ddp_assets, leftovers)
     cli.send_signal(signal.SIGINT)
     started = time.monotonic()
     cli.wait(timeout=120)
