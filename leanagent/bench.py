@@ -7,8 +7,11 @@ what a lifelong run spends its time on:
 - corpus load (time and resident memory), premise tokenization;
 - training examples: negative sampling + collate, batch 4, 3 negatives, 1024 bytes, one process;
 - corpus embedding with the given model, sorted into token-budget batches and, for comparison,
-  in corpus order (the straightforward way);
-- retrieval: the top 100 accessible premises per context, batched, at the model's width;
+  in corpus order (the straightforward way), in fp32 as evaluation does; sorted again under bf16
+  autocast (`model.corpus_autocast`);
+- retrieval: the top 100 accessible premises per context, batched, at the model's width, in bf16
+  as under bf16-mixed; and LeanAgent's search (a full sort walked in Python) on the same embeddings,
+  for the ratio and to check that both find the same scores;
 - a training step and the Fisher pass, per example, on the same examples;
 - the launch overhead of a real job, from its start to its first training step (on the demo);
 - with `--device cuda`: training throughput of a byt5-small-shaped encoder in bf16 at L = 512
@@ -115,36 +118,41 @@ def _sub_corpus(corpus, indices: list[int]):
 
 def bench_embedding(model, corpus, device: torch.device, sample: int, precision_dtype: torch.dtype | None,
                     min_seconds: float) -> dict[str, float]:
-    """Premises/s of `embed_corpus` (length-sorted, token budget) and of corpus-order batches, same sample."""
+    """Premises/s of `embed_corpus` (length-sorted, token budget) and of corpus-order batches, same sample.
+
+    Both in fp32, as evaluation embeds the corpus by default (outside autocast, as LeanAgent does); then
+    the sorted path again under bf16 autocast, what `model.corpus_autocast: true` runs.
+    """
     from leanagent.data.dataset import tokenize_premises
 
     rng = random.Random(1)
     picked = sorted(rng.sample(range(len(corpus)), min(sample, len(corpus))))
     sub = _sub_corpus(corpus, picked)
     max_len, step = model.hparams["max_seq_len"], model.hparams["eval_batch_size"]
-    autocast = torch.autocast(device.type, dtype=precision_dtype, enabled=precision_dtype is not None)
 
-    def sorted_run() -> int:
-        with autocast:
+    def sorted_run(autocast: bool = False) -> int:
+        with torch.autocast(device.type, dtype=precision_dtype, enabled=autocast and precision_dtype is not None):
             model.embed_corpus(sub)
         _sync(device)
         return len(sub)
 
     @torch.no_grad()
     def unsorted_run() -> int:
-        with autocast:
-            for i in range(0, len(sub), step):
-                ids, mask = tokenize_premises(model.tokenizer, sub, range(i, min(i + step, len(sub))), max_len)
-                model.encode(ids.to(device), mask.to(device))
+        for i in range(0, len(sub), step):
+            ids, mask = tokenize_premises(model.tokenizer, sub, range(i, min(i + step, len(sub))), max_len)
+            model.encode(ids.to(device), mask.to(device))
         _sync(device)
         return len(sub)
 
     fast = _rate(sorted_run, min_seconds, min_calls=1)
     slow = _rate(unsorted_run, min_seconds, min_calls=1)
+    figures = {"embed_premises_per_s": fast, "embed_unsorted_premises_per_s": slow, "embed_speedup": fast / slow}
+    if precision_dtype is not None:
+        figures["embed_autocast_premises_per_s"] = _rate(lambda: sorted_run(autocast=True), min_seconds, min_calls=1)
+        figures["embed_autocast_speedup"] = figures["embed_autocast_premises_per_s"] / fast
     lengths = np.minimum([len(p.text.encode()) + 1 for p in sub.premises], max_len)
     padded = sum(len(lengths[i: i + step]) * lengths[i: i + step].max() for i in range(0, len(lengths), step))
-    return {"embed_premises_per_s": fast, "embed_unsorted_premises_per_s": slow, "embed_speedup": fast / slow,
-            "embed_sample": len(sub), "corpus_order_padding_fraction": 1 - lengths.sum() / padded}
+    return {**figures, "embed_sample": len(sub), "corpus_order_padding_fraction": 1 - lengths.sum() / padded}
 
 
 def bench_retrieval(corpus, evals: list, width: int, device: torch.device, precision_dtype: torch.dtype | None,
@@ -168,18 +176,69 @@ def bench_retrieval(corpus, evals: list, width: int, device: torch.device, preci
         _sync(device)
         return len(contexts)
 
-    return {"retrieval_ms_per_context": 1000.0 / _rate(run, min_seconds), "retrieval_width": width}
+    figures = {"retrieval_ms_per_context": 1000.0 / _rate(run, min_seconds), "retrieval_width": width}
+    # LeanAgent's search on the first batch, same embeddings and dtype: its time, and whether it finds the same.
+    part = contexts[:batch]
+    start = time.perf_counter()
+    ref_scores, _ = leanagent_style_nearest(corpus, part, ctx_emb[: len(part)], corpus_emb, k)
+    figures["retrieval_leanagent_style_ms_per_context"] = 1000.0 * (time.perf_counter() - start) / len(part)
+    figures["retrieval_speedup"] = (figures["retrieval_leanagent_style_ms_per_context"]
+                                    / figures["retrieval_ms_per_context"])
+    mask = torch.stack([corpus.accessible_mask(e.file_path, e.theorem_start) for e in part])
+    scores, _ = top_k_accessible(ctx_emb[: len(part)], corpus_emb, mask.to(device), k)
+    # Scores, not indices: bf16 products tie often, and the two orders of tied premises may differ.
+    figures["retrieval_same_as_leanagent_style"] = all(
+        torch.equal(scores[j][torch.isfinite(scores[j])].float().cpu(), torch.tensor(ref, dtype=torch.float32))
+        for j, ref in enumerate(ref_scores))
+    return figures
+
+
+def leanagent_style_nearest(corpus, contexts: list, ctx_emb: torch.Tensor, corpus_emb: torch.Tensor,
+                            k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """LeanAgent's nearest-premise search (`Corpus.get_nearest_premises`), rewritten here as the baseline.
+
+    One product, a full descending sort of every row turned into Python lists, and per context its
+    accessible premises gathered into a fresh set keyed by file path and then full name (LeanAgent's
+    `PremiseSet`: the file's premises up to the theorem, then every imported file's, from a per-file
+    cache), tested premise by premise down the ranking until k are found.
+    """
+    premises = corpus.premises
+    scores = ctx_emb.to(corpus_emb.dtype) @ corpus_emb.t()
+    ranked = scores.argsort(dim=1, descending=True).tolist()
+    out_scores: list[list[float]] = []
+    out_idx: list[list[int]] = []
+    for j, (example, order) in enumerate(zip(contexts, ranked, strict=True)):
+        accessible: dict[str, dict[str, int]] = {}
+        for i in corpus.in_file_indices(example.file_path, example.theorem_start) + \
+                corpus.imported_indices(example.file_path):
+            accessible.setdefault(premises[i].path, {})[premises[i].full_name] = i
+        found: list[int] = []
+        found_scores: list[float] = []
+        for i in order:
+            names = accessible.get(premises[i].path)
+            if names is not None and premises[i].full_name in names:
+                found.append(i)
+                found_scores.append(scores[j, i].item())
+                if len(found) >= k:
+                    break
+        out_scores.append(found_scores)
+        out_idx.append(found)
+    return out_scores, out_idx
 
 
 def bench_train_vs_fisher(model, corpus, train: list, device: torch.device, precision_dtype: torch.dtype | None,
-                          examples: int, fisher_method: str = "auto") -> dict[str, float]:
-    """Seconds per example of a training step (forward, backward, AdamW) and of the per-example Fisher pass."""
+                          examples: int, fisher_method: str = "auto", max_len: int | None = None) -> dict[str, float]:
+    """Seconds per example of a training step (forward, backward, AdamW) and of the per-example Fisher pass.
+
+    Sequences are cut at `max_len` bytes (default: LeanAgent's 1024).
+    """
     from leanagent.data.dataset import TrainDataset
     from leanagent.model.fisher import FisherModule
 
     cfg = DataConfig()
+    max_len = max_len or cfg.max_seq_len
     ds = TrainDataset(corpus, train, model.tokenizer, cfg.num_negatives, cfg.num_in_file_negatives,
-                      cfg.max_seq_len, cfg.max_seq_len, seed=0, deterministic=True)
+                      max_len, max_len, seed=0, deterministic=True)
     picked = random.Random(2).sample(range(len(ds)), min(examples, len(ds)))
     batches = [ds.collate([ds[i] for i in picked[j: j + cfg.batch_size]]) for j in range(0, len(picked),
                                                                                       cfg.batch_size)]
@@ -213,7 +272,7 @@ def bench_train_vs_fisher(model, corpus, train: list, device: torch.device, prec
         _sync(device)
         timings[name] = (time.perf_counter() - start) / len(picked)
     return {"train_s_per_example": timings["train"], "fisher_s_per_example": timings["fisher"],
-            "fisher_over_train": timings["fisher"] / timings["train"]}
+            "fisher_over_train": timings["fisher"] / timings["train"], "train_max_len": max_len}
 
 
 def bench_launch(workdir: Path) -> dict[str, float]:
@@ -322,7 +381,7 @@ def bench_cuda_training(batch_sizes: tuple[int, ...] = (4, 8, 16), lengths: tupl
 
 def run_bench(dataset: Path, model_path: str | None, preset: str | None, device_name: str, split: str = "random",
               min_seconds: float = 3.0, embed_sample: int | None = None, fisher_examples: int = 8,
-              launch: bool = True, compile_model: bool = False) -> dict[str, Any]:
+              launch: bool = True, compile_model: bool = False, train_max_len: int | None = None) -> dict[str, Any]:
     from leanagent.model.presets import write_random_encoder
     from leanagent.model.retriever import PremiseRetriever
 
@@ -347,7 +406,10 @@ def run_bench(dataset: Path, model_path: str | None, preset: str | None, device_
         sample = embed_sample or (4096 if device.type == "cuda" else 512)
         results.update(bench_embedding(model, corpus, device, sample, precision, min_seconds))
         results.update(bench_retrieval(corpus, evals, model.encoder.config.d_model, device, precision, min_seconds))
-        results.update(bench_train_vs_fisher(model, corpus, train, device, precision, fisher_examples))
+        # On a CPU a byt5-small batch of 4 at 1024 bytes needs ~45 GB of activations (as on an H200): cut shorter.
+        train_max_len = train_max_len or (DataConfig().max_seq_len if device.type == "cuda" else 256)
+        results.update(bench_train_vs_fisher(model, corpus, train, device, precision, fisher_examples,
+                                             max_len=train_max_len))
         if launch:
             results.update(bench_launch(tmp_path / "launch"))
     if device.type == "cuda":
@@ -364,9 +426,16 @@ LABELS = [
     ("embed_premises_per_s", "embed corpus, sorted (premises/s)"),
     ("embed_unsorted_premises_per_s", "embed corpus, corpus order (premises/s)"),
     ("embed_speedup", "embedding speed-up from sorting"),
+    ("embed_autocast_premises_per_s", "embed corpus, sorted, bf16 autocast (premises/s)"),
+    ("embed_autocast_speedup", "embedding speed-up from bf16 autocast"),
     ("retrieval_ms_per_context", "retrieval, top 100 accessible (ms/context)"),
+    ("retrieval_leanagent_style_ms_per_context", "retrieval, LeanAgent's search (ms/context)"),
+    ("retrieval_speedup", "retrieval speed-up over LeanAgent's search"),
+    ("retrieval_same_as_leanagent_style", "retrieval scores equal LeanAgent's search"),
     ("train_s_per_example", "training step (s/example)"), ("fisher_s_per_example", "Fisher pass (s/example)"),
-    ("fisher_over_train", "Fisher / training per example"), ("launch_overhead_s", "job start to first step (s)"),
+    ("fisher_over_train", "Fisher / training per example"),
+    ("train_max_len", "training and Fisher sequences cut at (bytes)"),
+    ("launch_overhead_s", "job start to first step (s)"),
 ]
 
 
@@ -374,7 +443,9 @@ def format_table(results: dict[str, Any]) -> str:
     lines = [f"leanagent bench: {results['dataset']} ({results.get('num_premises')} premises, "
              f"{results.get('num_files')} files), model {results.get('model')}, device {results['device']}"]
     for key, label in LABELS:
-        if key in results:
+        if isinstance(results.get(key), bool):
+            lines.append(f"  {label:<46} {'yes' if results[key] else 'NO':>12}")
+        elif key in results:
             lines.append(f"  {label:<46} {results[key]:>12.4g}")
     for row in results.get("cuda_training", []):
         compiled = " compiled" if row.get("compiled") else ""

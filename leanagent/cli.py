@@ -153,7 +153,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _fail(problem)
     results = run_bench(dataset, args.model, args.preset, args.device, split=args.split,
                         min_seconds=args.min_seconds, embed_sample=args.embed_sample, launch=not args.no_launch,
-                        compile_model=args.compile)
+                        compile_model=args.compile, train_max_len=args.train_max_len)
     print(format_table(results))
     if args.json:
         write_json(results, Path(args.json))
@@ -386,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-seconds", type=float, default=3.0, help="time each rate for at least this long")
     p.add_argument("--embed-sample", type=int, help="premises embedded (default 512 on cpu, 4096 on cuda)")
     p.add_argument("--no-launch", action="store_true", help="skip the job-launch measurement")
+    p.add_argument("--train-max-len", type=int,
+                   help="bytes of the training step and Fisher pass's sequences (default 1024 on cuda; 256 on cpu, "
+                        "where a byt5-small batch of 4 at 1024 needs ~45 GB)")
     p.add_argument("--compile", action="store_true", help="with --device cuda: also time torch.compile'd training")
     p.set_defaults(func=cmd_bench)
 

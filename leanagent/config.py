@@ -30,6 +30,10 @@ class ModelConfig(_Section):
     warmup_steps: int = Field(1000, ge=0)
     max_seq_len: int = Field(512, gt=0, description="token budget of premises when the corpus is embedded")
     num_retrieved: int = Field(100, gt=0, description="premises retrieved per context at evaluation")
+    corpus_autocast: bool = Field(
+        False, description="embed the corpus for evaluation under the trainer's autocast (bf16 matmuls under "
+                           "bf16-mixed): several times faster on a GPU, embeddings differ by bf16 rounding. "
+                           "False: in fp32 outside autocast, as LeanAgent does")
 
 
 class DataConfig(_Section):

@@ -122,24 +122,26 @@ class FisherModule(pl.LightningModule):
             self.count += accumulate_squared_example_grads(self.retriever, batch, self.sums, self._hooks)
             return
         params = [p for n, p in self.retriever.named_parameters() if n in self.names]
-        for i in range(len(batch["index"])):
-            if bool(batch["is_padding"][i]):
+        sums = [self.sums[n] for n in self.names]
+        # Every example's lengths in one host read: a read per example would stall a GPU between examples.
+        padding, ctx_lens, prem_lens = _example_lengths(batch)
+        for i in range(len(padding)):
+            if padding[i]:
                 continue
-            loss = self.example_loss(batch, i)
+            loss = self.example_loss(batch, i, ctx_lens[i], prem_lens[i])
             grads = torch.autograd.grad(loss, params, allow_unused=True)
-            for name, grad in zip(self.names, grads, strict=True):
-                if grad is not None:
-                    self.sums[name] += grad.float() ** 2
+            used = [(total, grad.float()) for total, grad in zip(sums, grads, strict=True) if grad is not None]
+            totals, squared = [t for t, _ in used], [g for _, g in used]
+            torch._foreach_addcmul_(totals, squared, squared)  # sums += grad^2, one multi-tensor kernel
             self.count += 1
 
-    def example_loss(self, batch: dict[str, Any], i: int) -> torch.Tensor:
-        """Example i alone, unpadded, so that its loss is bit-identical however the data is batched or sharded."""
+    def example_loss(self, batch: dict[str, Any], i: int, ctx_len: int, prem_len: int) -> torch.Tensor:
+        """Example i alone, unpadded (its context's length and its longest premise's, from `_example_lengths`),
+        so that its loss is bit-identical however the data is batched or sharded."""
         b = len(batch["index"])
         columns = list(range(i, batch["premise_ids"].shape[0], b))
-        ctx_len = int(batch["context_mask"][i].sum())
         context = self.retriever.encode(batch["context_ids"][i : i + 1, :ctx_len],
                                         batch["context_mask"][i : i + 1, :ctx_len])
-        prem_len = int(batch["premise_mask"][columns].sum(dim=1).max())
         premises = self.retriever.encode(batch["premise_ids"][columns, :prem_len],
                                          batch["premise_mask"][columns, :prem_len])
         label = batch["label"][i : i + 1, columns]
@@ -160,6 +162,15 @@ class FisherModule(pl.LightningModule):
 
 
 # ---- the vectorised per-example gradients -----------------------------------------------------------
+
+def _example_lengths(batch: dict[str, Any]) -> tuple[list[bool], list[int], list[int]]:
+    """Per batch item: is it padding, its context's length, and the longest of its premise columns'."""
+    b = len(batch["index"])
+    prem = batch["premise_mask"].sum(dim=1).view(-1, b).amax(dim=0)  # row i + j * b is item i's column j
+    ctx = batch["context_mask"].sum(dim=1)
+    padding, ctx_lens, prem_lens = torch.stack([batch["is_padding"].to(ctx.device).long(), ctx, prem]).tolist()
+    return [bool(p) for p in padding], ctx_lens, prem_lens
+
 
 def _relative_bias_attentions(model: nn.Module) -> list[T5Attention]:
     return [m for m in model.modules() if isinstance(m, T5Attention) and m.has_relative_attention_bias]

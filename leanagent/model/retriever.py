@@ -9,6 +9,7 @@ their values at the start of training on a new repository, weighted by a diagona
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,19 @@ def premise_token_lengths(corpus, max_len: int) -> np.ndarray:
     """ByT5 tokens of each premise (its UTF-8 bytes and `</s>`), capped at `max_len`."""
     encoded = corpus.premise_utf8(range(len(corpus)))  # cached per corpus: tokenization reuses these bytes
     return np.minimum(np.fromiter((len(b) + 1 for b in encoded), dtype=np.int64, count=len(encoded)), max_len)
+
+
+def corpus_embedding_dtype(precision: str | None, device: torch.device) -> torch.dtype:
+    """The dtype to keep the corpus embedding in: the one retrieval's product runs in.
+
+    Under bf16 precision the validation step runs in autocast, which rounds both operands of the product
+    to bf16 on every batch (LeanAgent's too): storing them rounded once gives the same scores, half the
+    memory and no per-batch cast of the whole corpus (on a CPU that cast cost as much as the product).
+    Without a trainer (building an index), a GPU keeps bf16 and a CPU fp32.
+    """
+    if precision is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if str(precision).startswith("bf16") else torch.float32
 
 
 def length_order(corpus, max_len: int) -> np.ndarray:
@@ -72,6 +86,7 @@ class PremiseRetriever(pl.LightningModule):
         num_retrieved: int = 100,
         eval_batch_size: int = 64,
         encoder_config: dict[str, Any] | None = None,
+        corpus_autocast: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -186,8 +201,7 @@ class PremiseRetriever(pl.LightningModule):
         lengths, so little compute goes to padding (taken in corpus order, about a quarter of the
         tokens of a real corpus are padding). The shards are then gathered and put back in corpus
         order. Embeddings are the same as unsorted batching up to float tolerance: padding is masked.
-        On a GPU they are kept in bf16 (retrieval scores are bf16 under bf16-mixed anyway), halving
-        the memory of a 180k-premise corpus.
+        They are stored in the dtype retrieval multiplies them in (`corpus_embedding_dtype`).
         """
         from leanagent.data.dataset import tokenize_premises
 
@@ -200,7 +214,8 @@ class PremiseRetriever(pl.LightningModule):
         mine = shards[rank]
         shard_len = -(-n // world)
         dim = self.encoder.config.d_model
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        trainer = self._trainer
+        dtype = corpus_embedding_dtype(trainer.precision if trainer is not None else None, self.device)
         shard = torch.zeros(shard_len, dim, device=self.device, dtype=dtype)
         lengths = premise_token_lengths(corpus, max_len)
         for lo, hi in token_budget_batches(lengths[mine], self.hparams["eval_batch_size"] * max_len):
@@ -221,7 +236,13 @@ class PremiseRetriever(pl.LightningModule):
 
     def _start_eval(self) -> None:
         self._scores = []
-        self._corpus_emb = self.embed_corpus(self.trainer.datamodule.corpus)
+        # Epoch-start hooks run outside Lightning's autocast, so by default the corpus is embedded in fp32,
+        # as LeanAgent's `reindex_corpus` (in `on_validation_start`) does; `corpus_autocast` opts into
+        # the trainer's own autocast (the validation step's).
+        autocast = self.trainer.precision_plugin.forward_context() if self.hparams.get("corpus_autocast") \
+            else nullcontext()
+        with autocast:
+            self._corpus_emb = self.embed_corpus(self.trainer.datamodule.corpus)
 
     def _eval_step(self, batch: dict[str, Any]) -> None:
         assert self._corpus_emb is not None

@@ -12,6 +12,7 @@ from leanagent.data.synthetic import write_demo_repos
 
 EXPECTED = ("corpus_load_s", "corpus_rss_mb", "train_examples_per_s", "tokenize_premises_per_s",
             "embed_premises_per_s", "embed_unsorted_premises_per_s", "retrieval_ms_per_context",
+            "embed_autocast_premises_per_s", "retrieval_leanagent_style_ms_per_context", "retrieval_speedup",
             "train_s_per_example", "fisher_s_per_example", "fisher_over_train")
 
 
@@ -26,7 +27,10 @@ def test_bench_writes_every_figure(tmp_path, capsys):
     for key in EXPECTED:
         assert isinstance(results[key], float) and math.isfinite(results[key]) and results[key] >= 0, key
     assert results["num_premises"] > 0 and results["device"] == "cpu"
-    assert "negatives + collate" in capsys.readouterr().out
+    assert results["retrieval_same_as_leanagent_style"] is True
+    assert results["train_max_len"] == 256  # the CPU default: a byt5-small batch at 1024 bytes needs ~45 GB
+    out = capsys.readouterr().out
+    assert "negatives + collate" in out and "retrieval scores equal LeanAgent's search" in out
 
 
 def test_bench_refuses_a_folder_without_a_corpus(tmp_path, capsys):

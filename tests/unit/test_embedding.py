@@ -56,3 +56,38 @@ def test_a_tiny_budget_still_embeds_each_premise_alone(tmp_path, budget_rows):
                              eval_batch_size=budget_rows).eval()
     emb = model.embed_corpus(corpus)
     assert torch.isfinite(emb).all() and emb.shape[0] == len(corpus)
+
+
+class _Recording(PremiseRetriever):
+    """Records how evaluation embedded the corpus: under autocast or not, and the embedding's dtype."""
+
+    seen: list[tuple[bool, torch.dtype]]
+
+    def embed_corpus(self, corpus) -> torch.Tensor:
+        emb = super().embed_corpus(corpus)
+        self.seen.append((torch.is_autocast_enabled("cpu"), emb.dtype))
+        return emb
+
+
+@pytest.mark.parametrize("precision, corpus_autocast, expected", [
+    ("bf16-mixed", False, (False, torch.bfloat16)),  # LeanAgent's: fp32 encoder, stored as the product rounds it
+    ("bf16-mixed", True, (True, torch.bfloat16)),
+    ("32-true", True, (False, torch.float32)),  # no autocast to opt into
+])
+def test_evaluation_embeds_the_corpus_in_fp32_unless_told(tmp_path, precision, corpus_autocast, expected):
+    import pytorch_lightning as pl
+
+    from leanagent.config import DataConfig
+    from leanagent.data.datamodule import RetrievalDataModule
+
+    repo = write_demo_repos(tmp_path / "data", 1, seed=6)[0]
+    model = _Recording(str(write_random_encoder(tmp_path / "model", "tiny")), max_seq_len=32, eval_batch_size=16,
+                       corpus_autocast=corpus_autocast)
+    model.seen = []
+    data = RetrievalDataModule(repo, ByT5Tokenizer(), DataConfig(eval_batch_size=16, num_workers=0, max_seq_len=32),
+                               premise_max_len=32, seed=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, precision=precision, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.validate(model, datamodule=data)
+    assert model.seen == [expected]
+    assert 0 <= model.eval_metrics["Recall@10"] <= 100
