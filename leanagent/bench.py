@@ -263,16 +263,27 @@ def bench_train_vs_fisher(model, corpus, train: list, device: torch.device, prec
             with autocast:
                 fisher.training_step({**b, "is_padding": torch.zeros(len(b["index"]), dtype=torch.bool)}, 0)
 
-    timings = {}
+    figures: dict[str, Any] = {"train_max_len": max_len}
     for name, fn in (("train", train_pass), ("fisher", fisher_pass)):
-        fn()  # warm-up
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        timings[name] = (time.perf_counter() - start) / len(picked)
-    return {"train_s_per_example": timings["train"], "fisher_s_per_example": timings["fisher"],
-            "fisher_over_train": timings["fisher"] / timings["train"], "train_max_len": max_len}
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            fn()  # warm-up
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+        except torch.OutOfMemoryError as e:  # a figure of its own: the other rows still stand
+            figures[f"{name}_error"] = "out of memory: " + str(e).split(".")[0]
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            continue
+        figures[f"{name}_s_per_example"] = (time.perf_counter() - start) / len(picked)
+        if device.type == "cuda":
+            figures[f"{name}_peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if "train_s_per_example" in figures and "fisher_s_per_example" in figures:
+        figures["fisher_over_train"] = figures["fisher_s_per_example"] / figures["train_s_per_example"]
+    return figures
 
 
 def bench_launch(workdir: Path) -> dict[str, float]:
@@ -435,6 +446,8 @@ LABELS = [
     ("train_s_per_example", "training step (s/example)"), ("fisher_s_per_example", "Fisher pass (s/example)"),
     ("fisher_over_train", "Fisher / training per example"),
     ("train_max_len", "training and Fisher sequences cut at (bytes)"),
+    ("train_peak_memory_gb", "training step, peak GPU memory (GiB)"),
+    ("fisher_peak_memory_gb", "Fisher pass, peak GPU memory (GiB)"),
     ("launch_overhead_s", "job start to first step (s)"),
 ]
 
@@ -447,6 +460,9 @@ def format_table(results: dict[str, Any]) -> str:
             lines.append(f"  {label:<46} {'yes' if results[key] else 'NO':>12}")
         elif key in results:
             lines.append(f"  {label:<46} {results[key]:>12.4g}")
+    for key in ("train_error", "fisher_error"):
+        if key in results:
+            lines.append(f"  {key.replace('_', ' ')}: {results[key]}")
     for row in results.get("cuda_training", []):
         compiled = " compiled" if row.get("compiled") else ""
         head = f"  cuda training{compiled} L={row['length']:<5} batch {row['batch_size']:<3}"

@@ -25,7 +25,7 @@ WORK=$(mktemp -d)
 DATASET=$(ls -d "$WORK"/data/*/ 2>/dev/null | head -1)
 [ -f "$WORK/data/corpus.jsonl" ] && DATASET="$WORK/data"
 timeout ${BENCH_S:-200} $PY -m leanagent.cli bench --dataset "$DATASET" --preset byt5-small --device cuda \
-  --min-seconds 2 --json "$OUT/bench_cuda.json" 2>&1 | tee "$OUT/bench_cuda.log" | tail -40
+  --min-seconds 2 --embed-sample ${EMBED_SAMPLE:-1024} --json "$OUT/bench_cuda.json" 2>&1 | tee "$OUT/bench_cuda.log" | tail -40
 timeout ${CHECK_S:-170} $PY scripts/gpu_check.py "$WORK/gpu_check" 2>&1 | tee "$OUT/gpu_check.log" | tail -30
 timeout ${TESTS_S:-60} $PY -m pytest -q -p no:cacheprovider tests/unit/test_fisher_vectorised.py 2>&1 \
   | tee "$OUT/gpu_tests.log" | tail -5
