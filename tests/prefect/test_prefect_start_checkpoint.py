@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from pytorch_lightning.utilities.parsing import AttributeDict
 from transformers import T5Config, T5EncoderModel
 
 from flows.lifelong import lifelong_retrieval
 from leanagent.atomic import read_json
 from leanagent.checkpoints import read_checkpoint
+from tests.reference_layout import save_reference
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]
 
@@ -29,10 +29,7 @@ def test_a_run_starts_from_a_leanagent_checkpoint(prefect_harness: None, tmp_pat
     encoder = T5EncoderModel(T5Config.from_pretrained(demo_assets.model)).eval()
     ckpt = tmp_path / "leanagent" / f"epoch={REFERENCE_EPOCH}.ckpt"
     ckpt.parent.mkdir()
-    torch.save({"state_dict": {"encoder." + k: v for k, v in encoder.state_dict().items()},
-                "hyper_parameters": AttributeDict(model_name=str(demo_assets.model), lr=1e-3, warmup_steps=1000,
-                                                  max_seq_len=256, num_retrieved=100),
-                "epoch": REFERENCE_EPOCH, "global_step": 999, "pytorch-lightning_version": "2.2.1"}, ckpt)
+    save_reference(ckpt, encoder, REFERENCE_EPOCH)
     config = write_cpu_config(tmp_path / "config.yaml", tmp_path / "run", demo_assets.repos[:1],
                               lifelong={"start_checkpoint": str(ckpt)})
     state = lifelong_retrieval(config_path=str(config), return_state=True)

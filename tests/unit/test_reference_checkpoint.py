@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.utilities.parsing import AttributeDict
 from transformers import ByT5Tokenizer, T5EncoderModel
 
 from leanagent.checkpoints import CheckpointError, read_checkpoint
@@ -27,21 +26,10 @@ from leanagent.train.programs import (
     plan_training,
     run_train,
 )
+from tests.reference_layout import reference_hparams, save_reference
 
 REFERENCE_EPOCH = 2
 STRINGS = ["theorem foo : 1 + 1 = 2 := by simp", "⊢ ∀ n : ℕ, n + 0 = n", "lemma bar (a b : ℕ) : a + b = b + a"]
-
-
-def reference_hparams() -> AttributeDict:
-    return AttributeDict(model_name="kaiyuy/leandojo-lean4-retriever-byt5-small", lr=1e-3, warmup_steps=1000,
-                         max_seq_len=512, num_retrieved=100)
-
-
-def save_reference(path: Path, encoder: T5EncoderModel, **extra) -> Path:
-    torch.save({"state_dict": {"encoder." + k: v for k, v in encoder.state_dict().items()},
-                "hyper_parameters": reference_hparams(), "epoch": REFERENCE_EPOCH, "global_step": 1234,
-                "pytorch-lightning_version": "2.2.1", **extra}, path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +38,7 @@ def assets(tmp_path_factory) -> dict:
     model_dir = write_random_encoder(root / "model", "tiny", seed=0)
     torch.manual_seed(1)  # other weights than model_dir's: loading must really take the checkpoint's
     encoder = T5EncoderModel(encoder_config("tiny")).eval()
-    ckpt = save_reference(root / "leanagent_epoch=2.ckpt", encoder)
+    ckpt = save_reference(root / "leanagent_epoch=2.ckpt", encoder, REFERENCE_EPOCH)
     # DeepSpeed's folder after `python zero_to_fp32.py . pytorch_model.bin`: a bare state dict behind
     # Lightning's wrapper prefix, Lightning's own state left in DeepSpeed's model-states file.
     folder = root / "deepspeed.ckpt"
