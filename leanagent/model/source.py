@@ -137,8 +137,7 @@ def _job_dataset(path: Path) -> str | None:
 
 
 def _from_folder(path: Path) -> LoadedModel:
-    if not (path / "config.json").is_file():
-        raise ModelSourceError(f"{path}: not a Hugging Face model folder (no config.json)")
+    """An HF model folder (`load_model` has seen its config.json), with an export's `retriever.json` if any."""
     meta = _read_retriever_meta(path)
     with no_progress_bars():
         retriever = PremiseRetriever(str(path), max_seq_len=int(meta.get("max_seq_len", DEFAULT_MAX_SEQ_LEN)))
