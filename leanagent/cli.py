@@ -151,6 +151,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     problem = _check_device(args.device)
     if problem:
         return _fail(problem)
+    for flag, value in (("--train-max-len", args.train_max_len), ("--embed-sample", args.embed_sample)):
+        if value is not None and value < 1:
+            return _usage_error(f"{flag} {value}: must be positive")
     results = run_bench(dataset, args.model, args.preset, args.device, split=args.split,
                         min_seconds=args.min_seconds, embed_sample=args.embed_sample, launch=not args.no_launch,
                         compile_model=args.compile, train_max_len=args.train_max_len)

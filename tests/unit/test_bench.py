@@ -38,3 +38,12 @@ def test_bench_refuses_a_folder_without_a_corpus(tmp_path, capsys):
         cli_main(["bench", "--dataset", str(tmp_path)])
     assert stop.value.code == 1
     assert "no corpus.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--train-max-len", "--embed-sample"])
+def test_bench_refuses_a_length_or_sample_below_one(tmp_path, capsys, flag):
+    repo = write_demo_repos(tmp_path / "data", 1, seed=2)[0]
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["bench", "--dataset", str(repo), flag, "0"])
+    assert stop.value.code == 2
+    assert f"{flag} 0: must be positive" in capsys.readouterr().err
