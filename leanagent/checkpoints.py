@@ -121,6 +121,7 @@ class CheckpointInfo:
     path: Path
     size_bytes: int
     hparams: dict[str, Any] = field(default_factory=dict)
+    global_step: int = -1
 
     @property
     def encoder_config(self) -> dict[str, Any] | None:
@@ -136,18 +137,32 @@ def check_checkpoint(path: Path) -> CheckpointInfo:
     """Cheap: the zip's records are all inside the file and the pickle loads (tensors mapped, not read)."""
     checkpoint = read_checkpoint(Path(path))
     hparams = checkpoint.get("hyper_parameters") or {}
-    return CheckpointInfo(Path(path), Path(path).stat().st_size, dict(hparams) if isinstance(hparams, dict) else {})
+    step = checkpoint.get("global_step")
+    return CheckpointInfo(Path(path), Path(path).stat().st_size, dict(hparams) if isinstance(hparams, dict) else {},
+                          int(step) if isinstance(step, int) else -1)
 
 
 def resume_candidates(checkpoint_dir: Path) -> list[Path]:
-    """A job's own checkpoints, best resume point first: last.ckpt, then epoch checkpoints newest first."""
+    """A job's own checkpoints, the newest resume point first: by optimizer step, last.ckpt first among equals.
+
+    last.ckpt is usually the newest (step checkpoints, and the copy written after each epoch's own file),
+    but not when the job died while writing it: then the epoch's own file, written just before, is newer
+    and saves retraining that epoch. An unreadable last.ckpt stays first, for `first_readable` to report.
+    """
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         return []
     epochs = sorted((p for p in checkpoint_dir.iterdir() if p.is_file() and EPOCH_PATTERN.match(p.name)),
                     key=epoch_step, reverse=True)
     last = checkpoint_dir / LAST
-    return ([last] if last.is_file() else []) + epochs
+    if not last.is_file():
+        return epochs
+    try:
+        last_step = check_checkpoint(last).global_step
+    except (BadFileError, FileNotFoundError):
+        return [last, *epochs]
+    newer = [p for p in epochs if epoch_step(p)[1] > last_step]
+    return [*newer, last, *(p for p in epochs if p not in newer)]
 
 
 def first_readable(candidates: Iterable[Path]) -> tuple[Path | None, list[str]]:

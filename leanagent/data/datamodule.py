@@ -28,6 +28,23 @@ from leanagent.data.errors import DatasetError
 from leanagent.data.theorems import Theorem, load_split
 
 
+def next_training_epoch(trainer: pl.Trainer) -> int:
+    """The epoch the next training batch belongs to, from the trainer's (restored) loop state.
+
+    Lightning builds the training loader, and with it the sampler's shard order for the coming epoch,
+    before it has decided where a restored run goes on: then `current_epoch` still counts the epochs
+    *completed*, and a checkpoint written at an epoch's end (validation's, after its last batch) counts
+    that epoch as started but not completed, although all its batches were trained. So (0-based) the next
+    batch is in epoch `processed`, the one in progress (a mid-epoch checkpoint, a fresh trainer), unless
+    that epoch's last batch was trained (Lightning's own `is_last_batch`, which holds also when the
+    checkpoint is another repository's, whose epochs had another length): then in epoch `started`.
+    """
+    epochs = trainer.fit_loop.epoch_progress.current
+    if epochs.started > epochs.processed and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        return epochs.started
+    return epochs.processed
+
+
 class RetrievalDataModule(pl.LightningDataModule):
     def __init__(
         self,
@@ -93,7 +110,16 @@ class RetrievalDataModule(pl.LightningDataModule):
             # Page-locked batches let Lightning's non-blocking copy to the GPU overlap the step.
             pin_memory=torch.cuda.is_available(),
             drop_last=drop_last,
+            generator=self._generator(),
         )
+
+    def _generator(self) -> torch.Generator:
+        """The loader's own RNG. Every iterator a DataLoader creates draws its workers' base seed from its
+        `generator`, or from the global torch RNG when it has none: that draw would shift the dropout masks of
+        the training that follows by as many draws as iterators were made (a validation, a resumed run's setup),
+        so a resumed run could not match an uninterrupted one. Our data draws nothing from it (negatives are a
+        function of seed, example and epoch), so its seed only has to be fixed."""
+        return torch.Generator().manual_seed(self.seed)
 
     def train_dataloader(self) -> StatefulDataLoader:
         """Shuffled, with `drop_last` as in LeanAgent: every training batch has `batch_size` examples.
@@ -125,6 +151,7 @@ class RetrievalDataModule(pl.LightningDataModule):
                 persistent_workers=False,
                 pin_memory=torch.cuda.is_available(),
                 drop_last=True,
+                generator=self._generator(),
             )
 
     def _shard(self) -> tuple[int, int, int]:
@@ -132,7 +159,7 @@ class RetrievalDataModule(pl.LightningDataModule):
         group's (the reference Fisher builds this loader for a trainer the data module is not attached to)."""
         trainer = self.trainer
         if trainer is not None:
-            return trainer.world_size, trainer.global_rank, trainer.current_epoch
+            return trainer.world_size, trainer.global_rank, next_training_epoch(trainer)
         if dist.is_available() and dist.is_initialized():
             return dist.get_world_size(), dist.get_rank(), 0
         return 1, 0, 0

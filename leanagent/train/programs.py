@@ -179,7 +179,7 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
     # A new repository starts early stopping afresh; a retry of this job keeps its patience count.
     heartbeat = Heartbeat(job_dir)
     trainer = build_training_trainer(cfg.trainer, job_dir, plan.target_epochs, [heartbeat],
-                                     restore_early_stopping=plan.is_retry)
+                                     resuming_this_job=plan.is_retry)
     if plan.from_reference:
         start_at_epoch(trainer, plan.start_epochs)
     trainer.strategy.barrier()  # before loading data (seed)

@@ -140,9 +140,7 @@ class StepCheckpoint(Callback):
     and a checkpoint from between the two would resume past the epoch's validation.
 
     The checkpoint holds Lightning's loop state and the loader's (see `RetrievalDataModule.
-    train_dataloader`); this callback adds every rank's RNG state (dropout), gathered to rank 0's
-    file, and puts it back when training restarts from it, so that a resumed run computes what the
-    uninterrupted one did. `start_global_step` is the optimizer step training (re)started at.
+    train_dataloader`). `start_global_step` is the optimizer step training (re)started at.
     """
 
     def __init__(self, dirpath: Path, every_n_steps: int | None = None, every_minutes: float | None = None) -> None:
@@ -151,11 +149,8 @@ class StepCheckpoint(Callback):
         self.every_seconds = every_minutes * 60 if every_minutes else None
         self.start_global_step = 0
         self.save_seconds: list[float] = []  # wall time of each step checkpoint written by this process
-        self._trainer: pl.Trainer | None = None
-        self._saving = False
         self._last_step = 0
         self._last_time = 0.0
-        self._loaded: dict[str, Any] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -165,17 +160,9 @@ class StepCheckpoint(Callback):
     def path(self) -> Path:
         return self.dirpath / LAST_CHECKPOINT
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._trainer = trainer
-
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.start_global_step = self._last_step = trainer.global_step
         self._last_time = time.monotonic()
-        loaded, self._loaded = self._loaded, None
-        if loaded and loaded.get("global_step") == trainer.global_step:
-            states = loaded.get("rng_states") or []
-            if len(states) == trainer.world_size:
-                _set_rng_state(states[trainer.global_rank])
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -199,20 +186,36 @@ class StepCheckpoint(Callback):
             if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath \
                     and Path(callback.dirpath).resolve() == self.dirpath.resolve():
                 path = callback.last_model_path = callback.format_checkpoint_name({}, callback.CHECKPOINT_NAME_LAST)
-        self._saving = True
-        try:
-            trainer.save_checkpoint(path)
-        finally:
-            self._saving = False
+        trainer.save_checkpoint(path)
         self.save_seconds.append(time.monotonic() - started)
         self._last_step, self._last_time = step, time.monotonic()
         if trainer.global_rank == 0:
             print(f"step checkpoint: epoch {trainer.current_epoch} step {step} -> {path} "
                   f"in {self.save_seconds[-1]:.2f}s", flush=True)
 
+
+class RandomState(Callback):
+    """Every rank's RNG streams (dropout) in every checkpoint of the job, put back when the job resumes from one.
+
+    Every checkpoint, the epoch ones included: a rerun resumes from whichever was written last, and a
+    resumed run must draw the dropout masks the uninterrupted one drew. Nothing else in training draws
+    from these streams between a save and the next batch (the loaders have RNGs of their own,
+    `RetrievalDataModule._generator`), so the state at the save is the state at the next batch.
+    `Trainer.save_checkpoint` is collective (every rank dumps the state), so the states are gathered to
+    rank 0's file. Restored only when `restore` (this job's own checkpoint, `TrainPlan.is_retry`): a new
+    repository starting from the previous one's checkpoint starts from the seed, as LeanAgent's does.
+    """
+
+    def __init__(self, restore: bool = True) -> None:
+        self.restore = restore
+        self._trainer: pl.Trainer | None = None
+        self._loaded: dict[str, Any] | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
     def state_dict(self) -> dict[str, Any]:
-        """Only in this callback's own checkpoints (collective: every rank is saving when it is called)."""
-        if not self._saving or self._trainer is None:
+        if self._trainer is None:
             return {}
         local = _rng_state()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -224,6 +227,13 @@ class StepCheckpoint(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = dict(state_dict)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loaded, self._loaded = self._loaded, None
+        if self.restore and loaded and loaded.get("global_step") == trainer.global_step:
+            states = loaded.get("rng_states") or []
+            if len(states) == trainer.world_size:
+                _set_rng_state(states[trainer.global_rank])
 
 
 def set_nccl_environment(cfg: TrainerConfig) -> None:
@@ -295,7 +305,9 @@ def _common(cfg: TrainerConfig, job_dir: Path, tensorboard: bool = False) -> dic
 
 def build_training_trainer(cfg: TrainerConfig, job_dir: Path, max_epochs: int,
                            extra_callbacks: list[Callback] | None = None,
-                           restore_early_stopping: bool = True) -> pl.Trainer:
+                           resuming_this_job: bool = True) -> pl.Trainer:
+    """`resuming_this_job`: the checkpoint fit restores is this job's own (a retry): its early-stopping count and
+    RNG states are taken up. Otherwise it is where a new repository starts, which starts both afresh."""
     set_nccl_environment(cfg)
     checkpoint = ModelCheckpoint(
         dirpath=job_dir / "checkpoints",
@@ -311,8 +323,9 @@ def build_training_trainer(cfg: TrainerConfig, job_dir: Path, max_epochs: int,
         LearningRateMonitor(logging_interval="step"),
         checkpoint,
         RepositoryEarlyStopping(monitor=MONITOR, patience=cfg.early_stopping_patience, mode="max",
-                                restore_state=restore_early_stopping),
+                                restore_state=resuming_this_job),
         StepCheckpoint(job_dir / "checkpoints", cfg.checkpoint_every_n_steps, cfg.checkpoint_every_minutes),
+        RandomState(restore=resuming_this_job),
         DatasetEpoch(),
         *(extra_callbacks or []),
     ]

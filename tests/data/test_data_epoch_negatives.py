@@ -8,12 +8,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from leanagent.config import DataConfig
-from leanagent.data.datamodule import RetrievalDataModule
+from leanagent.data.datamodule import RetrievalDataModule, next_training_epoch
 from leanagent.data.dataset import example_seed, sample_negatives
 
 
@@ -60,8 +61,26 @@ def batches(loader, skip: int = 0) -> list[tuple[list[int], list[int]]]:
 
 
 def attach(dm: RetrievalDataModule, world_size: int, rank: int, epoch: int) -> RetrievalDataModule:
-    dm.trainer = SimpleNamespace(world_size=world_size, global_rank=rank, current_epoch=epoch)
+    """A trainer at the start of `epoch`, as far as the loader asks (a real one's loop state, below)."""
+    loop = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False).fit_loop
+    loop.epoch_progress.current.started = loop.epoch_progress.current.processed = epoch
+    dm.trainer = SimpleNamespace(world_size=world_size, global_rank=rank, current_epoch=epoch, fit_loop=loop)
     return dm
+
+
+@pytest.mark.parametrize("started, processed, last_batch, expected", [
+    (0, 0, False, 0),  # a fresh trainer
+    (2, 1, False, 1),  # restored from a step checkpoint in epoch 1: it goes on with epoch 1
+    (2, 1, True, 2),  # restored from epoch 1's checkpoint (validation's, after its last batch): epoch 2 comes next
+    (2, 2, True, 2),  # restored from a checkpoint written once epoch 1 was processed
+])
+def test_the_loader_is_built_for_the_epoch_of_the_next_batch(started, processed, last_batch, expected) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    progress = trainer.fit_loop.epoch_progress.current
+    progress.ready, progress.started, progress.processed, progress.completed = started, started, processed, processed
+    trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = last_batch
+    assert trainer.current_epoch == processed  # what Lightning reports at that point: not always the next epoch
+    assert next_training_epoch(trainer) == expected
 
 
 def test_loader_shards_with_the_trainers_epoch(demo_dir: Path, tokenizer) -> None:

@@ -16,7 +16,7 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from leanagent.train.trainer import AtomicCheckpointIO, DatasetEpoch, StepCheckpoint
+from leanagent.train.trainer import AtomicCheckpointIO, DatasetEpoch, RandomState, StepCheckpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -152,7 +152,7 @@ def _fit(folder: Path, ckpt_path: Path | None = None, crash_at: int | None = Non
             trainer.save_checkpoint = save
 
     callbacks = [Spy(), ModelCheckpoint(dirpath=folder, filename="{epoch}-{step}", every_n_epochs=1, save_top_k=-1,
-                                        save_last=True), step_ckpt, DatasetEpoch()]
+                                        save_last=True), step_ckpt, RandomState(), DatasetEpoch()]
     if crash_at is not None:
         callbacks.append(Crash(crash_at))
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
@@ -191,7 +191,7 @@ def test_fit_resumes_mid_epoch_with_the_same_batches_and_dropout(tmp_path: Path,
     crashed, _, _ = _fit(tmp_path / "job", crash_at=crash_at, every_n_steps=1, accumulate=accumulate)
     ckpt = _load(tmp_path / "job" / "last.ckpt")
     assert ckpt["global_step"] == crash_at and ckpt["epoch"] == 1
-    [state] = [v for k, v in ckpt["callbacks"].items() if k.startswith("StepCheckpoint")]
+    [state] = [v for k, v in ckpt["callbacks"].items() if k.startswith("RandomState")]
     assert state["global_step"] == crash_at and len(state["rng_states"]) == 1
     resumed, step_ckpt, _ = _fit(tmp_path / "job", ckpt_path=tmp_path / "job" / "last.ckpt", every_n_steps=1,
                                  accumulate=accumulate)

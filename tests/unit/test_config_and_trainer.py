@@ -104,10 +104,10 @@ def test_training_trainer_has_every_seed_setting(tmp_path):
 def test_early_stopping_starts_afresh_on_a_new_repository(tmp_path):
     cfg = TrainerConfig(accelerator="cpu", devices=1)
     previous_repo = {"wait_count": 4, "stopped_epoch": 0, "best_score": torch.tensor(0.9), "patience": 5}
-    fresh = build_training_trainer(cfg, tmp_path / "new", 2, restore_early_stopping=False).early_stopping_callback
+    fresh = build_training_trainer(cfg, tmp_path / "new", 2, resuming_this_job=False).early_stopping_callback
     fresh.load_state_dict(previous_repo)
     assert fresh.wait_count == 0 and fresh.best_score.item() == float("-inf")
-    retry = build_training_trainer(cfg, tmp_path / "retry", 2, restore_early_stopping=True).early_stopping_callback
+    retry = build_training_trainer(cfg, tmp_path / "retry", 2, resuming_this_job=True).early_stopping_callback
     retry.load_state_dict(previous_repo)
     assert retry.wait_count == 4
 
