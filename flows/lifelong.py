@@ -10,9 +10,11 @@ skips it without touching its files.
 # No `from __future__ import annotations` here: Prefect builds a pydantic model of the flow's signature
 # to validate parameters, and string annotations fail to resolve when a served runner loads the flow.
 import asyncio
-import os
+import logging
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -25,7 +27,9 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.exceptions import Abort, ExternalSignal
+from prefect.states import Failed, State
 
+from flows.temporary_server import temporary_server
 from leanagent.checkpoints import prune_checkpoints
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, load_config, resolve_paths
 from leanagent.preflight import preflight_run
@@ -45,19 +49,14 @@ from leanagent.run_state import (
 from leanagent.train.jobs import JobInputError
 from leanagent.train.launch import LaunchError
 from leanagent.train.supervision import HoldSignals
-from tasks.data import DatasetValidationError, order_curriculum, validate_datasets
+from tasks.data import order_curriculum
 from tasks.jobs import compute_fisher, evaluate_retriever, train_retriever
 from tasks.options import JobOptions
 
 TABLE_KEY = "lifelong-retrieval-results"
 PROGRESS_KEY = "lifelong-retrieval-progress"
 SUMMARY_KEY = "lifelong-retrieval-summary"
-# The temporary server's defaults, under any value the user set (environment, profile, prefect.toml: Prefect
-# passes those to the server's environment after these). Its telemetry service writes a session row into the
-# fresh SQLite database while the server's other services and the flow's first calls write too, and the
-# "database is locked" it can hit is logged as a long traceback; a throwaway local server has nothing to report.
-TEMPORARY_SERVER_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-BAD_INPUT = (ConfigError, DatasetValidationError, ManifestMismatchError, RunLockedError, JobInputError)
+BAD_INPUT = (ConfigError, ManifestMismatchError, RunLockedError, JobInputError)
 # A stage stopped from outside, not failed: Ctrl-C or SIGTERM (the CLI's handlers raise KeyboardInterrupt
 # subclasses), Prefect's TerminationSignal (a runner's cancel or any SIGTERM to a flow-run process), an
 # orchestrator's Abort, a cancelled coroutine, sys.exit. The launcher has ended the job by then.
@@ -210,25 +209,48 @@ def publish_summary(report: RunReport, manifest: Path) -> None:
 @flow(name="lifelong-retrieval")
 def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | None = None,
                        options: JobOptions | None = None) -> dict:
-    """Train the premise retriever over the configured repositories, lifelong, and report recall."""
-    cfg = resolve_config(config, config_path)
-    options = options or JobOptions()
-    preflight_run(cfg)  # model, devices, rendezvous, disk: before anything is written (datasets: below)
-    start = cfg.lifelong.start_checkpoint
-    if start is not None and not start.exists():
-        raise ConfigError(f"lifelong.start_checkpoint: {start}: no such checkpoint file or folder")
-    with RunLock(cfg.run_dir):
-        # Open the manifest before writing anything: a mismatched run_dir must stay untouched.
+    """Train the premise retriever over the configured repositories, lifelong, and report what it learned and forgot.
+
+    Every input is checked before anything is written or launched; a refused run ends Failed with the
+    reason as its message (no job, no file). Rerunning the same config resumes it: finished stages are
+    skipped, an interrupted training job goes on from its last checkpoint.
+
+    Args:
+        config: The whole experiment (model, data, trainer, lifelong, run_dir, repos), as a form. Relative
+            paths resolve against the worker's working directory. Give this or `config_path`, not both.
+        config_path: A YAML config file (e.g. configs/demo.yaml), relative to the worker's working directory;
+            relative paths inside it resolve against the file's folder.
+        options: How jobs are supervised, not what they compute: retries, per-job deadlines and the
+            heartbeat timeout. Default: 2 retries, no deadline, a 1-hour heartbeat timeout.
+    """
+    try:
+        cfg = resolve_config(config, config_path)
+        preflight_run(cfg)  # model, devices, rendezvous, disk, every dataset: before anything is written
+        ordered = order_curriculum(cfg.repos, cfg.lifelong.curriculum, cfg.data.split)
+        RunState.check(cfg.run_dir, cfg, [r.display_name for r in ordered])  # a run_dir of another experiment
+        lock = RunLock(cfg.run_dir).acquire()
+    except BAD_INPUT as exc:
+        return refused(exc)
+    with lock:
         state = RunState(cfg.run_dir, cfg)
         # Not config.yaml: a user may keep their own config in run_dir, and it must not be overwritten.
         config_file = cfg.run_dir / "leanagent-run-config.yaml"
         dump_config(cfg, config_file)  # every rank reads the config from this file
-        validate_datasets(cfg.repos, cfg.data.split)
-        ordered = order_curriculum(cfg.repos, cfg.lifelong.curriculum, cfg.data.split)
         state.set_order([r.display_name for r in ordered], [r.path for r in ordered])
-        report = _run_curriculum(cfg, config_file, ordered, state, options)
+        report = _run_curriculum(cfg, config_file, ordered, state, options or JobOptions())
     return {"rows": report.rows, "matrix": report.matrix, "baseline": report.baseline, "order": report.names,
             "lifelong": report.lifelong_metrics(), "manifest": str(state.path), "run_dir": str(cfg.run_dir)}
+
+
+# The messages of this process's refused runs: `leanagent run` prints each once itself (see `_NotTwice`).
+REFUSALS: list[str] = []
+
+
+def refused(exc: Exception) -> State:
+    """The flow run's end for bad input: Failed, with the reason as its message (what the UI shows), and no
+    traceback logged, since nothing went wrong inside. Calling the flow raises `exc` itself."""
+    REFUSALS.append(str(exc))
+    return Failed(message=str(exc), data=exc)
 
 
 def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoConfig], state: RunState,
@@ -275,13 +297,14 @@ def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoCo
 def run_from_cli(config_path: str) -> int:
     """`leanagent run --config FILE`: the flow in this process, then a plain-text summary.
 
-    1 on bad input, 2 when a job failed after its retries, 128 + signal (130 Ctrl-C, 143 SIGTERM) when
-    interrupted: every job has been ended by then and the running stage is recorded `interrupted`.
+    1 on bad input (one message, as `leanagent train` prints it), 2 when a job failed after its retries,
+    128 + signal (130 Ctrl-C, 143 SIGTERM) when interrupted: every job has been ended by then and the
+    running stage is recorded `interrupted`.
     """
     try:
         load_config(config_path)  # fail in milliseconds, before Prefect starts a temporary server
-        start_temporary_server_bound_to_this_process()
-        summary = lifelong_retrieval(config_path=config_path)
+        with temporary_server(), _NotTwice.on_the_console():
+            summary = lifelong_retrieval(config_path=config_path)
     except BAD_INPUT as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -299,46 +322,24 @@ def run_from_cli(config_path: str) -> int:
     return 0
 
 
-def start_temporary_server_bound_to_this_process() -> None:
-    """Start Prefect's temporary local server ourselves, so that it dies with this process.
+class _NotTwice(logging.Filter):
+    """Keeps Prefect's console from repeating a refusal that `leanagent run` prints itself: the flow run's
+    "Finished in state Failed('<the reason>')" line. Prefect's API logs (the UI) keep it."""
 
-    With no PREFECT_API_URL, Prefect's first client starts a server as a plain child process
-    (`prefect.server.api.server.SubprocessASGIServer`, uvicorn) and stops it from an atexit hook: a
-    SIGKILL of this process (the OOM killer) orphans it. We create that same singleton first, from
-    this (main) thread, with the parent-death signal set in the uvicorn child (`prctl(PR_SET_PDEATHSIG,
-    SIGTERM)`, leanagent/train/supervision.py), so the kernel ends it when we die, however we die.
-    Prefect's own code then finds it running (`SubprocessASGIServer()` returns the one instance) and
-    uses it. A no-op with a configured server, or if Prefect's internals are not the ones expected.
-    """
-    import types
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Finished in state Failed(") and any(r in message or repr(r)[1:-1] in message
+                                                                           for r in REFUSALS))
 
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return
-    import prefect.server.api.server as server_module
-
-    from leanagent.train.supervision import parent_death_signal
-
-    base = getattr(server_module, "SubprocessASGIServer", None)
-    preexec = parent_death_signal(signal.SIGTERM)
-    if (base is None or preexec is None or not hasattr(base, "_run_uvicorn_command")
-            or not isinstance(getattr(base, "_instances", None), dict) or None in base._instances
-            or not isinstance(getattr(server_module, "subprocess", None), types.ModuleType)):
-        return
-
-    class ServerBoundToThisProcess(base):  # type: ignore[misc, valid-type]
-        def _run_uvicorn_command(self):  # type: ignore[no-untyped-def]
-            real = server_module.subprocess
-            bound = types.ModuleType(real.__name__)
-            bound.__dict__.update(real.__dict__)
-            bound.Popen = lambda *args, **kwargs: real.Popen(*args, **{
-                "preexec_fn": preexec, **kwargs,
-                "env": {**TEMPORARY_SERVER_DEFAULTS, **(kwargs.get("env") or os.environ)}})
-            server_module.subprocess = bound  # only `_run_uvicorn_command` reads it, and only here
-            try:
-                return super()._run_uvicorn_command()
-            finally:
-                server_module.subprocess = real
-
-    ServerBoundToThisProcess().start()
+    @classmethod
+    @contextmanager
+    def on_the_console(cls) -> Iterator[None]:
+        handlers = [h for h in logging.getLogger().handlers if type(h).__name__ == "PrefectConsoleHandler"]
+        quiet = cls()
+        for handler in handlers:
+            handler.addFilter(quiet)
+        try:
+            yield
+        finally:
+            for handler in handlers:
+                handler.removeFilter(quiet)

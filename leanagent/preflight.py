@@ -26,7 +26,8 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from leanagent.checkpoints import BadFileError, check_fisher
-from leanagent.config import PipelineConfig, TrainerConfig
+from leanagent.config import PipelineConfig, RepoConfig, TrainerConfig
+from leanagent.data.validate import validate_dataset
 from leanagent.reference_checkpoint import checkpoint_encoder_config
 from leanagent.train.jobs import JobInputError
 
@@ -60,19 +61,40 @@ def _raise_if(problems: list[str]) -> None:
 
 # ---- datasets -----------------------------------------------------------------------------------
 
-def check_datasets(datasets: Sequence[Path], split: str, max_listed: int | None = None) -> list[str]:
-    """One message per invalid dataset, listing (all, or up to `max_listed` of) its problems."""
-    from leanagent.data.validate import validate_dataset
+MAX_LISTED = 20  # problems listed per dataset; `leanagent validate DIR` prints them all
 
+
+def check_datasets(datasets: Sequence[Path], split: str, max_listed: int = MAX_LISTED) -> list[str]:
+    """One message per invalid dataset, listing up to `max_listed` of its problems."""
     messages = []
     for d in datasets:
         problems = validate_dataset(Path(d), split=split)
         if problems:
-            shown = problems if max_listed is None else problems[:max_listed]
+            shown = problems[:max_listed]
             listed = "\n".join(f"  {p}" for p in shown)
-            more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+            more = (f"\n  ... and {len(problems) - len(shown)} more (`leanagent validate {d}` lists them all)"
+                    if len(problems) > len(shown) else "")
             messages.append(f"{d}: {len(problems)} problem(s); nothing was launched:\n{listed}{more}")
     return messages
+
+
+def check_unique_names(named: Sequence[tuple[str, Path]], remedy: str) -> list[str]:
+    """Repository names key the curriculum and the job folders: two sharing one would share both."""
+    seen: dict[str, Path] = {}
+    problems = []
+    for name, path in named:
+        if name in seen:
+            problems.append(f"two repositories are both named {name!r} ({seen[name]} and {path}); {remedy}")
+        seen.setdefault(name, path)
+    return problems
+
+
+def check_repositories(repos: Sequence[RepoConfig], split: str) -> list[str]:
+    """A lifelong run's repositories: at least one, distinct names, every dataset valid."""
+    if not repos:
+        return ["the config lists no repository (`repos` is empty)"]
+    return (check_unique_names([(r.display_name, r.path) for r in repos], "give one a distinct `name`")
+            + check_datasets([r.path for r in repos], split))
 
 
 # ---- model --------------------------------------------------------------------------------------
@@ -331,14 +353,13 @@ def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path
     _raise_if(problems)
 
 
-def preflight_run(cfg: PipelineConfig, validate: bool = False, free_bytes: int | None = None,
+def preflight_run(cfg: PipelineConfig, validate: bool = True, free_bytes: int | None = None,
                   device_count: int | None = None) -> None:
-    """Everything a lifelong run needs, checked before its first job; nothing is written into run_dir.
-
-    The flow validates the datasets in its own task (`tasks.data.validate_datasets`), so `validate`
-    defaults to False here.
-    """
+    """Everything a lifelong run needs, checked before its first job; nothing is written into run_dir."""
     problems = check_accelerator(cfg.trainer, device_count) + check_rendezvous(cfg.trainer)
+    start = cfg.lifelong.start_checkpoint
+    if start is not None and not start.exists():
+        problems.append(f"lifelong.start_checkpoint: {start}: no such checkpoint file or folder")
     model_config, problem = resolve_model(cfg.model.name_or_path)  # the untrained model is scored first
     if problem:
         problems.append(problem)
@@ -350,5 +371,5 @@ def preflight_run(cfg: PipelineConfig, validate: bool = False, free_bytes: int |
                       f"finished repository instead of {checkpoints_per_training(cfg)})")
         problems += check_disk(estimate_run(cfg, parameters), cfg.run_dir, free_bytes, remedy)
     if validate:
-        problems += check_datasets([r.path for r in cfg.repos], cfg.data.split)
+        problems += check_repositories(cfg.repos, cfg.data.split)
     _raise_if(problems)

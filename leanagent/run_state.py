@@ -120,6 +120,9 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:
+        """Take the lock (once: acquiring a held lock again is a no-op, so `with lock:` may follow)."""
+        if self._fd is not None:
+            return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -161,25 +164,25 @@ class RunState:
         fingerprint = config_fingerprint(cfg)
         if self.path.is_file():
             self.data: dict[str, Any] = read_json(self.path)
-            if self.data.get("fingerprint") != fingerprint:
-                if config_changes(self.data.get("config", {}), fields):
-                    changes = describe_differences(self.data.get("config", {}), fields)
-                    raise ManifestMismatchError(
-                        f"{self.path} belongs to a run of a different config ({changes}); resuming it would mix "
-                        f"two experiments. Restore the config or choose another run_dir.")
-                # Only knobs added since, at their defaults: the same experiment, recorded in today's terms.
-                self.data["fingerprint"], self.data["config"] = fingerprint, fields
+            _check_config(self.path, self.data, fields)
+            # Only knobs added since, at their defaults (or none): the same experiment, in today's terms.
+            self.data["fingerprint"], self.data["config"] = fingerprint, fields
         else:
             self.data = {"version": MANIFEST_VERSION, "fingerprint": fingerprint, "config": fields, "order": None,
                          "repos": {}, "created_at": _now()}
 
+    @staticmethod
+    def check(run_dir: Path, cfg: PipelineConfig, order: list[str]) -> None:
+        """Refuse, reading only, a run_dir that holds another experiment: before anything is written there."""
+        path = Path(run_dir) / MANIFEST_NAME
+        if path.is_file():
+            data = read_json(path)
+            _check_config(path, data, fingerprint_fields(cfg))
+            _check_order(path, data, order)
+
     def set_order(self, order: list[str], paths: list[Path]) -> None:
         """Record the curriculum order, or refuse when the run_dir was started with another one."""
-        known = self.data.get("order")
-        if known is not None and list(known) != list(order):
-            raise ManifestMismatchError(
-                f"{self.path} was started with the repository order {known}, but this run orders them {order} "
-                f"(did a dataset change?); resuming would mix two experiments. Choose another run_dir.")
+        _check_order(self.path, self.data, order)
         self.data["order"] = list(order)
         for i, (name, path) in enumerate(zip(order, paths, strict=True)):
             self.data["repos"].setdefault(repo_key(i, name), {"index": i, "name": name, "path": str(path),
@@ -221,6 +224,22 @@ class RunState:
     def _write(self) -> None:
         self.data["updated_at"] = _now()
         write_json_atomic(self.path, self.data)
+
+
+def _check_config(path: Path, manifest: dict[str, Any], fields: dict[str, Any]) -> None:
+    old = manifest.get("config", {})
+    if config_changes(old, fields):
+        raise ManifestMismatchError(
+            f"{path} belongs to a run of a different config ({describe_differences(old, fields)}); resuming it would "
+            f"mix two experiments. Restore the config or choose another run_dir.")
+
+
+def _check_order(path: Path, manifest: dict[str, Any], order: list[str]) -> None:
+    known = manifest.get("order")
+    if known is not None and list(known) != list(order):
+        raise ManifestMismatchError(
+            f"{path} was started with the repository order {known}, but this run orders them {order} "
+            f"(did a dataset change?); resuming would mix two experiments. Choose another run_dir.")
 
 
 def _now() -> str:

@@ -44,15 +44,18 @@ class _Report:
         self.add(where if sep else "", message if sep else where)
 
 
-def _read_corpus(path: Path, report: _Report) -> Corpus | None:
+def _read_corpus(path: Path, report: _Report) -> tuple[Corpus | None, list[str]]:
+    """The corpus of the lines that parse, and where the others are (`corpus.jsonl:4`)."""
     records: list[FileRecord] = []
     lines: dict[str, int] = {}
+    unreadable: list[str] = []
     try:
         for lineno, where, line in iter_lines(path):
             try:
                 rec = parse_record(parse_json_line(line, where), where)
             except DatasetError as exc:
                 report.add_error(exc)
+                unreadable.append(where)
                 continue
             if rec.path in lines:
                 report.add(where, f"duplicate path {rec.path} (first at line {lines[rec.path]})")
@@ -64,14 +67,21 @@ def _read_corpus(path: Path, report: _Report) -> Corpus | None:
                     report.add(where, f"premise {p.full_name} starts at {list(p.start)} after it ends at {list(p.end)}")
     except OSError as exc:
         report.add("corpus.jsonl", f"cannot be read: {exc}")
-        return None
+        return None, unreadable
+    missing_imports = 0
     for rec in records:
         for imp in rec.imports:
             if imp not in lines:
-                report.add(f"corpus.jsonl:{lines[rec.path]}", f"imports {imp} which is not in the corpus")
+                if unreadable:  # most likely a file on an unreadable line: counted below, not listed
+                    missing_imports += 1
+                else:
+                    report.add(f"corpus.jsonl:{lines[rec.path]}", f"imports {imp} which is not in the corpus")
+    if missing_imports:
+        report.add("corpus.jsonl", f"{missing_imports} import(s) of files not in the corpus, probably those on the "
+                                   f"unreadable line(s) above; fix those first")
     for cycle in _import_cycles({r.path: r.imports for r in records}):
         report.add(f"corpus.jsonl:{lines[cycle[0]]}", "import cycle: " + " -> ".join(cycle + [cycle[0]]))
-    return Corpus(records)
+    return Corpus(records), unreadable
 
 
 def _import_cycles(graph: dict[str, list[str]]) -> list[list[str]]:
@@ -116,15 +126,39 @@ def _read_split(path: Path, report: _Report) -> list[Theorem]:
     return theorems
 
 
-def _check_theorems(theorems: list[Theorem], corpus: Corpus, report: _Report) -> int:
-    """Report unknown files and def_paths; return how many tactics would become training examples."""
+@dataclass
+class _Missing:
+    """What refers to files a corpus with unreadable lines lacks: counted, for one summary line."""
+
+    theorems: int = 0
+    annotations: int = 0
+
+    def summary(self) -> str:
+        parts = [f"{n} {what}" for n, what in ((self.theorems, "theorem(s)"), (self.annotations,
+                                                                             "premise annotation(s)")) if n]
+        return (f"{' and '.join(parts)} of the splits refer to files not in the corpus, probably those on its "
+                f"unreadable line(s); fix those first")
+
+
+def _check_theorems(theorems: list[Theorem], corpus: Corpus, report: _Report, missing: _Missing | None = None) -> int:
+    """Report unknown files and def_paths; return how many tactics would become training examples.
+
+    With `missing` (a corpus line did not parse) they are only counted there: the files they name are
+    probably on that line, and a knock-on line per theorem and annotation would bury the real problem.
+    """
     labelled = 0
     for thm in theorems:
         if corpus.resolve_path(thm.file_path) is None:
-            report.add(thm.source, f"theorem {thm.full_name}: file {thm.file_path} is not in the corpus")
+            if missing is not None:
+                missing.theorems += 1
+            else:
+                report.add(thm.source, f"theorem {thm.full_name}: file {thm.file_path} is not in the corpus")
             continue
         for k, tactic in enumerate(thm.tactics):
             bad = {a.def_path for a in tactic.annotations or [] if corpus.resolve_path(a.def_path) is None}
+            if missing is not None:
+                missing.annotations += len(bad)
+                bad = set()
             for def_path in sorted(bad):
                 report.add(thm.source, f"theorem {thm.full_name}, tactic {k}: def_path {def_path} is not in the corpus")
             if located_positives(corpus, tactic):
@@ -144,10 +178,12 @@ def _validate(dataset_dir: Path, split: str) -> list[Problem]:
         return report.problems
     corpus_file = dataset_dir / "corpus.jsonl"
     corpus: Corpus | None = None
+    unreadable: list[str] = []
     if corpus_file.is_file():
-        corpus = _read_corpus(corpus_file, report)
+        corpus, unreadable = _read_corpus(corpus_file, report)
     else:
         report.add("corpus.jsonl", "missing (every dataset needs its premise corpus)")
+    missing = _Missing() if unreadable else None
     split_dir = dataset_dir / split
     if not split_dir.is_dir():
         report.add(split, "split folder is missing")
@@ -160,7 +196,9 @@ def _validate(dataset_dir: Path, split: str) -> list[Problem]:
         theorems = _read_split(path, report)
         if corpus is None:
             continue
-        labelled = _check_theorems(theorems, corpus, report)
-        if name == "train.json" and labelled == 0:
+        labelled = _check_theorems(theorems, corpus, report, missing)
+        if name == "train.json" and labelled == 0 and missing is None:
             report.add(f"{split}/{name}", "no training example: no tactic has a premise annotation found in the corpus")
+    if missing is not None and (missing.theorems or missing.annotations):
+        report.add("", missing.summary())
     return report.problems

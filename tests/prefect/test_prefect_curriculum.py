@@ -27,7 +27,7 @@ from prefect import flow
 
 from leanagent.cli import build_parser
 from leanagent.config import RepoConfig
-from tasks.data import DatasetValidationError, order_curriculum
+from tasks.data import order_curriculum
 from tests.prefect.prefect_api import wait_for_logs
 
 pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect_harness")]
@@ -100,9 +100,3 @@ def test_the_cli_shows_the_order_the_flow_uses(repos: list[RepoConfig], tmp_path
 def test_without_curriculum_the_given_order_is_kept(repos: list[RepoConfig]) -> None:
     ordered = order_in_a_flow(repos, curriculum=False)
     assert [r.display_name for r in ordered] == ["alpha", "beta", "gamma"]
-
-
-def test_duplicate_display_names_are_refused(repos: list[RepoConfig]) -> None:
-    twins = [repos[0], RepoConfig(path=repos[1].path, name="alpha")]
-    with pytest.raises(DatasetValidationError, match="both named 'alpha'"):
-        order_in_a_flow(twins, curriculum=True)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from flows.lifelong import lifelong_retrieval, run_from_cli
+from leanagent.preflight import PreflightError
 from leanagent.run_state import RunLock, RunLockedError
-from tasks.data import DatasetValidationError
 
 pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect_harness")]
 
@@ -30,13 +30,12 @@ def test_corrupted_dataset_is_refused_before_training(demo_assets, write_cpu_con
                                                       tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     config = write_cpu_config(tmp_path / "config.yaml", run_dir, [demo_assets.repos[0], corrupted_repo])
-    with pytest.raises(DatasetValidationError) as info:
+    with pytest.raises(PreflightError) as info:
         lifelong_retrieval(config_path=str(config))
     message = str(info.value)
     assert "broken_repo" in message and "corpus.jsonl" in message
-    assert demo_assets.repos[0].name not in message.split("invalid", 1)[1]  # the good dataset is not blamed
-    assert not (run_dir / "jobs").exists()
-    assert not (run_dir / "manifest.json").exists()
+    assert str(demo_assets.repos[0]) not in message  # the good dataset is not blamed
+    assert not run_dir.exists()  # nothing written: no lock, no config, no manifest
 
 
 def test_cli_reports_bad_input_with_exit_code_1(demo_assets, write_cpu_config, corrupted_repo: Path,

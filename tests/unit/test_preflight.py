@@ -12,7 +12,7 @@ import torch
 import yaml
 from transformers import T5EncoderModel
 
-from leanagent.config import PipelineConfig, TrainerConfig
+from leanagent.config import PipelineConfig, RepoConfig, TrainerConfig
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.model.presets import PRESETS, encoder_config, write_random_encoder
 from leanagent.preflight import (
@@ -186,6 +186,16 @@ def test_a_refused_flow_writes_nothing_into_run_dir(assets, tmp_path):
     cfg = cpu_config(assets, tmp_path, trainer={"accelerator": "gpu", "devices": 64})
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    with pytest.raises(PreflightError, match="trainer.devices: 64"):
-        lifelong_retrieval.fn(config_path=str(config))  # the flow's body, before any Prefect task
+    state = lifelong_retrieval.fn(config_path=str(config))  # the flow's body, before any Prefect task
+    # The flow run ends Failed with the reason as its message (what the UI shows), not with a traceback.
+    assert state.is_failed() and "trainer.devices: 64" in state.message and isinstance(state.data, PreflightError)
     assert not cfg.run_dir.exists()
+
+
+def test_repositories_need_distinct_names_and_at_least_one(assets, tmp_path):
+    twins = cpu_config(assets, tmp_path).model_copy(update={"repos": [RepoConfig(path=assets["repo"]),
+                                               RepoConfig(path=assets["repo_b"], name=assets["repo"].name)]})
+    message = refusal(preflight_run, twins, free_bytes=BIG)
+    assert f"both named {assets['repo'].name!r}" in message and "give one a distinct `name`" in message
+    empty = twins.model_copy(update={"repos": []})
+    assert "lists no repository" in refusal(preflight_run, empty, free_bytes=BIG)

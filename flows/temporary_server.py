@@ -1,0 +1,89 @@
+"""Prefect's temporary local server for `leanagent run`, bound to this process and out of the terminal's reach.
+
+With no PREFECT_API_URL, Prefect's first client starts a server as a plain child process
+(`prefect.server.api.server.SubprocessASGIServer`: uvicorn) and stops it from an atexit hook. Two things
+go wrong with that child as it is:
+
+- it is in the terminal's foreground process group, so a Ctrl-C (SIGINT to the whole group) stops it
+  at the very moment the flow needs it to record the interrupted stage: the flow then retries its API
+  calls for minutes and dies with connection tracebacks;
+- a SIGKILL of this process (the OOM killer) leaves it running, since no atexit hook runs.
+
+So we create that same singleton first, from this (main) thread, with its uvicorn child in a session
+of its own (no terminal signal reaches it) and the parent-death signal set (`prctl(PR_SET_PDEATHSIG,
+SIGTERM)`, leanagent/supervision.py), and stop it ourselves when the command ends. Prefect's own code
+finds it running (`SubprocessASGIServer()` returns the one instance) and uses it. This module is the
+one place that knows those internals: a no-op with a configured server, or if Prefect's internals are
+not the ones expected.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prefect.events.worker import EventsWorker
+from prefect.logging.handlers import APILogWorker
+from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+from leanagent.train.supervision import parent_death_signal
+
+# The temporary server's defaults, under any value the user set (environment, profile, prefect.toml: Prefect
+# passes those to the server's environment after these). Its telemetry service writes a session row into the
+# fresh SQLite database while the server's other services and the flow's first calls write too, and the
+# "database is locked" it can hit is logged as a long traceback; a throwaway local server has nothing to report.
+TEMPORARY_SERVER_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+
+
+DRAIN_SECONDS = 5.0  # for the logs and events still queued for the server when the command ends
+
+
+@contextmanager
+def temporary_server() -> Iterator[None]:
+    """Prefect's temporary server for the block (when no server is configured), stopped when it ends.
+
+    Before it stops, the logs and events still queued for it are sent (a bounded wait): after, they would fail
+    with "--- Error logging to API ---" as the interpreter exits.
+    """
+    server = _start()
+    try:
+        yield
+    finally:
+        if server is not None:
+            for worker in (APILogWorker, EventsWorker):
+                worker.drain_all(timeout=DRAIN_SECONDS)
+            server.stop()
+
+
+def _start():  # -> SubprocessASGIServer | None
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return None
+    import prefect.server.api.server as server_module
+
+    base = getattr(server_module, "SubprocessASGIServer", None)
+    preexec = parent_death_signal(signal.SIGTERM)
+    if (base is None or preexec is None or not hasattr(base, "_run_uvicorn_command")
+            or not isinstance(getattr(base, "_instances", None), dict) or None in base._instances
+            or not isinstance(getattr(server_module, "subprocess", None), types.ModuleType)):
+        return None
+
+    class ServerBoundToThisProcess(base):  # type: ignore[misc, valid-type]
+        def _run_uvicorn_command(self):  # type: ignore[no-untyped-def]
+            real = server_module.subprocess
+            bound = types.ModuleType(real.__name__)
+            bound.__dict__.update(real.__dict__)
+            bound.Popen = lambda *args, **kwargs: real.Popen(*args, **{
+                "preexec_fn": preexec, "start_new_session": True, **kwargs,
+                "env": {**TEMPORARY_SERVER_DEFAULTS, **(kwargs.get("env") or os.environ)}})
+            server_module.subprocess = bound  # only `_run_uvicorn_command` reads it, and only here
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                server_module.subprocess = real
+
+    server = ServerBoundToThisProcess()
+    server.start()
+    return server
