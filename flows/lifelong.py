@@ -29,7 +29,7 @@ from prefect.artifacts import (
 from prefect.exceptions import Abort, ExternalSignal
 from prefect.states import Failed, State
 
-from flows.temporary_server import temporary_server
+from flows.temporary_server import TemporaryServerError, temporary_server
 from leanagent.checkpoints import prune_checkpoints
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, load_config, resolve_paths
 from leanagent.preflight import preflight_run
@@ -305,7 +305,7 @@ def run_from_cli(config_path: str) -> int:
         load_config(config_path)  # fail in milliseconds, before Prefect starts a temporary server
         with temporary_server(), _NotTwice.on_the_console():
             summary = lifelong_retrieval(config_path=config_path)
-    except BAD_INPUT as exc:
+    except (*BAD_INPUT, TemporaryServerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except LaunchError as exc:

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 from prefect.events.worker import EventsWorker
 from prefect.logging.handlers import APILogWorker
-from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+from prefect.settings import PREFECT_API_URL, PREFECT_HOME, PREFECT_SERVER_EPHEMERAL_ENABLED
 
 from leanagent.train.supervision import parent_death_signal
 
@@ -85,5 +85,17 @@ def _start():  # -> SubprocessASGIServer | None
                 server_module.subprocess = real
 
     server = ServerBoundToThisProcess()
-    server.start()
+    try:
+        server.start()
+    except RuntimeError as exc:  # Prefect's own "Timed out while attempting to connect ...", with the output
+        server.stop()
+        reason = (str(exc).strip().splitlines() or ["no reason given"])[0][:300]
+        raise TemporaryServerError(
+            f"Prefect's temporary server did not start ({reason}); check that PREFECT_HOME "
+            f"({PREFECT_HOME.value()}) is a folder it can create and write, or set PREFECT_API_URL to a running "
+            f"server (`prefect server start`)") from None
     return server
+
+
+class TemporaryServerError(RuntimeError):
+    """The temporary server could not be started; the message is one line saying what to check."""

@@ -1,13 +1,18 @@
 """Interrupts at exact points of a training job, for the resume tests; on PYTHONPATH, Python loads it everywhere.
 
-It acts only in a rank (RANK is set) whose environment has LEANAGENT_TEST_FAULT=WHERE:N:SIGNAL:
+It acts only in a rank (RANK is set) whose environment has LEANAGENT_TEST_FAULT=WHERE:N:SIGNAL[:JOB]:
 - WHERE:N is where rank 0 stops: `step:N` after optimizer step N (the step checkpoint of that step, if
-  one is due, is written), `epoch_start:N` when epoch N starts (the previous epoch's checkpoints are
-  written), `validation:N` at the first validation batch of epoch N, `save:N` in the middle of writing
-  the first checkpoint at the end of epoch N (the epoch's own file: its temporary file is left half-written);
+  one is due, is written), `batch:N` after training batch N of an epoch (also for the Fisher pass, which
+  takes no optimizer step), `epoch_start:N` when epoch N starts (the previous epoch's checkpoints are
+  written), `validation:N` at the first validation batch of epoch N, `test:N` after test batch N (an
+  evaluation job), `save:N` in the middle of writing the first checkpoint at the end of epoch N (the
+  epoch's own file: its temporary file is left half-written);
+- JOB, when given, limits it to the job whose folder path contains it (`00-repo_0/fisher`), so that a
+  whole `leanagent run` can be stopped in one chosen stage;
 - SIGNAL is what it does there to the launcher (the `leanagent train|run` process, LEANAGENT_SUPERVISOR_PID):
   `SIGINT` (Ctrl-C, to that process), `SIGINT-group` (a terminal's Ctrl-C: to its whole process group) or
-  `SIGKILL` (a crash). Rank 0 then waits where it is.
+  `SIGKILL` (a crash). Rank 0 then waits where it is. With LEANAGENT_TEST_FAULT_MARK=FILE it first writes
+  the time into FILE.
 
 Every rank takes SIGTERM's default action (death at once, wherever it is, like a crash), so an interrupted
 job ends as soon as the launcher signals it, not after the grace period; nothing else of the job is changed:
@@ -24,11 +29,17 @@ if _SPEC:
 
     import pytorch_lightning as pl
 
-    _WHERE, _N, _SIGNAL = _SPEC.split(":")
+    _WHERE, _N, _SIGNAL, *_JOB = _SPEC.split(":")
     _N = int(_N)
+    if _JOB and _JOB[0] not in os.environ.get("LEANAGENT_JOB_DIR", ""):
+        _WHERE = "nowhere"
 
     def _interrupt() -> None:
         launcher = int(os.environ["LEANAGENT_SUPERVISOR_PID"])
+        mark = os.environ.get("LEANAGENT_TEST_FAULT_MARK")
+        if mark:  # when the signal went out, for the test to time the ending from
+            with open(mark, "w") as f:
+                f.write(repr(time.time()))
         if _SIGNAL == "SIGKILL":
             os.kill(launcher, signal.SIGKILL)
         elif _SIGNAL == "SIGINT-group":
@@ -56,8 +67,15 @@ if _SPEC:
         def on_train_start(self, trainer, pl_module) -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
+        def on_test_start(self, trainer, pl_module) -> None:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if _WHERE == "step" and trainer.global_step == _N:
+            if (_WHERE == "step" and trainer.global_step == _N) or (_WHERE == "batch" and batch_idx == _N):
+                self._fire(trainer)
+
+        def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+            if _WHERE == "test" and batch_idx == _N:
                 self._fire(trainer)
 
         def on_train_epoch_start(self, trainer, pl_module) -> None:
