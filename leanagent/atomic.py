@@ -11,18 +11,17 @@ from pathlib import Path
 from typing import IO, Any
 
 
-def write_atomic(path: Path, write: Callable[[IO], None], mode: str = "w", suffix: str = "",
-                 permissions: int | None = None) -> None:
+def write_atomic(path: Path, write: Callable[[IO], None], mode: str = "w", suffix: str = "") -> None:
     """Write a temporary file beside `path` with `write`, fsync it, then rename it over `path`.
 
-    `permissions` replaces mkstemp's 0600 (files others must read, such as checkpoints).
+    The file gets the mode a plain `open(path, "w")` would give it (0666 less the user's umask), not
+    mkstemp's 0600: checkpoints, indexes and reports are read by a team's other users.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
     try:
-        if permissions is not None:
-            os.fchmod(fd, permissions)
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, mode) as f:
             write(f)
             f.flush()
@@ -31,6 +30,24 @@ def write_atomic(path: Path, write: Callable[[IO], None], mode: str = "w", suffi
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    write_atomic(path, lambda f: f.write(data), mode="wb")
+
+
+def file_mode() -> int:
+    """0666 less the process's umask, read without changing it (Linux); less the usual 022 elsewhere."""
+    umask = 0o022
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    umask = int(line.split()[1], 8)
+                    break
+    except OSError:
+        pass
+    return 0o666 & ~umask
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

@@ -221,8 +221,10 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(comparison_text(runs, markdown=args.markdown))
     if args.json:
         write_json_atomic(Path(args.json), comparison_json(runs))
+        print(f"wrote {args.json}", file=sys.stderr)
     if args.png:
         write_png(runs, Path(args.png))
+        print(f"wrote {args.png}", file=sys.stderr)
     return 0
 
 

@@ -9,12 +9,13 @@ as `model.name_or_path` of a new run and as `--model` of `leanagent index` with 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from transformers import ByT5Tokenizer
 
-from leanagent.atomic import refuse_non_empty, write_atomic
+from leanagent.atomic import file_mode, refuse_non_empty, write_atomic
 from leanagent.model.source import RETRIEVER_FILE, LoadedModel, load_model, no_progress_bars
 
 MODEL_FILES = frozenset({
@@ -42,12 +43,17 @@ def export_model(source: str | Path, out: str | Path, force: bool = False, base_
     else:
         refuse_non_empty(out)
     out.mkdir(parents=True, exist_ok=True)
+    before = {p.name for p in out.iterdir()}
     with no_progress_bars():
         loaded.retriever.encoder.save_pretrained(out, safe_serialization=True)
     ByT5Tokenizer().save_pretrained(out)
-    write_atomic(out / RETRIEVER_FILE, lambda f: json.dump(retriever_meta(loaded), f, indent=2, sort_keys=True),
-                 permissions=0o644)
-    write_atomic(out / "README.md", lambda f: f.write(model_card(loaded)), permissions=0o644)
+    # transformers writes the weights through a temporary file of mode 0600: give what it wrote the user's umask,
+    # as every other file, so that a team's other users can load the model.
+    for path in out.iterdir():
+        if path.is_file() and path.name not in before:
+            os.chmod(path, file_mode())
+    write_atomic(out / RETRIEVER_FILE, lambda f: json.dump(retriever_meta(loaded), f, indent=2, sort_keys=True))
+    write_atomic(out / "README.md", lambda f: f.write(model_card(loaded)))
     return out
 
 
@@ -102,7 +108,8 @@ def model_card(loaded: LoadedModel) -> str:
         f"- exported from {origin}: `{source}`",
     ]
     if loaded.epoch is not None:
-        lines.append(f"- epoch {loaded.epoch}, global step {loaded.global_step}")
+        lines.append(f"- epoch {loaded.epoch} (0-based, as in checkpoint names such as `epoch={loaded.epoch}-...ckpt`; "
+                     f"`leanagent run`'s table counts epochs trained from 1), global step {loaded.global_step}")
     lines.append(f"- training started from: `{loaded.base_model}`" if loaded.base_model else
                  "- training started from: unknown")
     lines.append(f"- data: `{loaded.dataset}`" if loaded.dataset else

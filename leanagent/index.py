@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from leanagent.atomic import refuse_non_empty, write_atomic
+from leanagent.atomic import refuse_non_empty, write_atomic, write_bytes_atomic
 from leanagent.config import DataConfig
 from leanagent.data.corpus import Corpus, FileRecord, Premise
 
@@ -84,9 +84,9 @@ def build_index(model: str | Path, dataset: str | Path, out: str | Path, device:
     seconds = time.perf_counter() - start
     _clear_out(out)  # only now: a model or corpus that fails to load leaves an earlier index as it was
     blob = save({"embeddings": embeddings}, metadata={"format": str(FORMAT_VERSION)})
-    write_atomic(out / EMBEDDINGS_FILE, lambda f: f.write(blob), mode="wb", permissions=0o644)
-    write_atomic(out / PREMISES_FILE, lambda f: _write_premises(f, corpus), permissions=0o644)
-    write_atomic(out / FILES_FILE, lambda f: _write_files(f, corpus), permissions=0o644)
+    write_bytes_atomic(out / EMBEDDINGS_FILE, blob)
+    write_atomic(out / PREMISES_FILE, lambda f: _write_premises(f, corpus))
+    write_atomic(out / FILES_FILE, lambda f: _write_files(f, corpus))
     meta = {
         "format": FORMAT_VERSION,
         "checkpoint": str(loaded.checkpoint) if loaded.checkpoint else None,
@@ -105,7 +105,7 @@ def build_index(model: str | Path, dataset: str | Path, out: str | Path, device:
         "device": device,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    write_atomic(out / INDEX_FILE, lambda f: json.dump(meta, f, indent=2, sort_keys=True), permissions=0o644)
+    write_atomic(out / INDEX_FILE, lambda f: json.dump(meta, f, indent=2, sort_keys=True))
     return meta
 
 

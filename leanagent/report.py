@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from leanagent.atomic import write_atomic
 from leanagent.lifelong_metrics import check_matrix, composite_scores, lifelong_metrics
 from leanagent.run_state import EVAL_UNTRAINED, MANIFEST_NAME, TRAIN, eval_stage, stage_result
 
@@ -69,7 +68,8 @@ class RunReport:
         }
         metrics = lifelong_metrics(self._triangle(), [*self.val_r10, val])
         row.update({m: metrics[m] for m in METRIC_COLUMNS})
-        row.update({"epoch": train.get("epoch"), "checkpoint": train.get("checkpoint")})
+        # Epochs trained so far, counted from 1 (the checkpoint's own name holds the 0-based index of its epoch).
+        row.update({"epochs": train.get("epoch"), "checkpoint": train.get("checkpoint")})
         self.rows.append(row)
 
     @property
@@ -101,9 +101,10 @@ class RunReport:
         return out
 
     def markdown(self, manifest: str) -> str:
-        header = "| repository | R@1 | R@10 | MRR | val R@10 | epoch | checkpoint |\n|---|---|---|---|---|---|---|\n"
+        header = "| repository | R@1 | R@10 | MRR | val R@10 | epochs | checkpoint |\n|---|---|---|---|---|---|---|\n"
         body = "".join(f"| {r['repository']} | {_pct(r.get('R@1'))} | {_pct(r.get('R@10'))} | {_mrr(r.get('MRR'))} | "
-                       f"{_pct(r.get('val R@10'))} | {r.get('epoch')} | `{r.get('checkpoint')}` |\n" for r in self.rows)
+                       f"{_pct(r.get('val R@10'))} | {r.get('epochs')} | `{r.get('checkpoint')}` |\n"
+                       for r in self.rows)
         cols = " | ".join(self.names)
         matrix = f"| trained through \\ evaluated on | {cols} |\n|---|" + "---|" * len(self.names) + "\n"
         matrix += "".join(f"| {label} | " + " | ".join(_pct(v) for v in row) + " |\n"
@@ -118,9 +119,9 @@ class RunReport:
 
     def text(self) -> str:
         """Plain text for a terminal: the per-repository table, the metrics after each repository, the matrix."""
-        lines = [f"{'repository':<24} {'R@1':>7} {'R@10':>7} {'MRR':>7} {'val R@10':>8} {'epoch':>5}  checkpoint"]
+        lines = [f"{'repository':<24} {'R@1':>7} {'R@10':>7} {'MRR':>7} {'val R@10':>8} {'epochs':>6}  checkpoint"]
         lines += [f"{r['repository'][:24]:<24} {_pct(r.get('R@1')):>7} {_pct(r.get('R@10')):>7} "
-                  f"{_mrr(r.get('MRR')):>7} {_pct(r.get('val R@10')):>8} {r.get('epoch')!s:>5}  {r.get('checkpoint')}"
+                  f"{_mrr(r.get('MRR')):>7} {_pct(r.get('val R@10')):>8} {r.get('epochs')!s:>6}  {r.get('checkpoint')}"
                   for r in self.rows]
         lines += ["", "Lifelong metrics after each repository (over the repositories seen so far)",
                   self._metrics_text(), "", f"{MATRIX_METRIC} (row: trained through; column: evaluated on)",
@@ -398,45 +399,43 @@ def write_png(runs: Sequence[LifelongRun], out: str | Path) -> None:
         if T == 0:
             heat.text(0.5, 0.5, "no repository finished", ha="center", va="center")
             continue
-        grid = np.full((T, T), np.nan)
-        for i, row in enumerate(run.test_r10):
-            grid[i, : len(row)] = row
+        # The untrained model's row first, where the run has one: what training gained is read against it.
+        baseline = run.report.baseline if run.report is not None and run.report.baseline else None
+        rows = ([baseline] if baseline else []) + [list(row) for row in run.test_r10]
+        labels = (["(untrained)"] if baseline else []) + [name[:14] for name in run.names[:T]]
+        grid = np.full((len(rows), T), np.nan)
+        for i, row in enumerate(rows):
+            values = [np.nan if v is None else v for v in row[:T]]
+            grid[i, : len(values)] = values
         image = heat.imshow(np.ma.masked_invalid(grid), cmap="viridis", aspect="auto")
         fig.colorbar(image, ax=heat, label=f"{MATRIX_METRIC} (%)")
-        ticks = list(range(T))
         short = [name[:14] for name in run.names]
-        heat.set_xticks(ticks, short, rotation=60, ha="right", fontsize=7)
-        heat.set_yticks(ticks, short, fontsize=7)
+        heat.set_xticks(list(range(T)), short, rotation=60, ha="right", fontsize=9)
+        heat.set_yticks(list(range(len(rows))), labels, fontsize=9)
         heat.set_xlabel("evaluated on")
         heat.set_ylabel("trained through")
-        if T <= 16:
+        if T <= 16:  # the numbers, large enough to read at a glance: bigger for fewer cells
+            size = max(7.0, min(14.0, 96.0 / T))
             lo, hi = np.nanmin(grid), np.nanmax(grid)
-            for i in range(T):
-                for j in range(i + 1):
+            for i in range(len(rows)):
+                for j in range(T):
+                    if np.isnan(grid[i, j]):
+                        continue
                     dark = hi > lo and (grid[i, j] - lo) / (hi - lo) < 0.5
-                    heat.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", fontsize=6,
-                              color="white" if dark else "black")
+                    heat.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", fontsize=size,
+                              fontweight="bold", color="white" if dark else "black")
         m = run.metrics()
         x = list(range(1, T + 1))
         curve.plot(x, m["avg"], marker="o", label="average test R@10 over the repositories seen")
         if run.val_r10 is not None:
             vx = [i + 1 for i, v in enumerate(run.val_r10) if v is not None]
             curve.plot(vx, [v for v in run.val_r10 if v is not None], marker="s", label="best validation R@10")
-        curve.set_xticks(x, short, rotation=60, ha="right", fontsize=7)
+        curve.set_xticks(x, short, rotation=60, ha="right", fontsize=9)
         curve.set_xlabel("after training through")
         curve.set_ylabel(f"{MATRIX_METRIC} (%)")
         curve.grid(True, alpha=0.3)
         curve.legend(fontsize=8)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".png", dir=out.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(Path(out), lambda f: fig.savefig(f, format="png", dpi=130), mode="wb", suffix=".png")
 
 
 def _mean(values: Sequence[float]) -> float | None:

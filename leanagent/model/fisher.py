@@ -59,10 +59,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 from transformers.models.t5.modeling_t5 import T5Attention, T5LayerNorm
 
+from leanagent.atomic import write_bytes_atomic
 from leanagent.model.retriever import PremiseRetriever, contrastive_mse
 
 METHODS = ("auto", "loop", "vectorised")
@@ -533,11 +534,8 @@ class ReferenceFisherModule(pl.LightningModule):
 
 def save_fisher(path: Path, fisher: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
     """Write atomically: a crash never leaves a truncated Fisher that EWC would later trust."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({n: t.contiguous() for n, t in fisher.items()}, str(tmp),
-              metadata={k: json.dumps(v) for k, v in metadata.items()})
-    tmp.replace(path)
+    write_bytes_atomic(Path(path), save({n: t.contiguous() for n, t in fisher.items()},
+                                        metadata={k: json.dumps(v) for k, v in metadata.items()}))
 
 
 def load_fisher(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

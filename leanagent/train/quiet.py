@@ -31,6 +31,23 @@ NOISE = (
     re.compile(r"`LightningModule\.configure_optimizers` returned `None`, this fit will run with no optimizer"),
     # loss_train is logged per rank, without an all-reduce per step (LeanAgent syncs it; README, Differences)
     re.compile(r"It is recommended to use `self\.log\('loss_train', \.\.\., sync_dist=True\)`"),
+    # Lightning's start-of-job lines, the same in every job: seeding, precision, devices
+    re.compile(r"^\[rank: \d+\] Seed set to -?\d+$"),
+    re.compile(r"^Using bfloat16 Automatic Mixed Precision \(AMP\)$"),
+    re.compile(r"^(GPU|TPU|HPU) available: (True|False)"),
+    re.compile(r"^LOCAL_RANK: \d+ - CUDA_VISIBLE_DEVICES: \["),
+    # its model summary: the table (box-drawing rows) and the counts under it
+    re.compile(r"^[┏┃┡│└]"),
+    re.compile(r"^(Trainable params|Non-trainable params|Total params|Total estimated model params size \(MB\)|"
+               r"Modules in train mode|Modules in eval mode|Total FLOPs): "),
+    re.compile(r"^`Trainer\.fit` stopped: `max_epochs=\d+` reached\.$"),
+    # where fit restores from: in the job's result.json (`resumed_from`) and the manifest
+    re.compile(r"^Restoring states from the checkpoint path at "),
+    re.compile(r"^Restored all states from the checkpoint at "),
+    # a job folder's ModelCheckpoint resuming from another job's checkpoint (the next repository, by design)
+    re.compile(r"The dirpath has changed from .* to .*, therefore `best_model_score`"),
+    # on a machine with SLURM's tools: our jobs run under torchrun, also inside SLURM jobs (README)
+    re.compile(r"The `srun` command is available on your system but is not used"),
 )
 # The indented source line Python's default warning format prints under a warning.
 SOURCE_LINE = re.compile(r"^\s+\S")

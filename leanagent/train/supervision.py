@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from leanagent.atomic import write_json_atomic
+
 ENV_SUPERVISOR_PID = "LEANAGENT_SUPERVISOR_PID"
 ENV_SUPERVISOR_START = "LEANAGENT_SUPERVISOR_START"
 ENV_JOB_DIR = "LEANAGENT_JOB_DIR"
@@ -144,10 +146,7 @@ def record_rank(job_dir: Path) -> Path:
     rank = os.environ.get("RANK", "0")
     me = os.getpid()
     path = pids_dir(job_dir) / f"rank{rank}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{me}.tmp")
-    tmp.write_text(json.dumps({"rank": int(rank), "pid": me, "start": start_time(me), "machine": machine_identity()}))
-    os.replace(tmp, path)
+    write_json_atomic(path, {"rank": int(rank), "pid": me, "start": start_time(me), "machine": machine_identity()})
     return path
 
 

@@ -65,22 +65,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path.parent.mkdir(parents=True, exist_ok=True)
         for stale in path.parent.glob(f".{path.name}.*.tmp"):
             stale.unlink(missing_ok=True)
-        # mkstemp's 0600 would hide checkpoints from a team's other users.
-        write_atomic(path, lambda f: torch.save(checkpoint, f), mode="wb", suffix=".tmp",
-                     permissions=0o666 & ~_umask())
+        write_atomic(path, lambda f: torch.save(checkpoint, f), mode="wb", suffix=".tmp")
         fsync_dir(path.parent)
-
-
-def _umask() -> int:
-    """The process's umask, read without changing it (Linux); the usual 022 elsewhere."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
 
 
 def fsync_dir(folder: Path) -> None:

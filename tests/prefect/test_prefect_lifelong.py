@@ -118,7 +118,7 @@ def test_artifacts_are_on_the_server(run3: FinishedRun) -> None:
     table = artifacts[TABLE_KEY].data
     rows = json.loads(table) if isinstance(table, str) else table
     assert [r["repository"] for r in rows] == run3.summary["order"]
-    assert {"R@1", "R@10", "MRR", "epoch", "checkpoint", "WF5", "FM", "EBWT", "WP5", "IP", "CFR"} <= set(rows[0])
+    assert {"R@1", "R@10", "MRR", "epochs", "checkpoint", "WF5", "FM", "EBWT", "WP5", "IP", "CFR"} <= set(rows[0])
     assert rows[-1]["FM"] is not None and rows[0]["FM"] is None  # the metrics after each repository
     assert float(artifacts[PROGRESS_KEY].data) == pytest.approx(100.0)
     # The description names the running stage while it runs, and says all are done at the end.

@@ -283,3 +283,20 @@ def test_cli_errors_are_one_line_with_exit_code_2(argv, message, trained, indexe
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_files_are_written_with_the_users_umask(trained, tmp_path):
+    """Weights, model card, index and report picture: 0666 less the umask, never a temporary file's 0600."""
+    from leanagent.report import load_run, write_png
+
+    previous = os.umask(0o027)
+    try:
+        export_model(trained["ckpt"], tmp_path / "hf")
+        build_index(tmp_path / "hf", trained["repo"], tmp_path / "index")
+        run = load_run(REPO_ROOT / "tests" / "fixtures" / "leanagent_table4" / "leanagent.json")
+        write_png([run], tmp_path / "report.png")
+    finally:
+        os.umask(previous)
+    files = [*(tmp_path / "hf").iterdir(), *(tmp_path / "index").iterdir(), tmp_path / "report.png"]
+    assert {p.name for p in files} >= {"model.safetensors", "README.md", "embeddings.safetensors", "report.png"}
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: "0o640" for p in files}

@@ -65,3 +65,22 @@ def test_plain_progress_waits_for_its_interval():
     view = PlainProgress("train r", lines.append, interval_s=1e-9)
     view.update({"stage": "train", "step": 1, "total": 2})
     assert lines == ["[progress] train r: step 1/2 (50%)"]
+
+
+def test_lightnings_per_job_lines_are_dropped_only_as_printed():
+    """Copied from the demo's output: the same lines in every job, kept in the rank logs, not shown."""
+    f = NoiseFilter()
+    for line in ("[rank: 1] Seed set to 3407", "Using bfloat16 Automatic Mixed Precision (AMP)",
+                 "GPU available: False, used: False", "TPU available: False, using: 0 TPU cores",
+                 "┏━━━┳━━━━━━━━━┳━━━━━━━━━━━━━━━━┳━━━━━━━━┳━━━━━━━┳━━━━━━━┓",
+                 "│ 0 │ encoder │ T5EncoderModel │  106 K │ train │     0 │", "Trainable params: 106 K      ",
+                 "Total estimated model params size (MB): 0.428", "Modules in eval mode: 0", "Total FLOPs: 0",
+                 "`Trainer.fit` stopped: `max_epochs=9` reached.",
+                 "Restored all states from the checkpoint at /r/jobs/00-a/train/checkpoints/epoch=2-step=33.ckpt",
+                 "/x/model_checkpoint.py:566: The dirpath has changed from '/a' to '/b', therefore `best_model_score`, "
+                 "`kth_best_model_path`, `kth_value`, `last_model_path` and `best_k_models` won't be reloaded.",
+                 "/x/slurm.py:204: The `srun` command is available on your system but is not used. HINT: ..."):
+        assert not f.keep(0, line), line
+    for line in ("Seed set to 3407 for the negatives", "Total params of the Fisher: 3", "epoch 2 step 30 done",
+                 "Using 16bit Automatic Mixed Precision (AMP)"):
+        assert f.keep(0, line), line

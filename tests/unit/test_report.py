@@ -60,7 +60,7 @@ def test_rows_carry_the_metrics_after_each_repository() -> None:
     assert rows[1]["FM"] == pytest.approx(20.0) and rows[1]["IP"] == pytest.approx(5.0)
     assert rows[2]["FM"] == pytest.approx(25.0)
     assert rows[2]["val R@10"] == 72.0
-    assert {"R@1", "R@10", "MRR", "epoch", "checkpoint"} <= set(rows[0])
+    assert {"R@1", "R@10", "MRR", "epochs", "checkpoint"} <= set(rows[0])
 
 
 def test_text_and_markdown_show_percent_and_the_metrics() -> None:
