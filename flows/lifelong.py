@@ -10,11 +10,7 @@ skips it without touching its files.
 # No `from __future__ import annotations` here: Prefect builds a pydantic model of the flow's signature
 # to validate parameters, and string annotations fail to resolve when a served runner loads the flow.
 import asyncio
-import logging
 import signal
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -29,9 +25,9 @@ from prefect.artifacts import (
 from prefect.exceptions import Abort, ExternalSignal
 from prefect.states import Failed, State
 
-from flows.temporary_server import TemporaryServerError, temporary_server
 from leanagent.checkpoints import prune_checkpoints
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, load_config, resolve_paths
+from leanagent.job import JobInputError
 from leanagent.preflight import preflight_run
 from leanagent.report import RunReport
 from leanagent.run_state import (
@@ -46,9 +42,7 @@ from leanagent.run_state import (
     repo_key,
     stage_name,
 )
-from leanagent.train.jobs import JobInputError
-from leanagent.train.launch import LaunchError
-from leanagent.train.supervision import HoldSignals
+from leanagent.supervision import HoldSignals
 from tasks.data import order_curriculum
 from tasks.jobs import compute_fisher, evaluate_retriever, train_retriever
 from tasks.options import JobOptions
@@ -292,54 +286,3 @@ def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoCo
             get_run_logger().info(f"{repo.display_name}: deleted {len(prune_checkpoints(train))} other checkpoint(s)")
         artifacts.repository_done()
     return report
-
-
-def run_from_cli(config_path: str) -> int:
-    """`leanagent run --config FILE`: the flow in this process, then a plain-text summary.
-
-    1 on bad input (one message, as `leanagent train` prints it), 2 when a job failed after its retries,
-    128 + signal (130 Ctrl-C, 143 SIGTERM) when interrupted: every job has been ended by then and the
-    running stage is recorded `interrupted`.
-    """
-    try:
-        load_config(config_path)  # fail in milliseconds, before Prefect starts a temporary server
-        with temporary_server(), _NotTwice.on_the_console():
-            summary = lifelong_retrieval(config_path=config_path)
-    except (*BAD_INPUT, TemporaryServerError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except LaunchError as exc:
-        print(f"error: a job failed after its retries: {exc}", file=sys.stderr)
-        return 2
-    except (KeyboardInterrupt, ExternalSignal) as exc:
-        code = getattr(exc, "exit_code", None) or 128 + int(getattr(exc, "signal", signal.SIGINT))
-        print(f"interrupted by {describe_interrupt(exc)}: every job was ended; rerun the same command to resume",
-              file=sys.stderr)
-        return code
-    report = RunReport(summary["order"], summary["rows"], summary["matrix"], summary["baseline"])
-    print(report.text())
-    print(f"\nmanifest: {summary['manifest']}")
-    return 0
-
-
-class _NotTwice(logging.Filter):
-    """Keeps Prefect's console from repeating a refusal that `leanagent run` prints itself: the flow run's
-    "Finished in state Failed('<the reason>')" line. Prefect's API logs (the UI) keep it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (message.startswith("Finished in state Failed(") and any(r in message or repr(r)[1:-1] in message
-                                                                           for r in REFUSALS))
-
-    @classmethod
-    @contextmanager
-    def on_the_console(cls) -> Iterator[None]:
-        handlers = [h for h in logging.getLogger().handlers if type(h).__name__ == "PrefectConsoleHandler"]
-        quiet = cls()
-        for handler in handlers:
-            handler.addFilter(quiet)
-        try:
-            yield
-        finally:
-            for handler in handlers:
-                handler.removeFilter(quiet)

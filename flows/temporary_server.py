@@ -29,7 +29,7 @@ from prefect.events.worker import EventsWorker
 from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, PREFECT_HOME, PREFECT_SERVER_EPHEMERAL_ENABLED
 
-from leanagent.train.supervision import parent_death_signal
+from leanagent.supervision import parent_death_signal
 
 # The temporary server's defaults, under any value the user set (environment, profile, prefect.toml: Prefect
 # passes those to the server's environment after these). Its telemetry service writes a session row into the

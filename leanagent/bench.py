@@ -33,7 +33,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from leanagent.config import DataConfig
+from leanagent.config import DataConfig, PipelineConfig, dump_config
+from leanagent.data.corpus import Corpus, FileRecord
+from leanagent.data.dataset import TrainDataset, build_eval_examples, build_train_examples, tokenize_premises
+from leanagent.data.synthetic import write_demo_repos
+from leanagent.data.theorems import load_split
+from leanagent.jobs import run_job
+from leanagent.launch.progress_view import MODE_ENV
+from leanagent.model.fisher import FisherModule
+from leanagent.model.lr_schedule import build_optimizer_and_schedule
+from leanagent.model.presets import encoder_config, write_random_encoder
+from leanagent.model.retriever import PremiseRetriever, contrastive_mse
+from leanagent.model.topk import top_k_accessible
 
 H200_BF16_PEAK_TFLOPS = 989.0
 # Forward FLOPs of one byt5-small encoder sequence of L tokens: 2 x (weights touched per token) x L plus the
@@ -63,7 +74,6 @@ def _sync(device: torch.device) -> None:
 
 
 def bench_corpus(dataset: Path) -> tuple[Any, dict[str, float]]:
-    from leanagent.data.corpus import Corpus
 
     before = _rss_mb()
     start = time.perf_counter()
@@ -76,8 +86,6 @@ def bench_corpus(dataset: Path) -> tuple[Any, dict[str, float]]:
 def bench_data(dataset: Path, corpus, split: str, min_seconds: float) -> tuple[dict, list, list]:
     from transformers import ByT5Tokenizer
 
-    from leanagent.data.dataset import TrainDataset, build_eval_examples, build_train_examples, tokenize_premises
-    from leanagent.data.theorems import load_split
 
     tokenizer = ByT5Tokenizer()
     cfg = DataConfig()  # LeanAgent's: batch 4, 3 negatives (1 in-file), 1024 bytes
@@ -110,7 +118,6 @@ def bench_data(dataset: Path, corpus, split: str, min_seconds: float) -> tuple[d
 
 def _sub_corpus(corpus, indices: list[int]):
     """A corpus of some premises only (one file), for timing the embedding on a sample."""
-    from leanagent.data.corpus import Corpus, FileRecord
 
     return Corpus([FileRecord("bench.lean", [], [dataclasses.replace(corpus.premises[i], path="bench.lean")
                                                  for i in indices])])
@@ -123,7 +130,6 @@ def bench_embedding(model, corpus, device: torch.device, sample: int, precision_
     Both in fp32, as evaluation embeds the corpus by default (outside autocast, as LeanAgent does); then
     the sorted path again under bf16 autocast, what `model.corpus_autocast: true` runs.
     """
-    from leanagent.data.dataset import tokenize_premises
 
     rng = random.Random(1)
     picked = sorted(rng.sample(range(len(corpus)), min(sample, len(corpus))))
@@ -158,7 +164,6 @@ def bench_embedding(model, corpus, device: torch.device, sample: int, precision_
 def bench_retrieval(corpus, evals: list, width: int, device: torch.device, precision_dtype: torch.dtype | None,
                     min_seconds: float, k: int = 100, batch: int = 64) -> dict[str, float]:
     """ms per context of the top-k accessible premises, the accessibility masks included (as evaluation does)."""
-    from leanagent.model.retrieval import top_k_accessible
 
     if not evals:
         return {}
@@ -232,8 +237,6 @@ def bench_train_vs_fisher(model, corpus, train: list, device: torch.device, prec
 
     Sequences are cut at `max_len` bytes (default: LeanAgent's 1024).
     """
-    from leanagent.data.dataset import TrainDataset
-    from leanagent.model.fisher import FisherModule
 
     cfg = DataConfig()
     max_len = max_len or cfg.max_seq_len
@@ -288,10 +291,6 @@ def bench_train_vs_fisher(model, corpus, train: list, device: torch.device, prec
 
 def bench_launch(workdir: Path) -> dict[str, float]:
     """From the start of a real `train` job (torchrun, 1 CPU rank) to its first training batch, on the demo."""
-    from leanagent.config import PipelineConfig, dump_config
-    from leanagent.data.synthetic import write_demo_repos
-    from leanagent.model.presets import write_random_encoder
-    from leanagent.train.jobs import run_job
 
     repo = write_demo_repos(workdir / "data", 1, seed=0)[0]
     model = write_random_encoder(workdir / "model", "tiny")
@@ -302,7 +301,6 @@ def bench_launch(workdir: Path) -> dict[str, float]:
     })
     cfg_path = workdir / "cfg.yaml"
     dump_config(cfg, cfg_path)
-    from leanagent.train.progress_view import MODE_ENV
 
     before = os.environ.get(MODE_ENV)
     os.environ[MODE_ENV] = "off"  # a measurement, not a job to watch: no bar over the bench's table
@@ -331,9 +329,6 @@ def bench_cuda_training(batch_sizes: tuple[int, ...] = (4, 8, 16), lengths: tupl
     """
     from transformers import T5EncoderModel
 
-    from leanagent.model.lr_schedule import build_optimizer_and_schedule
-    from leanagent.model.presets import encoder_config
-    from leanagent.model.retriever import contrastive_mse
 
     dev = torch.device(device)
     torch.manual_seed(0)
@@ -393,8 +388,6 @@ def bench_cuda_training(batch_sizes: tuple[int, ...] = (4, 8, 16), lengths: tupl
 def run_bench(dataset: Path, model_path: str | None, preset: str | None, device_name: str, split: str = "random",
               min_seconds: float = 3.0, embed_sample: int | None = None, fisher_examples: int = 8,
               launch: bool = True, compile_model: bool = False, train_max_len: int | None = None) -> dict[str, Any]:
-    from leanagent.model.presets import write_random_encoder
-    from leanagent.model.retriever import PremiseRetriever
 
     device = torch.device(device_name)
     results: dict[str, Any] = {"dataset": str(dataset), "device": device_name,

@@ -7,14 +7,12 @@ refuses to write into a finished job folder, so a typo costs seconds, not a GPU 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 from leanagent.config import ConfigError, load_config
+from leanagent.supervision import Interrupted, interrupt_on_signals
 
 EXIT_BAD_INPUT = 1
 
@@ -22,33 +20,6 @@ EXIT_BAD_INPUT = 1
 def _fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return EXIT_BAD_INPUT
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT, SIGTERM or SIGHUP, raised in the main thread: code that ends jobs on Ctrl-C ends them on all three."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-        self.exit_code = 128 + signum  # what a shell reports for a process ended by this signal
-
-
-@contextlib.contextmanager
-def interrupt_on_signals() -> Iterator[None]:
-    """Turn SIGINT/SIGTERM/SIGHUP into `Interrupted`, so the launcher ends every job (SIGTERM, grace,
-    SIGKILL) and the command exits 128 + signal instead of dying with its jobs orphaned."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise Interrupted(signum)
-
-    # A signal already ignored stays ignored (`nohup`, a shell's background job).
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-                if signal.getsignal(sig) is not signal.SIG_IGN}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -68,16 +39,16 @@ def cmd_curriculum(args: argparse.Namespace) -> int:
     from leanagent.atomic import write_json_atomic
     from leanagent.data.curriculum import curriculum_of_datasets, describe
     from leanagent.data.errors import DatasetError
+    from leanagent.preflight import check_unique_names
 
-    datasets: dict[str, Path] = {}
-    for d in args.datasets:
-        path = Path(d).resolve()
+    paths = [Path(d).resolve() for d in args.datasets]
+    for d, path in zip(args.datasets, paths, strict=True):
         if not (path / args.split).is_dir():
             return _fail(f"{d}: no split folder {args.split!r} ({path / args.split})")
-        if path.name in datasets:
-            return _fail(f"two datasets are both named {path.name!r} ({datasets[path.name]} and {path}); "
-                         f"the curriculum names repositories by folder name")
-        datasets[path.name] = path
+    twins = check_unique_names([(p.name, p) for p in paths], "the curriculum names repositories by folder name")
+    if twins:
+        return _fail(twins[0])
+    datasets = {p.name: p for p in paths}
     try:
         curriculum = curriculum_of_datasets(datasets, split=args.split)
     except DatasetError as exc:
@@ -94,8 +65,9 @@ def cmd_job(args: argparse.Namespace) -> int:
     import tempfile
 
     from leanagent.config import dump_config
-    from leanagent.train.jobs import JobFinishedError, JobInputError, run_job
-    from leanagent.train.launch import LaunchError
+    from leanagent.job import JobFinishedError, JobInputError
+    from leanagent.jobs import run_job
+    from leanagent.launch.base import LaunchError
 
     try:
         with interrupt_on_signals():
@@ -231,7 +203,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     with interrupt_on_signals():
         try:
-            from flows.lifelong import run_from_cli
+            from flows.command import run_from_cli  # the one way into the app layer (flows/command.py)
 
             return run_from_cli(args.config)
         except Interrupted as exc:  # one that landed outside the flow (while importing, or after it)
@@ -259,7 +231,7 @@ def _check_device(device: str) -> str | None:
 def cmd_export(args: argparse.Namespace) -> int:
     from leanagent.checkpoints import BadFileError
     from leanagent.export import export_model
-    from leanagent.model.source import ModelSourceError
+    from leanagent.model.loading import ModelSourceError
 
     try:
         out = export_model(Path(args.checkpoint), Path(args.out), force=args.force, base_model=args.base_model)
@@ -273,7 +245,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     from leanagent.checkpoints import BadFileError
     from leanagent.data.errors import DatasetError
     from leanagent.index import PremiseIndexError, build_index
-    from leanagent.model.source import ModelSourceError
+    from leanagent.model.loading import ModelSourceError
 
     problem = _check_device(args.device)
     if problem:

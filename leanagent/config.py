@@ -119,6 +119,9 @@ class RepoConfig(_Section):
 
 
 class PipelineConfig(_Section):
+    launcher: Literal["local"] = Field(
+        "local", description="how each job's ranks are started: local = torchrun on this machine "
+                             "(leanagent/launch/NAME.py is the launcher NAME)")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     trainer: TrainerConfig = TrainerConfig()

@@ -33,6 +33,10 @@ import torch
 from leanagent.atomic import refuse_non_empty, write_atomic, write_bytes_atomic
 from leanagent.config import DataConfig
 from leanagent.data.corpus import Corpus, FileRecord, Premise
+from leanagent.data.dataset import tokenize_texts
+from leanagent.data.theorems import strip_goal_count
+from leanagent.model.loading import ModelSourceError, load_model
+from leanagent.model.topk import top_k_accessible
 
 INDEX_FILE = "index.json"
 EMBEDDINGS_FILE = "embeddings.safetensors"
@@ -63,7 +67,6 @@ def build_index(model: str | Path, dataset: str | Path, out: str | Path, device:
     """
     from safetensors.torch import save
 
-    from leanagent.model.source import load_model
 
     dataset, out = Path(dataset), Path(out)
     corpus_file = dataset / "corpus.jsonl"
@@ -194,7 +197,6 @@ class PremiseIndex:
     def load(cls, folder: str | Path, device: str = "cpu") -> PremiseIndex:
         from safetensors.torch import load_file
 
-        from leanagent.model.source import ModelSourceError, load_model
 
         folder = Path(folder)
         meta = _read_meta(folder)
@@ -251,8 +253,6 @@ class PremiseIndex:
     @torch.inference_mode()
     def encode_state(self, state: str) -> torch.Tensor:
         """A proof state's embedding, the state formatted as training and evaluation format it."""
-        from leanagent.data.dataset import tokenize_texts
-        from leanagent.data.theorems import strip_goal_count
 
         ids, mask = tokenize_texts(self.retriever.tokenizer, [strip_goal_count(state)],
                                    int(self.meta.get("context_max_len", CONTEXT_MAX_LEN)))
@@ -262,7 +262,6 @@ class PremiseIndex:
     def retrieve(self, state: str, k: int = 10, file: str | None = None, line: int | None = None,
                  column: int = 0) -> list[Hit]:
         """The k best premises for `state`, best first; only those accessible at `file`:`line` when given."""
-        from leanagent.model.retrieval import top_k_accessible
 
         if k < 1:
             raise PremiseIndexError(f"-k {k}: must be at least 1")

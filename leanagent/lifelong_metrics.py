@@ -66,11 +66,6 @@ def check_matrix(test_r10: Sequence[Sequence[float | None]]) -> list[list[float]
     return rows
 
 
-def average_recall(test_r10: Sequence[Sequence[float | None]]) -> list[float]:
-    """avg[i]: the mean of R[i][0..i], the average test Recall@10 over the repositories seen after i."""
-    return [sum(row) / len(row) for row in check_matrix(test_r10)]
-
-
 def lifelong_metrics(test_r10: Sequence[Sequence[float | None]], val_r10: Sequence[float | None] | None = None,
                      *, avg: Sequence[float] | None = None) -> dict[str, float | list[float] | None]:
     """WF5, WP5, FM, EBWT, IP, CFR and avg (see the module docstring) of one run.

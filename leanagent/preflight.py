@@ -1,4 +1,4 @@
-"""Checks before any launch, in one place: the CLI's jobs (`leanagent.train.jobs.check_job`) and the
+"""Checks before any launch, in one place: the CLI's jobs (`leanagent.jobs.check_job`) and the
 lifelong flow (`lifelong_retrieval`, before the curriculum starts) both come through here.
 
 A refusal costs seconds; the same problem found by the ranks costs a queue wait, a GPU allocation
@@ -22,16 +22,14 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
 from leanagent.checkpoints import BadFileError, check_fisher
 from leanagent.config import PipelineConfig, RepoConfig, TrainerConfig
 from leanagent.data.validate import validate_dataset
-from leanagent.reference_checkpoint import checkpoint_encoder_config
-from leanagent.train.jobs import JobInputError
-
-Program = Literal["train", "fisher", "evaluate"]
+from leanagent.job import JobInputError, Program
+from leanagent.model.loading import checkpoint_encoder_config
 
 # A checkpoint holds the fp32 weights (4 bytes per parameter) and AdamW's two moments (8 bytes), plus
 # loop/callback state, hparams and zip records (measured: 32 KB over 12 bytes per parameter on the tiny model).

@@ -35,6 +35,7 @@ MANIFEST_VERSION = 1
 # Dotted keys that do not change what a run computes; see the module docstring.
 RUN_IRRELEVANT_KEYS = (
     "run_dir",
+    "launcher",
     "data.num_workers",
     "trainer.log_every_n_steps",
     "trainer.node_rank",

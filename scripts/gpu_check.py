@@ -19,8 +19,8 @@ from leanagent.data.corpus import Corpus
 from leanagent.data.examples import build_train_examples
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.theorems import load_split
+from leanagent.jobs import run_job
 from leanagent.model.presets import encoder_config, write_random_encoder
-from leanagent.train.jobs import run_job
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
     corpus = Corpus.from_jsonl(repo / "corpus.jsonl")
     examples = build_train_examples(corpus, load_split(repo / "random" / "train.json"))
     ctx_tokens = sum(len(e.context.encode()) + 1 for e in examples) / len(examples)
-    prem_tokens = sum(len(p.serialize().encode()) + 1 for p in corpus.premises) / len(corpus.premises)
+    prem_tokens = sum(len(p.text.encode()) + 1 for p in corpus.premises) / len(corpus.premises)
     tokens_per_example = ctx_tokens + (1 + cfg.data.num_negatives) * prem_tokens
     c = encoder_config(preset)
     params = c.vocab_size * c.d_model + c.num_layers * (4 * c.d_model * c.d_kv * c.num_heads + 3 * c.d_model * c.d_ff)

@@ -44,6 +44,22 @@ def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> DemoAssets:
     return DemoAssets(repos=[Path(p) for p in repos], model=model)
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random ByT5 encoder folder (seed 0), shared by every test that only reads it."""
+    from leanagent.model.presets import write_random_encoder
+
+    return write_random_encoder(tmp_path_factory.mktemp("tiny_model") / "model", "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def unit_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One small synthetic LeanDojo repository (seed 3), shared by every test that only reads it."""
+    from leanagent.data.synthetic import write_demo_repos
+
+    return write_demo_repos(tmp_path_factory.mktemp("unit_repo") / "data", 1, seed=3)[0]
+
+
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in override.items():

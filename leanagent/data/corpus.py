@@ -8,12 +8,8 @@ file once so that a mathlib-size corpus (~180k premises, ~5k files) answers in m
 from __future__ import annotations
 
 import bisect
-import gc
-import json
-import re
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -24,11 +20,13 @@ import torch
 
 from leanagent.data.errors import DatasetError
 from leanagent.data.imports import bits_to_mask, import_closures
+from leanagent.data.premise_text import serialize_premise
+from leanagent.data.ranges import RangeUnion
+from leanagent.data.records import Pos, gc_paused, iter_jsonl, parse_pos
 
 IMPORTED_CACHE_SIZE = 64
 IMPORTED_RANGES_BUDGET = 1 << 20  # ranges held by the imported-ranges cache (24 bytes each), in every process
 
-Pos = tuple[int, int]
 LAKE_PREFIX = ".lake/packages/"
 
 
@@ -43,76 +41,8 @@ class Premise:
 
     @cached_property
     def text(self) -> str:
-        """`serialize()`, computed once: collate and corpus embedding ask for it again and again."""
+        """`serialize_premise`, computed once: collate and corpus embedding ask for it again and again."""
         return serialize_premise(self.full_name, self.code)
-
-    def serialize(self) -> str:
-        return self.text
-
-
-MARK_START, MARK_END = "<a>", "</a>"
-
-
-def serialize_premise(full_name: str, code: str) -> str:
-    """The text the retriever encodes: the code with the premise's own name tagged where it is declared.
-
-    LeanDojo, ReProver and LeanAgent tag the name *inside* the code (``protected theorem
-    <a>Nat.add_comm</a> : ...``), and the published retrievers were trained on that text, so we
-    produce it byte for byte: first ``_root_.NAME`` is tagged; then the longest dotted suffix of
-    the name (the whole name, then without its first component, ...) that occurs after whitespace,
-    optionally in «guillemets», is tagged at every such occurrence, and the search stops there.
-    The replacement is literal (the reference passes it as a regex template, which would
-    misread a backslash in a «name»).
-    """
-    tagged = f"{MARK_START}{full_name}{MARK_END}"
-    code = code.replace(f"_root_.{full_name}", tagged)
-    fields = full_name.split(".")
-    for i in range(len(fields)):
-        suffix = ".".join(fields[i:])
-        if suffix not in code:  # the pattern needs the suffix literally: nothing to tag, nothing to compile
-            continue
-        if suffix and "«" not in suffix and "»" not in suffix:
-            new_code = _tag_after_space(code, suffix, tagged)
-        else:  # the regex's own backtracking over «» in the name, or empty matches: ask the regex
-            pattern = re.compile(r"(?<=\s)«?" + re.escape(suffix) + "»?")
-            new_code = pattern.sub(lambda _: tagged, code)
-        if new_code != code:
-            return new_code
-    return code
-
-
-def _tag_after_space(code: str, suffix: str, tagged: str) -> str:
-    r"""``re.sub(r"(?<=\s)«?" + re.escape(suffix) + "»?", tagged, code)`` for a non-empty `suffix` without «»,
-    by `str.find` (compiling a pattern per premise costs more than the rest of the data path).
-
-    The regex matches, left to right and without overlap, an occurrence preceded by whitespace (``\s`` is
-    `str.isspace`) or by « that is itself preceded by whitespace, and takes a following ».
-    """
-    out: list[str] = []
-    last = pos = 0
-    while True:
-        j = code.find(suffix, pos)
-        if j < 0:
-            break
-        if j >= 1 and code[j - 1] == "«":
-            start = j - 1
-            ok = start >= pos and start >= 1 and code[start - 1].isspace()
-        else:
-            start = j
-            ok = j >= 1 and code[j - 1].isspace()
-        if not ok:
-            pos = j + 1
-            continue
-        end = j + len(suffix)
-        if end < len(code) and code[end] == "»":
-            end += 1
-        out.append(code[last:start])
-        out.append(tagged)
-        last = pos = end
-    if not out:
-        return code
-    out.append(code[last:])
-    return "".join(out)
 
 
 @dataclass
@@ -122,19 +52,6 @@ class FileRecord:
     path: str
     imports: list[str]
     premises: list[Premise]
-
-
-def parse_pos(value: Any, where: str, key: str) -> Pos:
-    """Positions arrive as JSON lists; a malformed one must fail here, not deep inside a comparison."""
-    if type(value) is list and len(value) == 2 and type(value[0]) is int and type(value[1]) is int:
-        return (value[0], value[1])  # the common case, checked cheaply: corpora hold millions of positions
-    if (
-        not isinstance(value, (list, tuple))
-        or len(value) != 2
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    ):
-        raise DatasetError(f"{where}: {key} must be [line, column], got {value!r}")
-    return (value[0], value[1])
 
 
 def keep_premise(full_name: Any, code: Any) -> bool:
@@ -177,112 +94,6 @@ def parse_record(record: Any, where: str) -> FileRecord:
     return FileRecord(path, list(imports), premises)
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC while building millions of acyclic objects; its repeated scans cost ~40% of load time."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def parse_json_line(line: str, where: str) -> Any:
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise DatasetError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from exc
-
-
-def iter_lines(path: Path) -> Iterator[tuple[int, str, str]]:
-    """Yield (line number, location such as ``corpus.jsonl:17``, text) of every non-blank line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                yield lineno, f"{path.name}:{lineno}", line
-
-
-def iter_jsonl(path: Path) -> Iterable[tuple[int, str, Any]]:
-    """Yield (line number, location, object); bad JSON raises naming the line."""
-    for lineno, where, line in iter_lines(path):
-        yield lineno, where, parse_json_line(line, where)
-
-
-class RangeUnion:
-    """A sorted set of premise indices stored as disjoint, non-adjacent half-open ranges [starts[i], stops[i]).
-
-    `before[i]` counts the members below `starts[i]`, so the r-th member (uniform sampling without a
-    100k-element array) and the position of a member are each one binary search.
-    """
-
-    __slots__ = ("starts", "stops", "before", "size")
-
-    def __init__(self, starts: np.ndarray, stops: np.ndarray) -> None:
-        self.starts, self.stops = starts, stops
-        self.before = np.zeros(len(starts) + 1, dtype=np.int64)
-        np.cumsum(stops - starts, out=self.before[1:])
-        self.size = int(self.before[-1])
-        for arr in (self.starts, self.stops, self.before):
-            arr.setflags(write=False)
-
-    @classmethod
-    def empty(cls) -> RangeUnion:
-        return cls(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
-
-    @classmethod
-    def from_ranges(cls, starts: np.ndarray, stops: np.ndarray) -> RangeUnion:
-        """From ranges sorted by start and disjoint (empty ones allowed); touching ranges are merged."""
-        keep = stops > starts
-        starts, stops = starts[keep], stops[keep]
-        if len(starts) > 1:
-            gap = starts[1:] != stops[:-1]
-            starts = starts[np.concatenate(([True], gap))]
-            stops = stops[np.concatenate((gap, [True]))]
-        return cls(np.ascontiguousarray(starts, dtype=np.int64), np.ascontiguousarray(stops, dtype=np.int64))
-
-    @property
-    def num_ranges(self) -> int:
-        return len(self.starts)
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, r: int) -> int:
-        """The r-th smallest member (0 <= r < len)."""
-        if not 0 <= r < self.size:
-            raise IndexError(r)
-        i = int(np.searchsorted(self.before, r, side="right")) - 1
-        return int(self.starts[i] + (r - self.before[i]))
-
-    def rank(self, x: int) -> int:
-        """How many members are smaller than `x`."""
-        i = int(np.searchsorted(self.starts, x, side="right")) - 1
-        if i < 0:
-            return 0
-        return int(self.before[i] + min(x, int(self.stops[i])) - self.starts[i])
-
-    def index(self, x: int) -> int:
-        """The position of `x` among the members, or -1 when it is not one."""
-        i = int(np.searchsorted(self.starts, x, side="right")) - 1
-        if i < 0 or x >= self.stops[i]:
-            return -1
-        return int(self.before[i] + (x - self.starts[i]))
-
-    def __iter__(self) -> Iterator[int]:
-        for a, b in zip(self.starts.tolist(), self.stops.tolist(), strict=True):
-            yield from range(a, b)
-
-    def to_array(self) -> np.ndarray:
-        """The members as a sorted int64 array (a cumulative sum of steps, no Python loop)."""
-        steps = np.ones(self.size, dtype=np.int64)
-        if self.size:
-            steps[0] = self.starts[0]
-            steps[self.before[1:-1]] = self.starts[1:] - self.stops[:-1] + 1
-        return np.cumsum(steps)
-
-
 class Corpus:
     """All premises of a traced repository; a premise's global index is its position in `premises`."""
 
@@ -307,11 +118,6 @@ class Corpus:
         for path, idx in self._file_premises.items():
             ordered = sorted(idx, key=lambda i: self.premises[i].end)
             self._by_end[path] = ([self.premises[i].end for i in ordered], ordered)
-        self._by_key: dict[tuple[str, str], int] = {}
-        self._by_name: dict[str, list[int]] = defaultdict(list)
-        for i, p in enumerate(self.premises):
-            self._by_key.setdefault((p.path, p.full_name), i)
-            self._by_name[p.full_name].append(i)
         self._by_suffix: dict[str, list[str]] = defaultdict(list)
         for path in self.paths:
             parts = path.split("/")
@@ -408,20 +214,6 @@ class Corpus:
         """Whether `path` imports `other`, directly or transitively."""
         k, j = self._path_number.get(path), self._path_number.get(other)
         return k is not None and j is not None and bool((self._closures()[k] >> j) & 1)
-
-    def locate(self, full_name: str, def_path: str | None = None) -> int | None:
-        """Index of a premise; the name alone is trusted only when unique, since overloads across files exist."""
-        if def_path is not None:
-            hit = self._by_key.get((def_path, full_name))
-            if hit is not None:
-                return hit
-            resolved = self.resolve_path(def_path)
-            if resolved is not None and resolved != def_path:
-                hit = self._by_key.get((resolved, full_name))
-                if hit is not None:
-                    return hit
-        candidates = self._by_name.get(full_name, [])
-        return candidates[0] if len(candidates) == 1 else None
 
     def _closures(self) -> list[int]:
         if self._closure_bits is None:
@@ -525,10 +317,6 @@ class Corpus:
 
     def imported_indices(self, path: str) -> list[int]:
         return self._imported_array(path).tolist()
-
-    def imported_array(self, path: str) -> np.ndarray:
-        """Read-only cached array form of `imported_indices`, for samplers that must not copy 100k ints."""
-        return self._imported_array(path)
 
     def accessible_indices(self, path: str, start: Pos) -> np.ndarray:
         in_file = np.asarray(self.in_file_indices(path, start), dtype=np.int64)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from leanagent.data.theorems import Theorem, load_split
+from leanagent.data.theorems import Theorem, has_sorry, load_split
 
 SPLIT_NAMES = ("train", "val", "test")
 PERCENTILES = (33, 67)
@@ -51,8 +51,7 @@ EASY, MEDIUM, HARD, HARD_NO_PROOF, TO_DISTRIBUTE = "easy", "medium", "hard", "ha
 
 def difficulty(theorem: Theorem) -> float | None:
     """e^(number of traced tactics); inf for a proof with "sorry" in a tactic; None without tactics."""
-    # The reference's own test, kept here so that the curriculum cannot drift from it.
-    if any("sorry" in t.tactic for t in theorem.tactics):
+    if has_sorry(theorem):
         return math.inf
     if not theorem.tactics:
         return None
@@ -137,15 +136,6 @@ def build_curriculum(repos: Mapping[str, Sequence[Theorem]]) -> Curriculum:
     # sorted() is stable: repositories with equal Easy counts keep the given order.
     order = sorted(repos, key=lambda name: counts[name].easy, reverse=True)
     return Curriculum(order, counts, percentiles)
-
-
-def categorize(repos: Mapping[str, Sequence[Theorem]]) -> dict[str, RepoDifficulty]:
-    return build_curriculum(repos).counts
-
-
-def order_repositories(repos: Mapping[str, Sequence[Theorem]]) -> list[str]:
-    """Most Easy theorems first; ties keep the given order."""
-    return build_curriculum(repos).order
 
 
 def load_repo_theorems(dataset_dir: Path, split: str = "random") -> list[Theorem]:

@@ -49,7 +49,7 @@ def tokenize_premises(
     idx = indices.tolist() if isinstance(indices, np.ndarray) else [int(i) for i in indices]
     spec = byt5_spec(tokenizer) if idx and max_len >= 2 else None
     if spec is None:
-        return tokenize_texts(tokenizer, [corpus.premises[i].serialize() for i in idx], max_len)
+        return tokenize_texts(tokenizer, [corpus.premises[i].text for i in idx], max_len)
     return tokenize_encoded(tokenizer, spec, corpus.premise_utf8(idx), None, max_len)
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from leanagent.data.corpus import Corpus, Pos
+from leanagent.data.corpus import Corpus
+from leanagent.data.records import Pos
 from leanagent.data.theorems import Tactic, Theorem, format_context
 
 

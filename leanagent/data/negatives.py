@@ -27,9 +27,10 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from leanagent.data.corpus import Corpus, RangeUnion
+from leanagent.data.corpus import Corpus
 from leanagent.data.errors import DatasetError
 from leanagent.data.examples import TrainExample
+from leanagent.data.ranges import RangeUnion
 
 _FILTER_BELOW = 4096  # pools up to this size are filtered outright; larger ones use rejection sampling
 

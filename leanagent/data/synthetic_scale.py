@@ -119,14 +119,6 @@ def plan_imports(num_files: int, seed: int) -> list[list[int]]:
     return imports
 
 
-def import_depth(imports: list[list[int]]) -> int:
-    """Files on the longest import chain (topological numbers, as `plan_imports` gives them)."""
-    depth = [0] * len(imports)
-    for t, imps in enumerate(imports):
-        depth[t] = 1 + max((depth[j] for j in imps), default=0)
-    return max(depth, default=0)
-
-
 def _file_paths(num_files: int, rng: random.Random) -> list[str]:
     namer = _syllable_namer(rng)
     lake = max(1, num_files // 10)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from leanagent.data.corpus import Pos, gc_paused, parse_pos
 from leanagent.data.errors import DatasetError
+from leanagent.data.records import Pos, gc_paused, parse_pos
 
 _GOAL_COUNT = re.compile(r"\d+ goals")
 THEOREM_KEYS = ("full_name", "file_path", "start", "end", "traced_tactics")
@@ -146,4 +146,5 @@ def format_context(tactic: Tactic) -> str:
 
 
 def has_sorry(theorem: Theorem) -> bool:
+    """The reference's own test for an unfinished proof: "sorry" anywhere in a tactic (the curriculum's rule)."""
     return any("sorry" in t.tactic for t in theorem.tactics)

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from leanagent.data.corpus import Corpus, FileRecord, gc_paused, iter_lines, parse_json_line, parse_record
+from leanagent.data.corpus import Corpus, FileRecord, parse_record
 from leanagent.data.errors import DatasetError
 from leanagent.data.examples import located_positives
 from leanagent.data.imports import strongly_connected_components
+from leanagent.data.records import gc_paused, iter_lines, parse_json_line
 from leanagent.data.theorems import Theorem, parse_theorem, read_split_json, split_source
 
 SPLIT_FILES = ("train.json", "val.json", "test.json")

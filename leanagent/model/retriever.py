@@ -19,9 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoTokenizer, ByT5Tokenizer, T5Config, T5EncoderModel
 
+from leanagent.data.dataset import tokenize_premises
 from leanagent.model.lr_schedule import build_optimizer_and_schedule, reference_horizon
 from leanagent.model.metrics import ContextScore, aggregate, score_context
-from leanagent.model.retrieval import top_k_accessible
+from leanagent.model.topk import top_k_accessible
 
 BYT5_VOCAB_SIZE = 384
 
@@ -203,7 +204,6 @@ class PremiseRetriever(pl.LightningModule):
         order. Embeddings are the same as unsorted batching up to float tolerance: padding is masked.
         They are stored in the dtype retrieval multiplies them in (`corpus_embedding_dtype`).
         """
-        from leanagent.data.dataset import tokenize_premises
 
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         rank = dist.get_rank() if world > 1 else 0

@@ -1,8 +1,8 @@
-"""The programs that run inside each DDP rank: train, fisher, evaluate.
+"""The programs that run inside each DDP rank: train, fisher, evaluate (`python -m leanagent.train.programs`).
 
-Started by torchrun (see `launch.py`), never imported by a supervisor for their side effects.
-Each creates the process group first so that the seed's barriers (before loading data, before
-and after fit) really synchronize, and rank 0 writes `JOB_DIR/result.json` atomically at the end.
+Started by torchrun (a launcher in `leanagent/launch/`), never imported by a launcher. Each creates
+the process group first so that the seed's barriers (before loading data, before and after fit)
+really synchronize, and rank 0 writes `JOB_DIR/result.json` atomically at the end.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -18,25 +17,19 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from leanagent.atomic import read_json, write_json_atomic
-from leanagent.checkpoints import first_readable, read_fisher, resume_candidates
-from leanagent.checkpoints import read_checkpoint as read_checkpoint  # moved; tests and callers import it here
+from leanagent import supervision
+from leanagent.atomic import write_json_atomic
+from leanagent.checkpoints import BadFileError, epoch_step, read_fisher, save_fisher
 from leanagent.config import PipelineConfig, load_config
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.data.errors import DatasetError
-from leanagent.model.fisher import FisherModule, ReferenceFisherModule, save_fisher
+from leanagent.job import beat, result_filename
+from leanagent.model.fisher import FisherModule, ReferenceFisherModule
+from leanagent.model.loading import load_retriever
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.ranks import global_rank, local_rank, node_rank
-from leanagent.reference_checkpoint import (
-    complete_tied,
-    is_leanagent,
-    read_any_checkpoint,
-    reference_retriever,
-    reference_state_dict,
-)
-from leanagent.train import supervision
-from leanagent.train.heartbeat import Heartbeat, beat
-from leanagent.train.launch import result_filename
+from leanagent.train.callbacks import Heartbeat
+from leanagent.train.plan import JOB_PLAN, ewc_anchor, plan_training, start_at_epoch
 from leanagent.train.trainer import (
     build_eval_trainer,
     build_fisher_trainer,
@@ -45,44 +38,7 @@ from leanagent.train.trainer import (
     set_nccl_environment,
 )
 
-JOB_PLAN = "job.json"
 FISHER_FILE = "fisher.safetensors"
-
-
-def epochs_completed(checkpoint: dict) -> int:
-    """Epochs finished when the checkpoint was written, from Lightning's loop state.
-
-    `processed` counts epochs whose batches all ran; Lightning's fit stops when it reaches
-    max_epochs, so this is the number to add `epochs_per_repo` to. (`epoch` is an index, and
-    `completed` lags by one in checkpoints written at the end of an epoch.)
-    """
-    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
-    if "processed" in progress:
-        return int(progress["processed"])
-    return int(checkpoint.get("epoch", -1)) + 1
-
-
-def load_retriever(cfg: PipelineConfig, checkpoint: Path | None, weights: bool = True) -> PremiseRetriever:
-    """The retriever for a job, reading a checkpoint once.
-
-    From one of our checkpoints the architecture comes from its hparams, so no hub access is needed;
-    `weights=False` when Lightning's `fit(ckpt_path=...)` restores them anyway. A LeanAgent/ReProver
-    checkpoint (file or consolidated DeepSpeed folder) always has its weights loaded: Lightning
-    never resumes from it (see `reference_checkpoint`).
-    """
-    overrides = {"lr": cfg.model.lr, "warmup_steps": cfg.model.warmup_steps, "max_seq_len": cfg.model.max_seq_len,
-                 "num_retrieved": cfg.model.num_retrieved, "eval_batch_size": cfg.data.eval_batch_size,
-                 "corpus_autocast": cfg.model.corpus_autocast}
-    if checkpoint is None:
-        return PremiseRetriever(cfg.model.name_or_path, **overrides)
-    ckpt = read_any_checkpoint(checkpoint)
-    if not is_leanagent(ckpt):
-        return reference_retriever(checkpoint, ckpt, cfg.model.name_or_path, **overrides)
-    hparams = dict(ckpt.get("hyper_parameters", {}))
-    model = PremiseRetriever(**{**hparams, **overrides})
-    if weights:
-        model.load_state_dict(ckpt["state_dict"])
-    return model
 
 
 def make_datamodule(cfg: PipelineConfig, dataset: Path, model: PremiseRetriever) -> RetrievalDataModule:
@@ -93,77 +49,6 @@ def make_datamodule(cfg: PipelineConfig, dataset: Path, model: PremiseRetriever)
 
 
 # ---- train ----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TrainPlan:
-    start_checkpoint: str | None
-    start_epochs: int
-    target_epochs: int
-    resume_from: str | None
-    unreadable: tuple[str, ...] = ()  # this job's checkpoints skipped as unreadable (one line each)
-    # resume_from is a LeanAgent/ReProver checkpoint: its weights go into a fresh trainer started at
-    # start_epochs; Lightning resumes only checkpoints of ours (loops, optimizer, scheduler).
-    from_reference: bool = False
-
-    @property
-    def is_retry(self) -> bool:
-        """An earlier attempt of this very job left a checkpoint behind."""
-        return self.resume_from != self.start_checkpoint
-
-    @property
-    def ckpt_path(self) -> str | None:
-        """What `fit(ckpt_path=...)` restores trainer state from."""
-        return None if self.from_reference else self.resume_from
-
-
-def plan_training(job_dir: Path, start_checkpoint: Path | None, epochs_per_repo: int) -> TrainPlan:
-    """Target epochs are fixed on the first attempt: a retry resumes from last.ckpt towards the same target."""
-    job_dir = Path(job_dir)
-    start = str(Path(start_checkpoint).resolve()) if start_checkpoint else None
-    plan_file = job_dir / JOB_PLAN
-    if plan_file.is_file():
-        saved = read_json(plan_file)
-        if saved.get("start_checkpoint") != start:
-            raise ValueError(f"{plan_file}: this job started from {saved.get('start_checkpoint')}, not {start}; "
-                             f"use a new --out folder")
-        already, target = int(saved["start_epochs"]), int(saved["target_epochs"])
-        start_ckpt = None
-    else:
-        # A reference checkpoint counts its epochs as ours do: LeanAgent's max_epochs = its epoch + epochs_per_repo.
-        start_ckpt = read_any_checkpoint(Path(start)) if start else None
-        already = epochs_completed(start_ckpt) if start_ckpt is not None else 0
-        target = already + epochs_per_repo
-    # A retry resumes from last.ckpt; if that was cut short, from the newest readable epoch checkpoint
-    # of this job, and failing that from where the job started.
-    resume, unreadable = first_readable(resume_candidates(job_dir / "checkpoints"))
-    from_reference = False
-    if resume is None and start:
-        from_reference = not is_leanagent(start_ckpt if start_ckpt is not None else read_any_checkpoint(Path(start)))
-    return TrainPlan(start, already, target, str(resume) if resume else start, tuple(unreadable), from_reference)
-
-
-def start_at_epoch(trainer: pl.Trainer, epochs: int) -> None:
-    """A fresh trainer counts from `epochs` finished epochs, as if resumed there, without any other state.
-
-    Used for a reference checkpoint: max_epochs, checkpoint names (`epoch=N`), the loop state saved in
-    our checkpoints (what the next repository counts from) and the epoch-seeded negatives then match
-    LeanAgent's resumed run, while optimizer, schedule and step count start afresh.
-    """
-    for tracker in (trainer.fit_loop.epoch_progress.total, trainer.fit_loop.epoch_progress.current):
-        tracker.ready = tracker.started = tracker.processed = tracker.completed = epochs
-
-
-def ewc_anchor(cfg: PipelineConfig, plan: TrainPlan) -> dict[str, torch.Tensor] | None:
-    """theta*: the parameters when training on this repository began, not those of a retry's last.ckpt."""
-    if not plan.is_retry:
-        return None  # fit restores the start weights; the retriever snapshots them in on_fit_start
-    if plan.start_checkpoint is None:
-        return load_retriever(cfg, None).state_dict()
-    start = read_any_checkpoint(Path(plan.start_checkpoint))
-    if not is_leanagent(start):  # under our keys (its fit was checked by the first attempt's load)
-        return complete_tied(reference_state_dict(start))
-    return start["state_dict"]
-
 
 def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path | None,
               fisher: Path | None) -> dict:
@@ -233,13 +118,8 @@ def latest_epoch_checkpoint(callback) -> str:
     """The checkpoint of the last epoch trained: the newest epoch file kept, else `last.ckpt` (same weights)."""
     kept = [Path(p) for p in callback.best_k_models if Path(p).is_file()]
     if kept:
-        return str(max(kept, key=_epoch_step))
+        return str(max(kept, key=epoch_step))
     return callback.last_model_path
-
-
-def _epoch_step(path: Path) -> tuple[int, int]:
-    fields = dict(part.split("=", 1) for part in path.stem.split("-") if "=" in part)
-    return int(fields.get("epoch", -1)), int(fields.get("step", -1))
 
 
 # ---- fisher ---------------------------------------------------------------------------------
@@ -380,8 +260,6 @@ def shutdown_process_group() -> None:
 
 def run_main() -> None:
     """`main()`, with a bad input file reported as the one line that names it, not as a traceback."""
-    from leanagent.checkpoints import BadFileError
-
     try:
         main()
     except BadFileError as exc:

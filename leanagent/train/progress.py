@@ -1,5 +1,7 @@
 """Where rank 0 is in its job (stage, epoch, step of total, examples, time), for the launcher to show.
 
+The launcher turns the snapshot into text (`leanagent/launch/progress_view.py`); this side only counts.
+
 Rank 0 puts a snapshot into its heartbeat file (see `Heartbeat`), which the launcher already reads:
 one file, one writer, no extra output line to parse out of the ranks' logs. Lightning's own
 per-rank progress bar stays off (`enable_progress_bar=False`): under torchrun every rank would
@@ -103,50 +105,3 @@ class ProgressTracker:
         return {"stage": s.stage, "epoch": trainer.current_epoch + 1 if epochs else None, "epochs": epochs,
                 "step": s.step, "total": s.total, "done": s.done, "examples": s.examples,
                 "elapsed": time.monotonic() - s.started}
-
-
-def format_duration(seconds: float) -> str:
-    """`4m10s`, `1h02m`, `35s`."""
-    seconds = max(0, int(round(seconds)))
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    if seconds >= 60:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds}s"
-
-
-def rate_and_eta(p: Mapping[str, Any]) -> tuple[float | None, float | None]:
-    """Examples per second and seconds left, from this attempt's own counts."""
-    elapsed, done = float(p.get("elapsed") or 0.0), int(p.get("done") or 0)
-    if elapsed <= 0 or done <= 0:
-        return None, None
-    rate = float(p.get("examples") or 0) / elapsed
-    total, step = p.get("total"), int(p.get("step") or 0)
-    eta = elapsed / done * max(0, int(total) - step) if total else None
-    return rate, eta
-
-
-def heading(label: str, p: Mapping[str, Any]) -> str:
-    """`train repo_1`, or `train repo_1 (validate)` while the job is in another stage than its own."""
-    stage = p.get("stage", "?")
-    return label if label.split(" ", 1)[0] == stage else f"{label} ({stage})"
-
-
-def epoch_text(p: Mapping[str, Any]) -> str | None:
-    return f"epoch {p.get('epoch')}/{p['epochs']}" if p.get("epochs") else None
-
-
-def speed_texts(p: Mapping[str, Any]) -> list[str]:
-    """`85.2 examples/s` and `ETA 4m10s`, each when known."""
-    rate, eta = rate_and_eta(p)
-    return ([f"{rate:.1f} examples/s"] if rate is not None else []) + \
-        ([f"ETA {format_duration(eta)}"] if eta is not None else [])
-
-
-def describe(label: str, p: Mapping[str, Any]) -> str:
-    """`train repo_1: epoch 2/5, step 120/400 (30%), 85.2 examples/s, ETA 4m10s`."""
-    epoch = epoch_text(p)
-    total, step = p.get("total"), int(p.get("step") or 0)
-    parts = ([epoch] if epoch else []) + \
-        [f"step {step}/{total} ({100 * step / total:.0f}%)" if total else f"step {step}"] + speed_texts(p)
-    return f"{heading(label, p)}: {', '.join(parts)}"

@@ -8,8 +8,6 @@ step, no sanity validation, and the LR-monitor / checkpoint / early-stopping cal
 from __future__ import annotations
 
 import os
-import random
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,33 +16,21 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
-from pytorch_lightning.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from pytorch_lightning.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.strategies import DDPStrategy
 
 from leanagent.atomic import write_atomic
 from leanagent.config import TrainerConfig
+from leanagent.train.callbacks import (
+    MONITOR,
+    DatasetEpoch,
+    RandomState,
+    RepositoryEarlyStopping,
+    StepCheckpoint,
+)
 
-MONITOR = "Recall@10_val"
-LAST_CHECKPOINT = "last.ckpt"
 TENSORBOARD_DIR = "tensorboard"
-
-
-class RepositoryEarlyStopping(EarlyStopping):
-    """The seed's EarlyStopping, scoped to one repository.
-
-    `fit(ckpt_path=...)` from the previous repository's checkpoint would restore its best score
-    and patience count, comparing this repository's Recall@10_val with another dataset's. A retry
-    of the same job (`restore_state=True`) keeps them.
-    """
-
-    def __init__(self, *args, restore_state: bool = True, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.restore_state = restore_state
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if self.restore_state:
-            super().load_state_dict(state_dict)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -80,146 +66,6 @@ def fsync_dir(folder: Path) -> None:
         pass  # some filesystems refuse fsync on a directory; the rename is still atomic
     finally:
         os.close(fd)
-
-
-class DatasetEpoch(Callback):
-    """Tells the training dataset (and sampler) which epoch starts: its negatives are a function of it.
-
-    The data module sets the same epoch when it builds the loader (from the trainer's restored
-    epoch), which covers a run resumed mid-epoch, where Lightning calls no `on_train_epoch_start`.
-    """
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        loaders = trainer.train_dataloader
-        if isinstance(loaders, dict):
-            loaders = list(loaders.values())
-        elif not isinstance(loaders, (list, tuple)):
-            loaders = [loaders]
-        for loader in loaders:
-            for obj in (getattr(loader, "dataset", None), getattr(loader, "sampler", None)):
-                if callable(getattr(obj, "set_epoch", None)):
-                    obj.set_epoch(trainer.current_epoch)
-
-
-def _rng_state() -> dict[str, Any]:
-    """This process's RNG streams that training draws from (dropout), in types weights-only loading accepts."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-class StepCheckpoint(Callback):
-    """Writes the job's `last.ckpt` during the epoch, every N optimizer steps and/or every M minutes.
-
-    What a retry resumes from (`plan_training` tries `last.ckpt` first). `Trainer.save_checkpoint`
-    is collective, so every rank decides alike: a step count is the same on every rank, and the
-    clock of rank 0 is broadcast (only when `every_minutes` is set, once per optimizer step). Not
-    on an epoch's last batch: ModelCheckpoint writes `last.ckpt` after validation a moment later,
-    and a checkpoint from between the two would resume past the epoch's validation.
-
-    The checkpoint holds Lightning's loop state and the loader's (see `RetrievalDataModule.
-    train_dataloader`). `start_global_step` is the optimizer step training (re)started at.
-    """
-
-    def __init__(self, dirpath: Path, every_n_steps: int | None = None, every_minutes: float | None = None) -> None:
-        self.dirpath = Path(dirpath)
-        self.every_n_steps = every_n_steps
-        self.every_seconds = every_minutes * 60 if every_minutes else None
-        self.start_global_step = 0
-        self.save_seconds: list[float] = []  # wall time of each step checkpoint written by this process
-        self._last_step = 0
-        self._last_time = 0.0
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.every_n_steps or self.every_seconds)
-
-    @property
-    def path(self) -> Path:
-        return self.dirpath / LAST_CHECKPOINT
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.start_global_step = self._last_step = trainer.global_step
-        self._last_time = time.monotonic()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        step = trainer.global_step
-        if not self.enabled or step == self._last_step:
-            return  # no optimizer step since the last save (or accumulating gradients)
-        if batch_idx + 1 >= trainer.num_training_batches:
-            return  # the epoch's end: ModelCheckpoint writes last.ckpt after validation
-        due = bool(self.every_n_steps and step % self.every_n_steps == 0)
-        if self.every_seconds:
-            due_time = time.monotonic() - self._last_time >= self.every_seconds
-            due = due or bool(trainer.strategy.broadcast(due_time, src=0))
-        if not due:
-            return
-        started = time.monotonic()
-        path = str(self.path)
-        # The same file as the ModelCheckpoint of this folder writes at the epoch's end, and known to it as its
-        # last.ckpt (before saving: it is part of the state); else it would find a last.ckpt it did not write
-        # and put its own in last-v1.ckpt.
-        for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath \
-                    and Path(callback.dirpath).resolve() == self.dirpath.resolve():
-                path = callback.last_model_path = callback.format_checkpoint_name({}, callback.CHECKPOINT_NAME_LAST)
-        trainer.save_checkpoint(path)
-        self.save_seconds.append(time.monotonic() - started)
-        self._last_step, self._last_time = step, time.monotonic()
-        if trainer.global_rank == 0:
-            print(f"step checkpoint: epoch {trainer.current_epoch} step {step} -> {path} "
-                  f"in {self.save_seconds[-1]:.2f}s", flush=True)
-
-
-class RandomState(Callback):
-    """Every rank's RNG streams (dropout) in every checkpoint of the job, put back when the job resumes from one.
-
-    Every checkpoint, the epoch ones included: a rerun resumes from whichever was written last, and a
-    resumed run must draw the dropout masks the uninterrupted one drew. Nothing else in training draws
-    from these streams between a save and the next batch (the loaders have RNGs of their own,
-    `RetrievalDataModule._generator`), so the state at the save is the state at the next batch.
-    `Trainer.save_checkpoint` is collective (every rank dumps the state), so the states are gathered to
-    rank 0's file. Restored only when `restore` (this job's own checkpoint, `TrainPlan.is_retry`): a new
-    repository starting from the previous one's checkpoint starts from the seed, as LeanAgent's does.
-    """
-
-    def __init__(self, restore: bool = True) -> None:
-        self.restore = restore
-        self._trainer: pl.Trainer | None = None
-        self._loaded: dict[str, Any] | None = None
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._trainer = trainer
-
-    def state_dict(self) -> dict[str, Any]:
-        if self._trainer is None:
-            return {}
-        local = _rng_state()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            states: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(states, local)
-        else:
-            states = [local]
-        return {"global_step": self._trainer.global_step, "rng_states": states}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._loaded = dict(state_dict)
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        loaded, self._loaded = self._loaded, None
-        if self.restore and loaded and loaded.get("global_step") == trainer.global_step:
-            states = loaded.get("rng_states") or []
-            if len(states) == trainer.world_size:
-                _set_rng_state(states[trainer.global_rank])
 
 
 def set_nccl_environment(cfg: TrainerConfig) -> None:

@@ -15,7 +15,7 @@ def test_dropped_premises_take_no_index(hand_corpus: Corpus) -> None:
     assert [p.full_name for p in hand_corpus.premises] == ["a1", "a2", "b1", "b2", "c1", "c2", "c3", "x1", "y1"]
     assert len(hand_corpus) == 9
     assert hand_corpus.file_of(3) == "B.lean"
-    assert hand_corpus.premises[0].serialize() == "theorem <a>a1</a> : True"
+    assert hand_corpus.premises[0].text == "theorem <a>a1</a> : True"
 
 
 def test_in_file_premises_end_before_the_theorem(hand_corpus: Corpus) -> None:
@@ -58,24 +58,6 @@ def test_resolve_repo_relative_paths() -> None:
     assert corpus.resolve_path("Mathlib/Foo.lean") == ".lake/packages/mathlib/Mathlib/Foo.lean"
     assert corpus.resolve_path("Bar.lean") is None  # ambiguous and neither is a lake package
     assert corpus.resolve_path("Missing.lean") is None
-
-
-def test_locate_prefers_def_path_and_refuses_ambiguous_names() -> None:
-    corpus = Corpus.from_records(
-        [
-            {
-                "path": "A.lean",
-                "imports": [],
-                "premises": [premise("dup", (1, 1), (1, 9)), premise("u", (2, 1), (2, 9))],
-            },
-            {"path": "B.lean", "imports": [], "premises": [premise("dup", (1, 1), (1, 9))]},
-        ]
-    )
-    assert corpus.locate("dup", "B.lean") == 2
-    assert corpus.locate("dup") is None
-    assert corpus.locate("u") == 1
-    assert corpus.locate("u", "Elsewhere.lean") == 1  # unique name: the stale def_path does not matter
-    assert corpus.locate("nothing") is None
 
 
 def test_from_jsonl_names_the_bad_line(tmp_path) -> None:

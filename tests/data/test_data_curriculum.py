@@ -21,11 +21,9 @@ from leanagent.data.curriculum import (
     Curriculum,
     RepoDifficulty,
     build_curriculum,
-    categorize,
     curriculum_of_datasets,
     difficulty,
     load_repo_theorems,
-    order_repositories,
 )
 from leanagent.data.theorems import Tactic, Theorem
 
@@ -93,19 +91,17 @@ def test_sorry_and_tactic_less_theorems_and_the_remainder() -> None:
         "percentiles": [p33, p67],
     }
     # The thin wrappers are the same code path.
-    assert categorize(repos) == result.counts
-    assert order_repositories(repos) == result.order
 
 
 def test_ties_keep_the_given_order() -> None:
     # Sorted: e, e, e^2, e^2, e^5, e^5: p33 (rank 1.65) = e^2 - 0.35 * (e^2 - e) = 5.75, so each repository
     # has exactly one Easy theorem (its one-step proof).
     a, b, c = repo(1, 2, 5), repo(1, 2, 5), repo(5, 1, 2)
-    assert order_repositories({"a": a, "b": b}) == ["a", "b"]
-    assert order_repositories({"b": b, "a": a}) == ["b", "a"]
+    assert build_curriculum({"a": a, "b": b}).order == ["a", "b"]
+    assert build_curriculum({"b": b, "a": a}).order == ["b", "a"]
     # 1 Easy each; tactic-less theorems: 3 // 3 = 1 more Easy for c, which moves ahead.
-    assert order_repositories({"a": a, "b": b, "c": c + repo(0, 0, 0)}) == ["c", "a", "b"]
-    assert categorize({"a": a, "b": b, "c": c})["c"].easy == 1
+    assert build_curriculum({"a": a, "b": b, "c": c + repo(0, 0, 0)}).order == ["c", "a", "b"]
+    assert build_curriculum({"a": a, "b": b, "c": c}).counts["c"].easy == 1
 
 
 def test_percentile_between_two_infinities_is_nan_as_in_the_reference() -> None:

@@ -46,7 +46,7 @@ def test_tokens_match_byt5(hand_corpus: Corpus, tokenizer) -> None:
     assert torch.equal(out["context_ids"], ref["input_ids"])
     assert torch.equal(out["context_mask"], ref["attention_mask"])
     assert out["context_ids"].shape == (2, 20)
-    texts = [hand_corpus.premises[i].serialize() for i in [0, 1, 5, 6]]
+    texts = [hand_corpus.premises[i].text for i in [0, 1, 5, 6]]
     ref = tokenizer(texts, padding="longest", truncation=True, max_length=12, return_tensors="pt")
     assert torch.equal(out["premise_ids"], ref["input_ids"])
     assert torch.equal(out["premise_mask"], ref["attention_mask"])

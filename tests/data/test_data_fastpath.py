@@ -17,11 +17,13 @@ import pytest
 import torch
 
 import leanagent.data.corpus as corpus_module
-from leanagent.data.corpus import MARK_END, MARK_START, Corpus, RangeUnion, serialize_premise
+from leanagent.data.corpus import Corpus
 from leanagent.data.dataset import TrainDataset, example_seed, tokenize_premises, tokenize_texts
 from leanagent.data.errors import DatasetError
 from leanagent.data.examples import TrainExample
 from leanagent.data.negatives import negative_pools, pool_members, sample_negatives
+from leanagent.data.premise_text import MARK_END, MARK_START, serialize_premise
+from leanagent.data.ranges import RangeUnion
 from leanagent.data.tokenize import byt5_spec
 
 # ---- tokenization --------------------------------------------------------------------------------
@@ -208,48 +210,43 @@ class Plain:
         return [], own + imported
 
 
-def plain_draw(pool: list[int], k: int, banned: set[int], rng: random.Random) -> list[int]:
-    """LeanAgent's draw with the widening rules of negatives.py, on a written-out list."""
-    if k <= 0 or not pool:
-        return []
-    if len(pool) <= 4096:
-        allowed = [i for i in pool if i not in banned]
-        return rng.sample(allowed, min(k, len(allowed)))
-    picked: list[int] = []
-    taken = set(banned)
-    attempts = 0
-    while len(picked) < k and attempts < 20 * k + 100:
-        attempts += 1
-        i = pool[rng.randrange(len(pool))]
-        if i not in taken:
-            taken.add(i)
-            picked.append(i)
-    if len(picked) < k:
-        allowed = [i for i in pool if i not in taken]
-        picked += rng.sample(allowed, min(k - len(picked), len(allowed)))
-    return picked
-
-
-def plain_sample(plain: Plain, ex: TrainExample, n: int, n_in: int, rng: random.Random) -> list[int]:
-    if n <= 0:
-        return []
+def leanagent_sample(plain: Plain, ex: TrainExample, n: int, n_in: int, rng: random.Random) -> list[int]:
+    """LeanAgent's draw, as README states it, on written-out lists: `random.sample` of min(n_in, n) premises of
+    the in-file pool, then of the rest from the outside pool, positives left out. Defined where both pools have
+    enough premises (the reference crashes otherwise) and hold at most 4,096 (larger ones are drawn by rejection,
+    for speed; `check_negatives` holds those to the definition's properties instead)."""
     positives = set(ex.all_pos_premises) | {ex.pos_premise}
     in_file, outside = plain.pools(ex)
-    chosen = plain_draw(in_file, min(n_in, n), positives, rng)
-    banned = positives | set(chosen)
-    for pool in (outside, in_file, list(range(len(plain.corpus)))):
-        need = n - len(chosen)
-        if need == 0:
-            break
-        extra = plain_draw(pool, need, banned, rng)
-        chosen += extra
-        banned.update(extra)
-    if len(chosen) < n:
-        non_positive = [i for i in range(len(plain.corpus)) if i not in positives]
-        if not non_positive:
-            raise DatasetError("no negative")
-        chosen += [rng.choice(non_positive) for _ in range(n - len(chosen))]
-    return chosen
+    chosen = rng.sample([i for i in in_file if i not in positives], min(n_in, n))
+    allowed = [i for i in outside if i not in positives and i not in chosen]
+    return chosen + rng.sample(allowed, n - len(chosen))
+
+
+def defined(plain: Plain, ex: TrainExample, n: int, n_in: int) -> bool:
+    positives = set(ex.all_pos_premises) | {ex.pos_premise}
+    in_file, outside = plain.pools(ex)
+    in_ok = [i for i in in_file if i not in positives]
+    out_ok = [i for i in outside if i not in positives]
+    return (len(in_file) <= 4096 and len(outside) <= 4096 and len(in_ok) >= min(n_in, n)
+            and len(out_ok) >= n - min(n_in, n))
+
+
+def check_negatives(plain: Plain, ex: TrainExample, n: int, n_in: int, got: list[int]) -> None:
+    """README's composition, for any corpus: never a positive; distinct while the corpus has enough other
+    premises; min(n_in, n) from the in-file pool when it has them, the rest from what the theorem can see
+    (the outside pool), and only when those run short from the rest of the in-file pool, then the corpus."""
+    positives = set(ex.all_pos_premises) | {ex.pos_premise}
+    in_file, outside = (set(p) - positives for p in plain.pools(ex))
+    non_positive = set(range(len(plain.corpus))) - positives
+    assert len(got) == n and not set(got) & positives, (ex, got)
+    assert len(set(got)) == min(n, len(non_positive)), (ex, got)
+    first = min(n_in, n, len(in_file))
+    assert set(got[:first]) <= in_file, (ex, got)
+    rest = got[first:]
+    from_outside = min(len(rest), len(outside))
+    assert set(rest[:from_outside]) <= outside, (ex, got)
+    if from_outside < len(rest):  # widened: what the pools lacked came from the rest of the corpus
+        assert outside <= set(rest[:from_outside]), (ex, got)
 
 
 def random_example(rng: random.Random, corpus: Corpus, plain: Plain, index: int) -> TrainExample:
@@ -275,7 +272,6 @@ def test_accessibility_equals_the_plain_lists(random_corpus: tuple[Corpus, Plain
     for path in corpus.paths + ["Missing.lean"]:
         imported = plain.of_files(plain.closure(path))
         assert corpus.imported_indices(path) == imported
-        assert corpus.imported_array(path).tolist() == imported
         assert list(corpus.imported_ranges(path)) == imported
         for _ in range(4):
             start = (rng.randint(1, 130), rng.randint(1, 9))
@@ -315,15 +311,31 @@ def test_pools_equal_the_plain_pools(random_corpus: tuple[Corpus, Plain]) -> Non
         assert (pool_members(in_file), pool_members(outside)) == plain.pools(ex)
 
 
+@pytest.fixture(scope="module")
+def small_corpus() -> tuple[Corpus, Plain]:
+    """No file of thousands of premises: LeanAgent's own draw is defined for most examples."""
+    records = random_records(random.Random(6), 60)
+    corpus = Corpus.from_records(records)
+    return corpus, Plain(corpus, records)
+
+
 @pytest.mark.parametrize(("n", "n_in"), [(3, 1), (1, 1), (7, 3), (40, 2), (0, 0)])
-def test_negatives_are_the_plain_samplers_draws(random_corpus: tuple[Corpus, Plain], n: int, n_in: int) -> None:
-    corpus, plain = random_corpus
+@pytest.mark.parametrize("which", ["small_corpus", "random_corpus"])
+def test_negatives_are_leanagents_draws_where_defined_and_of_its_composition_everywhere(
+        which: str, request: pytest.FixtureRequest, n: int, n_in: int) -> None:
+    corpus, plain = request.getfixturevalue(which)
     rng = random.Random(n * 10 + n_in)
+    exact = 0
     for k in range(300):
         ex = random_example(rng, corpus, plain, k)
         seed = rng.randrange(10**9)
-        assert sample_negatives(corpus, ex, n, n_in, random.Random(seed)) == plain_sample(
-            plain, ex, n, n_in, random.Random(seed)), ex
+        got = sample_negatives(corpus, ex, n, n_in, random.Random(seed))
+        check_negatives(plain, ex, n, n_in, got)
+        if defined(plain, ex, n, n_in):
+            assert got == leanagent_sample(plain, ex, n, n_in, random.Random(seed)), ex
+            exact += 1
+    if which == "small_corpus":
+        assert exact >= 100, exact  # the definition covered enough examples to mean something
 
 
 def test_mostly_banned_large_pool_and_a_small_cache(random_corpus: tuple[Corpus, Plain],
@@ -337,20 +349,21 @@ def test_mostly_banned_large_pool_and_a_small_cache(random_corpus: tuple[Corpus,
     positives = big[:-3]  # all but three premises of the big file are positives
     ex = TrainExample(0, "⊢ p", importers[0], (1, 1), positives[0], positives, "T.t")
     for seed in range(5):
-        assert sample_negatives(corpus, ex, 6, 2, random.Random(seed)) == plain_sample(
-            plain, ex, 6, 2, random.Random(seed))
+        check_negatives(plain, ex, 6, 2, sample_negatives(corpus, ex, 6, 2, random.Random(seed)))
     monkeypatch.setattr(corpus_module, "IMPORTED_RANGES_BUDGET", 4)
     fresh = Corpus.from_records(random_records(random.Random(5), 60, big=5000))
     rng = random.Random(4)
     for k in range(200):
         ex = random_example(rng, fresh, plain, k)
-        assert sample_negatives(fresh, ex, 3, 1, random.Random(k)) == plain_sample(plain, ex, 3, 1, random.Random(k))
+        # An evicting cache changes nothing: the same draws as the corpus whose cache holds everything.
+        assert sample_negatives(fresh, ex, 3, 1, random.Random(k)) == sample_negatives(corpus, ex, 3, 1,
+                                                                                       random.Random(k))
     assert fresh._imported_ranges_held <= 4 or len(fresh._imported_ranges) == 1
 
 
-def test_tiny_corpora_widen_and_repeat_like_the_plain_sampler() -> None:
+def test_tiny_corpora_widen_then_repeat() -> None:
     rng = random.Random(7)
-    compared = 0
+    repeated = 0
     for _ in range(40):
         records = random_records(rng, 3)
         corpus = Corpus.from_records(records)
@@ -360,15 +373,14 @@ def test_tiny_corpora_widen_and_repeat_like_the_plain_sampler() -> None:
         for k in range(10):
             ex = random_example(rng, corpus, plain, k)
             n, seed = rng.choice([1, 3, 10, 30]), rng.randrange(10**9)
-            try:
-                want = plain_sample(plain, ex, n, 1, random.Random(seed))
-            except DatasetError:
-                with pytest.raises(DatasetError, match=ex.theorem):
+            if not set(range(len(corpus))) - set(ex.all_pos_premises) - {ex.pos_premise}:
+                with pytest.raises(DatasetError, match=ex.theorem):  # nothing but positives: no negative exists
                     sample_negatives(corpus, ex, n, 1, random.Random(seed))
                 continue
-            assert sample_negatives(corpus, ex, n, 1, random.Random(seed)) == want
-            compared += len(set(want)) < n  # repeats: the corpus had fewer non-positives than asked for
-    assert compared > 10
+            got = sample_negatives(corpus, ex, n, 1, random.Random(seed))
+            check_negatives(plain, ex, n, 1, got)
+            repeated += len(set(got)) < n  # repeats: the corpus had fewer non-positives than asked for
+    assert repeated > 10
 
 
 # ---- collate -------------------------------------------------------------------------------------
@@ -396,17 +408,18 @@ def test_collate_equals_a_batch_built_example_by_example(tokenizer) -> None:
                 for it in items:
                     order.append(it["negatives"][slot])
             contexts = reference_tokens(tokenizer, [e.context for e in batch], max_len)
-            premises = reference_tokens(tokenizer, [corpus.premises[i].serialize() for i in order], max_len)
+            premises = reference_tokens(tokenizer, [corpus.premises[i].text for i in order], max_len)
             label = [[1.0 if j in e.all_pos_premises else 0.0 for j in order] for e in batch]
             assert_same_tokens((got["context_ids"], got["context_mask"]), contexts)
             assert_same_tokens((got["premise_ids"], got["premise_mask"]), premises)
             assert got["label"].dtype == torch.float32 and got["label"].tolist() == label
             assert got["premise_index"].tolist() == order
             assert got["index"].tolist() == [e.index for e in batch]
-            for it in items:
-                assert it["negatives"] == plain_sample(plain, it["example"], num_negatives, 1,
-                                                       random.Random(example_seed(1, it["example"].index)))
+            for it in items:  # the dataset's negatives are the sampler's, seeded by the example (deterministic)
+                assert it["negatives"] == sample_negatives(corpus, it["example"], num_negatives, 1,
+                                                           random.Random(example_seed(1, it["example"].index)))
+                check_negatives(plain, it["example"], num_negatives, 1, it["negatives"])
     # Corpus embedding passes numpy indices.
     idx = np.array([5, 0, 17, 3])
-    want = reference_tokens(tokenizer, [corpus.premises[i].serialize() for i in idx.tolist()], 64)
+    want = reference_tokens(tokenizer, [corpus.premises[i].text for i in idx.tolist()], 64)
     assert_same_tokens(tokenize_premises(tokenizer, corpus, idx, 64), want)

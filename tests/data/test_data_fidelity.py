@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 from leanagent.cli import main as cli_main
-from leanagent.data.corpus import Corpus, serialize_premise
+from leanagent.data.corpus import Corpus
 from leanagent.data.examples import TrainExample, build_eval_examples, build_train_examples
 from leanagent.data.negatives import sample_negatives
+from leanagent.data.premise_text import serialize_premise
 from leanagent.data.theorems import parse_theorem
 
 # ---- premise text ------------------------------------------------------------------------------

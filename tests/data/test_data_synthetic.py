@@ -6,7 +6,7 @@ import filecmp
 from pathlib import Path
 
 from leanagent.data.corpus import Corpus
-from leanagent.data.curriculum import categorize, load_repo_theorems
+from leanagent.data.curriculum import build_curriculum, load_repo_theorems
 from leanagent.data.dataset import build_eval_examples, build_train_examples
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.theorems import load_split
@@ -59,5 +59,5 @@ def test_shapes_and_edge_cases(tmp_path: Path) -> None:
 
 def test_curriculum_is_not_trivial(tmp_path: Path) -> None:
     dirs = write_demo_repos(tmp_path, 4, seed=0)
-    counts = categorize({d.name: load_repo_theorems(d) for d in dirs})
+    counts = build_curriculum({d.name: load_repo_theorems(d) for d in dirs}).counts
     assert len({c.easy for c in counts.values()}) > 1

@@ -11,7 +11,7 @@ import pytest
 from leanagent.cli import main as cli_main
 from leanagent.data.corpus import Corpus
 from leanagent.data.examples import build_train_examples, located_positives
-from leanagent.data.synthetic_scale import MATHLIB_SCALE, ScaleSpec, import_depth, plan_imports, write_scale_dataset
+from leanagent.data.synthetic_scale import MATHLIB_SCALE, ScaleSpec, plan_imports, write_scale_dataset
 from leanagent.data.theorems import load_split
 from leanagent.data.validate import validate_dataset
 
@@ -44,6 +44,14 @@ def _depth_of(corpus: Corpus) -> int:
 def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_scale_dataset(tmp_path_factory.mktemp("scale") / "ds", SMALL)
 
+
+
+def import_depth(imports: list[list[int]]) -> int:
+    """Files on the longest import chain (topological numbers, as `plan_imports` gives them)."""
+    depth = [0] * len(imports)
+    for t, imps in enumerate(imports):
+        depth[t] = 1 + max((depth[j] for j in imps), default=0)
+    return max(depth, default=0)
 
 def test_deterministic_per_seed(small: Path, tmp_path: Path) -> None:
     again = write_scale_dataset(tmp_path / "again", SMALL)

@@ -23,8 +23,9 @@ import pytest
 import yaml
 
 from leanagent.config import TrainerConfig
-from leanagent.train.launch import LaunchError, launch
-from leanagent.train.supervision import descendants, is_running, process_table, read_proc
+from leanagent.launch.base import LaunchError
+from leanagent.launch.local import LocalLauncher
+from leanagent.supervision import descendants, is_running, process_table, read_proc
 
 from .conftest import REPO_ROOT, write_config
 
@@ -45,11 +46,11 @@ from pathlib import Path
 options, out = set(sys.argv[1].split(",")), Path(sys.argv[2])
 rank = int(os.environ["RANK"])
 if "watch" in options:
-    from leanagent.train import supervision
+    from leanagent import supervision
     supervision.start()
 if "ignore-term" in options:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-from leanagent.train.supervision import start_time
+from leanagent.supervision import start_time
 out.mkdir(parents=True, exist_ok=True)
 (out / f"pid{rank}").write_text(f"{os.getpid()} {start_time(os.getpid())}")
 print(f"rank {rank} ready with {sorted(options)}", flush=True)
@@ -173,8 +174,8 @@ def test_a_stopped_rank_that_ignores_sigterm_is_killed_before_launch_returns(tmp
     started = time.monotonic()
     # timeout_s only guards the test against a hang; the heartbeat is what must end the job.
     with pytest.raises(LaunchError, match=r"no heartbeat for 10 s from rank1"):
-        launch(CPU2, [], out, heartbeat_timeout_s=10, grace_s=2, timeout_s=STARTUP_S + 60,
-               entry=[str(probe), "beat,ignore-term", str(out)])
+        LocalLauncher(CPU2, entry=[str(probe), "beat,ignore-term", str(out)]).launch(
+            [], out, heartbeat_timeout_s=10, grace_s=2, timeout_s=STARTUP_S + 60)
     returned = time.monotonic() - started
     stopper.join(timeout=5)
     procs = _rank_pids(out)
@@ -191,8 +192,8 @@ def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_not_orphaned(tmp_p
     the ranks behind: it SIGKILLs the ranks themselves after its own grace (2 s here)."""
     out = tmp_path / "job"
     with pytest.raises(LaunchError, match=r"no heartbeat for 20 s"):
-        launch(CPU2, [], out, heartbeat_timeout_s=20, grace_s=2, timeout_s=STARTUP_S + 60,
-               entry=[str(probe), "beat-once,ignore-term", str(out)])
+        LocalLauncher(CPU2, entry=[str(probe), "beat-once,ignore-term", str(out)]).launch(
+            [], out, heartbeat_timeout_s=20, grace_s=2, timeout_s=STARTUP_S + 60)
     procs = _rank_pids(out)
     leftovers.update(procs)
     assert not _running(procs), f"ranks outlived launch(): {_running(procs)}"
@@ -202,9 +203,10 @@ def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_not_orphaned(tmp_p
 
 SUPERVISOR = (
     "import sys; from pathlib import Path;"
-    "from leanagent.config import TrainerConfig; from leanagent.train.launch import launch;"
+    "from leanagent.config import TrainerConfig; from leanagent.launch.local import LocalLauncher;"
     "out = Path(sys.argv[1]);"
-    "launch(TrainerConfig(accelerator='cpu', devices=2), [], out, entry=[sys.argv[2], sys.argv[3], str(out)])"
+    "LocalLauncher(TrainerConfig(accelerator='cpu', devices=2), entry=[sys.argv[2], sys.argv[3], str(out)])"
+    ".launch([], out)"
 )
 
 
@@ -212,7 +214,7 @@ SUPERVISOR = (
     ("plain", False),  # the ranks cannot watch: torchrun's parent-death signal must end them
     ("watch,ignore-term", False),  # only the ranks' own watchers can end them quickly
     ("watch,ignore-term", True),  # a stopped rank cannot watch: its sibling's watcher kills it
-    ("ignore-term", False),  # torchrun's clean-up would wait 30 s: its watchdog (leanagent.train.torchrun) ends all
+    ("ignore-term", False),  # torchrun's clean-up would wait 30 s: its watchdog (leanagent.launch.torchrun) ends all
 ], ids=["pdeathsig", "watchers", "stopped-sibling", "torchrun-watchdog"])
 def test_sigkill_of_the_supervisor_leaves_nothing(tmp_path, probe, leftovers, options, stop_rank_1):
     out = tmp_path / "job"
@@ -322,8 +324,8 @@ def test_sigkill_to_leanagent_run_leaves_no_rank_and_no_prefect_server(tmp_path,
     cli, run_dir, job = _run_until_training(tmp_path, ddp_assets, leftovers)
     commands = {pid: _cmdline(pid) for pid in job}
     assert any("uvicorn" in c and "prefect.server" in c for c in commands.values()), commands
-    assert sum("leanagent.train.programs" in c and "leanagent.train.torchrun" not in c for c in commands.values()) == 2
-    assert any("leanagent.train.torchrun" in c for c in commands.values()), commands
+    assert sum("leanagent.train.programs" in c and "leanagent.launch.torchrun" not in c for c in commands.values()) == 2
+    assert any("leanagent.launch.torchrun" in c for c in commands.values()), commands
     cli.kill()
     elapsed = _wait_gone(job)
     cli.wait(timeout=10)
@@ -354,7 +356,7 @@ def test_sigint_to_leanagent_run_records_the_stage_interrupted(tmp_path, ddp_ass
 def _flow_run_tree(runner: int) -> dict[int, int]:
     """The flow-run process (the runner's child above torchrun) and its descendants; not the runner's helpers."""
     table = process_table()
-    (torchrun,) = [p for p in descendants(table, {runner}) if "leanagent.train.torchrun" in _cmdline(p)]
+    (torchrun,) = [p for p in descendants(table, {runner}) if "leanagent.launch.torchrun" in _cmdline(p)]
     flow_run = torchrun
     while table[flow_run].ppid != runner:
         flow_run = table[flow_run].ppid
@@ -395,7 +397,7 @@ def test_cancelling_a_served_deployment_run_ends_its_job(tmp_path, ddp_assets, l
             time.sleep(2.0)
             job = {**_flow_run_tree(serve.pid), **_train_pids(run_dir)}
             leftovers.update(job)
-            assert sum("leanagent.train.programs" in _cmdline(p) and "leanagent.train.torchrun" not in _cmdline(p)
+            assert sum("leanagent.train.programs" in _cmdline(p) and "leanagent.launch.torchrun" not in _cmdline(p)
                        for p in job) == 2
             client.set_flow_run_state(run.id, Cancelling(message="cancelled by test_faults"))
             cancelled = time.monotonic()

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from leanagent.checkpoints import load_fisher
 from leanagent.data.corpus import Corpus
 from leanagent.data.examples import build_train_examples
 from leanagent.data.theorems import load_split
-from leanagent.model.fisher import load_fisher
+from leanagent.launch.local import child_environment
 from leanagent.model.retriever import PremiseRetriever
-from leanagent.train.launch import child_environment
 
 from .conftest import REPO_ROOT, leanagent
 

@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from leanagent.checkpoints import epochs_completed, load_fisher, read_checkpoint
 from leanagent.data.corpus import Corpus
 from leanagent.data.examples import build_train_examples
 from leanagent.data.theorems import load_split
-from leanagent.model.fisher import load_fisher
-from leanagent.train.programs import epochs_completed, read_checkpoint
 
 from .conftest import REPO_ROOT, leanagent, write_config
 
@@ -137,7 +136,8 @@ def test_two_node_launch_on_localhost(ddp_assets, tmp_path):
                        trainer={"num_nodes": 2, "rdzv_endpoint": f"127.0.0.1:{_free_port()}"})
     nodes = [
         subprocess.Popen([sys.executable, "-m", "leanagent.cli", "train", "--config", str(cfg), "--dataset",
-                          str(ddp_assets["repo_a"]), "--out", str(tmp_path / f"node{rank}"), "--node-rank", str(rank)],
+                          str(ddp_assets["repo_a"]), "--out", str(tmp_path / f"node{rank}"), "--node-rank", str(rank),
+                          "--verbose"],  # every rank line shown, Lightning's per-job ones included
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
         for rank in (0, 1)
     ]

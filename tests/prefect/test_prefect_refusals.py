@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.lifelong import lifelong_retrieval, run_from_cli
+from flows.command import run_from_cli
+from flows.lifelong import lifelong_retrieval
 from leanagent.preflight import PreflightError
 from leanagent.run_state import RunLock, RunLockedError
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect.states import Failed
 
-from leanagent.train.jobs import JobFinishedError, JobInputError
-from leanagent.train.launch import LaunchError
+from leanagent.job import JobFinishedError, JobInputError
+from leanagent.launch.base import LaunchError
 from tasks.jobs import compute_fisher, evaluate_retriever, retry_unless_bad_input, train_retriever
 from tasks.options import JobOptions
 
@@ -20,6 +20,7 @@ def test_retries_are_not_spent_on_refused_input() -> None:
 
 
 def test_jobs_retry_twice_by_default() -> None:
-    assert JobOptions().retries == 2
+    """README's default, for a task called on its own as for the flow's options: 2 retries, 10 s apart."""
+    assert (JobOptions().retries, JobOptions().retry_delay_s) == (2, 10.0)
     for task in (train_retriever, compute_fisher, evaluate_retriever):
-        assert task.retries == JobOptions().retries, task.name
+        assert (task.retries, task.retry_delay_seconds) == (2, 10.0), task.name

@@ -27,26 +27,23 @@ from leanagent.checkpoints import (
     prune_checkpoints,
     read_checkpoint,
     read_fisher,
+    save_fisher,
 )
 from leanagent.config import DataConfig, PipelineConfig
 from leanagent.data.datamodule import RetrievalDataModule
-from leanagent.data.synthetic import write_demo_repos
-from leanagent.model.fisher import save_fisher
-from leanagent.model.presets import write_random_encoder
+from leanagent.model.loading import load_retriever
 from leanagent.model.retriever import PremiseRetriever
-from leanagent.train import programs
-from leanagent.train.programs import load_retriever, plan_training
+from leanagent.train.plan import plan_training
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict:
+def trained(tmp_path_factory, unit_repo, tiny_model) -> dict:
     """Two epochs of the tiny retriever: epoch=0-step=2.ckpt, epoch=1-step=4.ckpt and last.ckpt, as Lightning
     writes them (state dict, AdamW and scheduler states, loops, callback states with tensors, our hparams)."""
     root = tmp_path_factory.mktemp("trained")
-    repo = write_demo_repos(root / "data", 1, seed=3)[0]
-    model_dir = write_random_encoder(root / "model", "tiny", seed=0)
+    repo, model_dir = unit_repo, tiny_model
     torch.manual_seed(0)
     model = PremiseRetriever(str(model_dir), lr=1e-3, warmup_steps=1, max_seq_len=64)
     data = RetrievalDataModule(repo, ByT5Tokenizer(), DataConfig(batch_size=4, num_workers=0, max_seq_len=64),
@@ -89,8 +86,6 @@ def test_our_checkpoints_load_weights_only_without_extra_safe_globals(trained):
     assert checkpoint["hyper_parameters"]["encoder_config"]["d_model"] == 64
     info = check_checkpoint(last)
     assert info.size_bytes == last.stat().st_size and info.encoder_config["num_layers"] == 2
-    # The rank programs read through it: the old import path still works.
-    assert programs.read_checkpoint is read_checkpoint
 
 
 def test_lightning_resumes_weights_only(trained, tmp_path):

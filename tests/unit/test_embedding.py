@@ -39,7 +39,7 @@ def test_sorted_embedding_equals_corpus_order_batches(tmp_path):
     plain = []
     with torch.no_grad():
         for i in range(0, len(corpus), 7):  # the straightforward definition: corpus order, padded per batch
-            enc = tok([p.serialize() for p in corpus.premises[i : i + 7]], padding="longest", truncation=True,
+            enc = tok([p.text for p in corpus.premises[i : i + 7]], padding="longest", truncation=True,
                       max_length=48, return_tensors="pt")
             plain.append(model.encode(enc["input_ids"], enc["attention_mask"]))
     plain = torch.cat(plain)

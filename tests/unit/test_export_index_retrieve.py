@@ -30,10 +30,10 @@ from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.theorems import load_split
 from leanagent.export import export_model
 from leanagent.index import PremiseIndex, PremiseIndexError, build_index
+from leanagent.model.loading import load_model
 from leanagent.model.metrics import aggregate, score_context
 from leanagent.model.presets import write_random_encoder
 from leanagent.model.retriever import PremiseRetriever
-from leanagent.model.source import load_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_LEN = 128
@@ -89,7 +89,7 @@ def test_export_loads_offline_and_embeds_exactly_as_the_checkpoint(trained, tmp_
     tokenizer = AutoTokenizer.from_pretrained(out)
     corpus = trained["corpus"]
     rows = [0, 7, len(corpus) // 2, len(corpus) - 1]
-    texts = [corpus.premises[i].serialize() for i in rows]
+    texts = [corpus.premises[i].text for i in rows]
     batch = tokenizer(texts, padding="longest", truncation=True, max_length=MAX_LEN, return_tensors="pt")
     with torch.no_grad():
         exported = _pooled(encoder, batch["input_ids"], batch["attention_mask"])
@@ -171,7 +171,7 @@ def test_index_files(trained, indexes):
     assert emb.dtype == torch.bfloat16 and emb.shape == (len(trained["corpus"]), 64)
     premises = [json.loads(line) for line in (indexes["trained"] / "premises.jsonl").read_text().splitlines()]
     assert [p["full_name"] for p in premises] == [p.full_name for p in trained["corpus"].premises]
-    assert premises[3]["text"] == trained["corpus"].premises[3].serialize()
+    assert premises[3]["text"] == trained["corpus"].premises[3].text
     # The stored rows are the checkpoint's own embeddings.
     retriever = load_model(trained["ckpt"]).retriever
     with torch.no_grad():

@@ -17,10 +17,10 @@ from pytorch_lightning.callbacks import Callback
 from torch.utils.data import DataLoader
 from transformers import T5Config
 
+from leanagent.checkpoints import load_fisher, save_fisher
 from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule
-from leanagent.data.synthetic import write_demo_repos
-from leanagent.model.fisher import FisherModule, ReferenceFisherModule, load_fisher, save_fisher
+from leanagent.model.fisher import FisherModule, ReferenceFisherModule
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.train.programs import PaddedForRanks
 
@@ -37,8 +37,8 @@ def tiny_t5(dropout: float = 0.0) -> PremiseRetriever:
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory) -> Path:
-    return write_demo_repos(tmp_path_factory.mktemp("fisher_ref") / "data", 1, seed=3)[0]
+def repo(unit_repo) -> Path:
+    return unit_repo
 
 
 def datamodule(repo: Path, model: PremiseRetriever) -> RetrievalDataModule:

@@ -19,15 +19,8 @@ from transformers import T5Config
 
 from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule
-from leanagent.data.synthetic import write_demo_repos
-from leanagent.model import fisher as fisher_mod
-from leanagent.model.fisher import (
-    FisherModule,
-    accumulate_squared_example_grads,
-    example_major_batch,
-    unsupported_modules,
-)
-from leanagent.model.presets import write_random_encoder
+from leanagent.model.fisher import FisherModule, per_example, vectorised
+from leanagent.model.fisher.vectorised import accumulate_squared_example_grads, example_major_batch, unsupported_modules
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.train.programs import PaddedForRanks
 
@@ -114,8 +107,8 @@ def test_vectorised_equals_the_loop_in_fp32_with_padding_items_and_uneven_length
 @pytest.mark.parametrize("reduce_on, chunk_entries", [(("cuda",), 2**28), (("cpu", "cuda"), 1)])
 def test_the_squares_are_the_same_however_they_are_summed(monkeypatch, reduce_on: tuple, chunk_entries: int) -> None:
     """The GPU's one reduction over the examples (run here on the CPU), and groups of layers cut to one layer each."""
-    monkeypatch.setattr(fisher_mod._PerExampleGrads, "reduce_on", reduce_on)
-    monkeypatch.setattr(fisher_mod._PerExampleGrads, "chunk_entries", chunk_entries)
+    monkeypatch.setattr(vectorised.PerExampleGrads, "reduce_on", reduce_on)
+    monkeypatch.setattr(vectorised.PerExampleGrads, "chunk_entries", chunk_entries)
     model = tiny_t5()
     batches = [hand_batch(*LENGTHS, padding=[False, False, True, False])]
     loop, _ = sums_by("loop", model, batches)
@@ -176,10 +169,8 @@ def test_the_batch_is_example_major_and_cut_to_the_longest_real_sequences() -> N
 # ---- real batches from the data module, through Lightning -------------------------------------------
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("fisher_vec")
-    return {"repo": write_demo_repos(root / "data", 1, seed=3)[0],
-            "model_dir": write_random_encoder(root / "model", "tiny", seed=0)}
+def real(unit_repo, tiny_model) -> dict:
+    return {"repo": unit_repo, "model_dir": tiny_model}
 
 
 def fit_fisher(model: PremiseRetriever, repo: Path, method: str, world_size: int, examples: int,
@@ -217,7 +208,7 @@ def test_auto_picks_the_loop_everywhere() -> None:
     module = FisherModule(tiny_t5())
     assert module.method == "auto"
     assert module.resolved_method(torch.device("cuda", 0)) == "loop"
-    assert module.resolved_method(torch.device("cpu")) == fisher_mod.AUTO_METHOD == "loop"
+    assert module.resolved_method(torch.device("cpu")) == per_example.AUTO_METHOD == "loop"
     assert FisherModule(tiny_t5(), method="vectorised").resolved_method(torch.device("cpu")) == "vectorised"
     assert FisherModule(tiny_t5(), method="loop").resolved_method(torch.device("cuda")) == "loop"
     with pytest.raises(ValueError, match="unknown Fisher method"):

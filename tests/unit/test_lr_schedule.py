@@ -11,9 +11,7 @@ from transformers import ByT5Tokenizer
 
 from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule
-from leanagent.data.synthetic import write_demo_repos
 from leanagent.model.lr_schedule import build_optimizer_and_schedule, reference_horizon
-from leanagent.model.presets import write_random_encoder
 from leanagent.model.retriever import PremiseRetriever
 
 
@@ -40,10 +38,9 @@ def test_lr_at_chosen_steps(step):
     assert scheduler.lr_lambdas[0](step) * 1e-3 == pytest.approx(expected_lr(1e-3, 1000, 10000, step), abs=1e-12)
 
 
-def test_a_fit_uses_the_reference_horizon(tmp_path):
+def test_a_fit_uses_the_reference_horizon(tmp_path, unit_repo, tiny_model):
     """A real Trainer: the horizon counts cumulative max_epochs and the unsharded, drop_last loader."""
-    repo = write_demo_repos(tmp_path / "data", 1, seed=3)[0]
-    model_dir = write_random_encoder(tmp_path / "model", "tiny", seed=0)
+    repo, model_dir = unit_repo, tiny_model
     torch.manual_seed(0)
     model = PremiseRetriever(str(model_dir), lr=1e-3, warmup_steps=3, max_seq_len=64)
     data = RetrievalDataModule(repo, ByT5Tokenizer(), DataConfig(batch_size=4, num_workers=0, max_seq_len=64),

@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from leanagent.atomic import write_json_atomic
+from leanagent.checkpoints import epochs_completed, load_fisher, save_fisher
 from leanagent.data.corpus import Corpus
 from leanagent.data.dataset import TrainDataset
 from leanagent.data.examples import build_train_examples
-from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.theorems import load_split
-from leanagent.model.fisher import FisherModule, load_fisher, save_fisher
+from leanagent.model.fisher import FisherModule
 from leanagent.model.metrics import aggregate, score_context
-from leanagent.model.presets import write_random_encoder
 from leanagent.model.retriever import PremiseRetriever, contrastive_mse
-from leanagent.train.programs import PaddedForRanks, epochs_completed, plan_training
+from leanagent.train.plan import plan_training
+from leanagent.train.programs import PaddedForRanks
 
 
 def test_recall_and_mrr_by_hand():
@@ -42,10 +42,8 @@ def test_contrastive_mse_by_hand():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("tiny")
-    model_dir = write_random_encoder(root / "model", "tiny", seed=0)
-    repo = write_demo_repos(root / "data", 1, seed=3)[0]
+def tiny(unit_repo, tiny_model) -> dict:
+    model_dir, repo = tiny_model, unit_repo
     corpus = Corpus.from_jsonl(repo / "corpus.jsonl")
     examples = build_train_examples(corpus, load_split(repo / "random" / "train.json"))
     return {"model_dir": model_dir, "corpus": corpus, "examples": examples}

@@ -14,6 +14,8 @@ from transformers import T5EncoderModel
 
 from leanagent.config import PipelineConfig, RepoConfig, TrainerConfig
 from leanagent.data.synthetic import write_demo_repos
+from leanagent.job import JobInputError
+from leanagent.jobs import check_job
 from leanagent.model.presets import PRESETS, encoder_config, write_random_encoder
 from leanagent.preflight import (
     PreflightError,
@@ -24,7 +26,6 @@ from leanagent.preflight import (
     preflight_run,
     resolve_model,
 )
-from leanagent.train.jobs import JobInputError, check_job
 
 BIG = 1 << 50  # free bytes that fit anything
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from leanagent.train.progress import batch_size, describe
-from leanagent.train.progress_view import PlainProgress, job_label
-from leanagent.train.quiet import NoiseFilter, quiet_environment, verbose
+from leanagent.launch.progress_view import PlainProgress, describe, job_label
+from leanagent.launch.quiet import NoiseFilter, quiet_environment, verbose
+from leanagent.train.progress import batch_size
 
 PYTREE = ("/x/pytorch_lightning/utilities/_pytree.py:21: `isinstance(treespec, LeafSpec)` is deprecated, use "
           "`isinstance(treespec, TreeSpec) and treespec.is_leaf()` instead.")

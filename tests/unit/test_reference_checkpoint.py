@@ -12,20 +12,13 @@ import torch
 import torch.nn.functional as F
 from transformers import ByT5Tokenizer, T5EncoderModel
 
-from leanagent.checkpoints import CheckpointError, read_checkpoint
+from leanagent.checkpoints import CheckpointError, epochs_completed, read_any_checkpoint, read_checkpoint
 from leanagent.config import PipelineConfig
-from leanagent.data.synthetic import write_demo_repos
-from leanagent.model.presets import encoder_config, write_random_encoder
-from leanagent.preflight import preflight_job
-from leanagent.reference_checkpoint import checkpoint_encoder_config, read_any_checkpoint
-from leanagent.train.programs import (
-    TrainPlan,
-    epochs_completed,
-    ewc_anchor,
-    load_retriever,
-    plan_training,
-    run_train,
-)
+from leanagent.model.loading import checkpoint_encoder_config, load_retriever
+from leanagent.model.presets import encoder_config
+from leanagent.preflight import PreflightError, preflight_job
+from leanagent.train.plan import TrainPlan, ewc_anchor, plan_training
+from leanagent.train.programs import run_train
 from tests.reference_layout import reference_hparams, save_reference
 
 REFERENCE_EPOCH = 2
@@ -33,9 +26,9 @@ STRINGS = ["theorem foo : 1 + 1 = 2 := by simp", "⊢ ∀ n : ℕ, n + 0 = n", "
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict:
+def assets(tmp_path_factory, unit_repo, tiny_model) -> dict:
     root = tmp_path_factory.mktemp("reference")
-    model_dir = write_random_encoder(root / "model", "tiny", seed=0)
+    model_dir = tiny_model
     torch.manual_seed(1)  # other weights than model_dir's: loading must really take the checkpoint's
     encoder = T5EncoderModel(encoder_config("tiny")).eval()
     ckpt = save_reference(root / "leanagent_epoch=2.ckpt", encoder, REFERENCE_EPOCH)
@@ -49,7 +42,7 @@ def assets(tmp_path_factory) -> dict:
     torch.save({"module": None, "epoch": REFERENCE_EPOCH, "global_step": 1234,
                 "hyper_parameters": reference_hparams(), "dp_world_size": 4}, folder / "checkpoint" /
                "mp_rank_00_model_states.pt")
-    repo = write_demo_repos(root / "data", 1, seed=3)[0]
+    repo = unit_repo
     return {"root": root, "model_dir": model_dir, "encoder": encoder, "ckpt": ckpt, "folder": folder, "repo": repo}
 
 
@@ -152,9 +145,20 @@ def test_epochs_count_on_from_the_reference(assets, tmp_path, which):
     assert plan.from_reference and plan.ckpt_path is None and not plan.is_retry
 
 
-def test_preflight_accepts_a_reference_file_and_folder(assets):
+def test_preflight_accepts_a_reference_file_and_folder_that_fit_the_model_and_refuses_one_that_does_not(
+        assets, tmp_path):
     for which in ("ckpt", "folder"):
         preflight_job(config(assets), "evaluate", [assets["repo"]], checkpoint=assets[which], validate=False)
+    narrower = tmp_path / "narrower"  # an architecture the reference weights do not fit: config.json is enough
+    narrower.mkdir()
+    encoder_config("tiny").__class__(**{**encoder_config("tiny").to_dict(), "d_model": 32}).to_json_file(
+        narrower / "config.json")
+    cfg = config(assets).model_copy(update={"model": config(assets).model.model_copy(
+        update={"name_or_path": str(narrower)})})
+    for which in ("ckpt", "folder"):
+        with pytest.raises(PreflightError, match="has shape") as info:
+            preflight_job(cfg, "evaluate", [assets["repo"]], checkpoint=assets[which], validate=False)
+        assert str(assets[which]) in str(info.value) and "\n" not in str(info.value)
 
 
 def test_the_train_program_trains_one_repository_from_a_reference(assets, tmp_path):

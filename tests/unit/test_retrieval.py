@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from leanagent.model.retrieval import top_k_accessible
 from leanagent.model.retriever import corpus_embedding_dtype
+from leanagent.model.topk import top_k_accessible
 
 
 def plain_top_k(context: torch.Tensor, corpus: torch.Tensor, accessible: torch.Tensor, k: int) -> list[list[int]]:

@@ -1,20 +1,42 @@
-"""A trained retriever from what a user points at: one of our Lightning checkpoints or a Hugging Face folder.
+"""A retriever from what a job or a user points at: a base model, one of our checkpoints, LeanAgent's or
+ReProver's checkpoints, or a Hugging Face folder.
 
-`export`, `index` and `retrieve` all take either, so the three agree on one loader. A checkpoint goes
-through `programs.load_retriever` (the loader training and evaluation use), with a config made from
-the checkpoint's own hyper-parameters, so the premise length and batch budget it was evaluated with
-carry over; what it learned on (dataset, metrics) is read from the checkpoint and its job folder.
+`load_retriever` is what the rank programs use (training, the Fisher, evaluation). `load_model` is what
+`export`, `index` and `retrieve` use: it goes through `load_retriever` with a config made from the
+checkpoint's own hyper-parameters, so the premise length and batch budget it was evaluated with carry
+over, and reads what the model learned on (dataset, metrics) from the checkpoint and its job folder.
+
+A LeanAgent/ReProver checkpoint (read by `leanagent.checkpoints.read_any_checkpoint`) lacks the encoder's
+architecture, which ours store: it is looked up locally, never downloaded (`reference_architecture`), the
+weights are checked against it, and they go into a fresh model trained with our optimizer and schedule;
+only the epoch count carries over (`epochs_completed`), as LeanAgent's max_epochs does.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import T5Config, T5EncoderModel
+
+from leanagent.checkpoints import (
+    ENCODER_PREFIX,
+    TIED,
+    CheckpointError,
+    complete_tied,
+    first_few,
+    is_leanagent,
+    read_any_checkpoint,
+    reference_hparams,
+    reference_state_dict,
+)
+from leanagent.config import DataConfig, ModelConfig, PipelineConfig
+from leanagent.model.presets import encoder_config
 from leanagent.model.retriever import PremiseRetriever
 
 # Written by `leanagent export` beside config.json: what a plain HF folder cannot say about the retriever.
@@ -43,6 +65,92 @@ class LoadedModel:
     @property
     def source(self) -> Path:
         return self.checkpoint if self.checkpoint is not None else self.model_dir  # type: ignore[return-value]
+
+
+def load_retriever(cfg: PipelineConfig, checkpoint: Path | None, weights: bool = True) -> PremiseRetriever:
+    """The retriever for a job, reading a checkpoint once.
+
+    From one of our checkpoints the architecture comes from its hparams, so no hub access is needed;
+    `weights=False` when Lightning's `fit(ckpt_path=...)` restores them anyway. A LeanAgent/ReProver
+    checkpoint (file or consolidated DeepSpeed folder) always has its weights loaded: Lightning
+    never resumes from it (see `leanagent.checkpoints`).
+    """
+    overrides = {"lr": cfg.model.lr, "warmup_steps": cfg.model.warmup_steps, "max_seq_len": cfg.model.max_seq_len,
+                 "num_retrieved": cfg.model.num_retrieved, "eval_batch_size": cfg.data.eval_batch_size,
+                 "corpus_autocast": cfg.model.corpus_autocast}
+    if checkpoint is None:
+        return PremiseRetriever(cfg.model.name_or_path, **overrides)
+    ckpt = read_any_checkpoint(checkpoint)
+    if not is_leanagent(ckpt):
+        return reference_retriever(checkpoint, ckpt, cfg.model.name_or_path, **overrides)
+    hparams = dict(ckpt.get("hyper_parameters", {}))
+    model = PremiseRetriever(**{**hparams, **overrides})
+    if weights:
+        model.load_state_dict(ckpt["state_dict"])
+    return model
+
+
+def reference_architecture(path: Path, checkpoint: Mapping[str, Any], name_or_path: str) -> tuple[T5Config, str]:
+    """The encoder's T5Config and where it came from, with no hub access.
+
+    In order: `model.name_or_path` (a local folder or a hub id already in the HF cache), the checkpoint's
+    own `model_name` if cached, and failing both google/byt5-small's shape, which LeanAgent and ReProver
+    fine-tune. The caller checks that the weights fit it.
+    """
+    hparams = checkpoint.get("hyper_parameters") or {}
+    for source in (name_or_path, hparams.get("model_name")):
+        if not source:
+            continue
+        try:
+            return T5Config.from_pretrained(str(source), local_files_only=True), f"{source}'s config"
+        except (OSError, ValueError):
+            continue  # not a local folder, not in the cache: try the next source
+    return encoder_config("byt5-small"), "the byt5-small shape (no local config found)"
+
+
+def check_weights(path: Path, state_dict: Mapping[str, torch.Tensor], config: T5Config, source: str) -> None:
+    """Refuse, in one line naming the file, weights whose keys or shapes are not those of this architecture.
+
+    The expected shapes come from the model built on the meta device: nothing is allocated.
+    """
+    with torch.device("meta"):
+        expected = {ENCODER_PREFIX + k: tuple(v.shape) for k, v in T5EncoderModel(config).state_dict().items()}
+    missing = [k for k in expected if k not in state_dict and TIED.get(k) not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: its keys do not match the retriever's encoder ({source}): missing "
+                              f"{first_few(missing)}, unexpected {first_few(unexpected)} ({len(state_dict)} keys in "
+                              f"the file, {len(expected)} expected); if it was trained from another encoder, set "
+                              f"model.name_or_path to it")
+    for key, shape in expected.items():
+        tensor = state_dict.get(key, state_dict.get(TIED.get(key, "")))
+        if tensor is not None and tuple(tensor.shape) != shape:
+            raise CheckpointError(f"{path}: {key} has shape {tuple(tensor.shape)}, but {source} gives {shape}; set "
+                                  f"model.name_or_path to the encoder it was trained from")
+
+
+
+
+def reference_retriever(path: Path, checkpoint: Mapping[str, Any], name_or_path: str, **settings: Any):
+    """A fresh `PremiseRetriever` holding the reference's weights, its architecture stored in our hparams
+    so that every checkpoint written from here on is one of ours."""
+    state_dict = reference_state_dict(checkpoint)
+    config, source = reference_architecture(path, checkpoint, name_or_path)
+    check_weights(path, state_dict, config, source)
+    model = PremiseRetriever(name_or_path, encoder_config=config.to_dict(), **settings)
+    model.load_state_dict(complete_tied(state_dict))
+    return model
+
+
+def checkpoint_encoder_config(path: Path, name_or_path: str) -> dict[str, Any]:
+    """The architecture a start checkpoint gives (ours: stored; a reference: looked up locally, its weights
+    checked against it), for checks before a job is launched. Raises CheckpointError naming the file."""
+    checkpoint = read_any_checkpoint(path)
+    if is_leanagent(checkpoint):
+        return dict(checkpoint["hyper_parameters"]["encoder_config"])
+    config, source = reference_architecture(path, checkpoint, name_or_path)
+    check_weights(path, reference_state_dict(checkpoint), config, source)
+    return config.to_dict()
 
 
 @contextmanager
@@ -77,10 +185,6 @@ def load_model(path: str | Path, device: str = "cpu", base_model: str | None = N
 
 
 def _from_checkpoint(path: Path, base_model: str | None = None) -> LoadedModel:
-    from leanagent.config import DataConfig, ModelConfig, PipelineConfig
-    from leanagent.reference_checkpoint import is_leanagent, read_any_checkpoint, reference_hparams
-    from leanagent.train.programs import load_retriever
-
     ckpt = read_any_checkpoint(path)  # memory-mapped: its tensors are read by `load_retriever` below
     if not is_leanagent(ckpt):
         return _from_reference(path, ckpt, reference_hparams(ckpt), base_model)
@@ -99,10 +203,7 @@ def _from_checkpoint(path: Path, base_model: str | None = None) -> LoadedModel:
 
 def _from_reference(path: Path, ckpt: dict, hparams: dict[str, Any], base_model: str | None) -> LoadedModel:
     """A LeanAgent/ReProver retriever checkpoint: its architecture from its `model_name` when cached locally,
-    else byt5-small's (`reference_checkpoint.reference_architecture`); premises cut at its `max_seq_len`."""
-    from leanagent.config import ModelConfig, PipelineConfig
-    from leanagent.train.programs import load_retriever
-
+    else byt5-small's (`reference_architecture`); premises cut at its `max_seq_len`."""
     model = {"name_or_path": base_model or hparams.get("model_name", ModelConfig().name_or_path)}
     if "max_seq_len" in hparams:
         model["max_seq_len"] = int(hparams["max_seq_len"])

@@ -1,6 +1,6 @@
 """torchrun, unchanged, plus a watchdog: if the launcher is gone, the job ends within a second.
 
-`python -m leanagent.train.torchrun ARGS` is `python -m torch.distributed.run ARGS` (the same
+`python -m leanagent.launch.torchrun ARGS` is `python -m torch.distributed.run ARGS` (the same
 arguments, rendezvous and elastic agent), started by the launcher with a parent-death SIGTERM.
 That signal starts torchrun's own clean-up (SIGTERM to the workers, SIGKILL 30 s later), which
 ends ranks that cannot watch for themselves (still importing, say). But that clean-up can outlive
@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from leanagent.train.supervision import (
+from leanagent.supervision import (
     ENV_JOB_DIR,
     ENV_SUPERVISOR_PID,
     ENV_SUPERVISOR_START,

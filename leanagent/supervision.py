@@ -10,12 +10,12 @@ reaches any of them. Three mechanisms, each covering what the others cannot:
    the job runs, and each rank writes its own record into `JOB/pids/` (`start()`). It signals
    them one by one (and their process groups), so a rank that is stopped, hung or ignoring
    SIGTERM is SIGKILLed after the grace period, and a recycled pid is never signalled: a pid
-   whose start time differs is another process (leanagent/train/launch.py, `end_job`).
+   whose start time differs is another process (leanagent/launch/local.py, `end_job`).
 2. torchrun is started with the parent-death signal (`prctl(PR_SET_PDEATHSIG, SIGTERM)`, set in
    the child between fork and exec by `parent_death_signal()`): when the launching thread dies,
    SIGKILL included, the kernel sends torchrun SIGTERM, and torchrun ends its workers (SIGTERM,
    and SIGKILL 30 s later). That clean-up can outlive the workers, so torchrun runs under a
-   watchdog of ours (leanagent/train/torchrun.py) that SIGKILLs the job and exits within a second
+   watchdog of ours (leanagent/launch/torchrun.py) that SIGKILLs the job and exits within a second
    of the launcher's death.
 3. Each rank runs a daemon thread (`watch_supervisor()`) that checks, every second, that the
    launcher (pid and start time in LEANAGENT_SUPERVISOR_PID / _START) and its parent torchrun
@@ -25,15 +25,17 @@ reaches any of them. Three mechanisms, each covering what the others cannot:
    rerun resumes from the job's last checkpoint.
 
 `leanagent run` starts Prefect's temporary server with the same parent-death signal, so it ends
-with the command too (flows/lifelong.py, `start_temporary_server_bound_to_this_process`).
+with the command too (flows/temporary_server.py).
 `HoldSignals` keeps a second Ctrl-C or SIGTERM from cutting short the ending of a job or the
-record that a stage was interrupted.
+record that a stage was interrupted; `interrupt_on_signals` turns SIGINT, SIGTERM and SIGHUP into
+`Interrupted` in the commands, so that a launcher in the middle of a job ends it.
 
 Linux only (/proc, prctl); this module imports nothing heavy, so the launcher can use it too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -41,7 +43,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -325,3 +327,30 @@ def start(job_dir: Path | None = None) -> None:
     if folder is not None:
         record_rank(folder)
     watch_supervisor(folder)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP, raised in the main thread: code that ends jobs on Ctrl-C ends them on all three."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.exit_code = 128 + signum  # what a shell reports for a process ended by this signal
+
+
+@contextlib.contextmanager
+def interrupt_on_signals() -> Iterator[None]:
+    """Turn SIGINT/SIGTERM/SIGHUP into `Interrupted`, so the launcher ends every job (SIGTERM, grace,
+    SIGKILL) and the command exits 128 + signal instead of dying with its jobs orphaned."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    # A signal already ignored stays ignored (`nohup`, a shell's background job).
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -1,176 +1,27 @@
-"""Diagonal Fisher information of the retriever, for EWC: two estimators.
+"""The vectorised per-example gradients: every example's parameter gradient of one batch, from one backward.
 
-`per_example` (FisherModule, the default) is the diagonal empirical Fisher:
-F_i = (1/N) * sum_n (d loss_n / d theta_i)^2 over the N training examples of a repository, each
-example scored against its own positive and negatives. It squares *per-example* gradients. Under
-DDP the gradient all-reduce would average before squaring, so this pass takes gradients with
-`torch.autograd.grad` (DDP's reducer never sees them), accumulates local fp32 sums, and
-all-reduces the sums and the true example count once at the end. Padding items (`is_padding`) are
-skipped, dropout is off (eval mode), sums are fp32. Two computations of the same sums:
-
-- "loop": per example, its context alone and its premise columns (unpadded) through the encoder and
-  one `autograd.grad` to the parameters. Bit-identical however the data is batched or sharded, but
-  batch-1 work: on a GPU it is bound by kernel launches (3.9x a bf16 training step per example on an H200).
-- "vectorised" (`accumulate_squared_example_grads`): the batch's examples in two forwards, as the
-  training step pads them (contexts, then premise columns), loss = the sum of the examples' own
-  losses, one `autograd.grad` to the layers' outputs (no weight gradient is formed) and each
-  example's parameter gradients rebuilt from activations and output gradients (Linear: sum over its
-  tokens of dy x^T; T5LayerNorm, the RMS norm's weight; the embedding rows; the relative attention
-  bias table via a per-sequence copy of the position bias), same-shaped layers batched together.
-  Equal to the loop up to float tolerance (fp32: ~1e-6 of each tensor's scale; under bf16 autocast the
-  two round differently, ~1e-2 per entry on one batch, ~3e-3 over a repository, and the result now
-  depends on the batching at that level: 1e-4 between 1 and 2 ranks). It holds the gradients of all
-  the layers' outputs at once: peak memory ~1.3x a training step's (measured on the CPU, fp32).
-
-`FisherModule(retriever, method="auto")`, what `leanagent fisher` runs, takes `AUTO_METHOD`, the
-loop, on every device. Measured per example against a training step (forward, backward, AdamW), batch
-4, 3 negatives: on 2 idle CPU cores the loop is the faster (byt5-small widths, 4 of its 12 layers,
-contexts and premises of 150-400 bytes: loop 0.42x a training step in fp32 and 0.60x under bf16
-autocast, vectorised 0.70x and 1.11x; tiny: 0.41x against 0.60x), since batching pads every sequence
-to the batch's longest and a CPU gains little from larger matrices. On an H200 (byt5-small, all 12
-layers, bf16, mathlib-scale data of up to 1024 bytes, `leanagent bench --device cuda`): the loop
-1.38x a training step (32 examples); the vectorised pass 1.04x on 8 examples, but it ran out of the
-card's 139 GiB on 32 examples and in a real Fisher job at batch 8, length 512, so it is opt-in
-(`method="vectorised"`). A retriever with a layer the vectorised path does not know
-(`unsupported_modules`) always takes the loop.
-
-`reference` (ReferenceFisherModule) is LeanAgent's `compute_fisher` /
-`FisherComputationModule`, step for step: one epoch over the training loader (shuffled,
-drop_last, random negatives, sharded by Lightning's DistributedSampler), dropout on; per batch
-the gradient of the batch loss, averaged across ranks by DDP, is squared and summed; at the end
-the sums are all-reduced (SUM) and divided by len(train dataset) * world_size. Every rank holds
-the same DDP-averaged gradient, so that is sum over steps of (batch-mean gradient)^2 / N: a
-smaller, different quantity, about 1/(batch size x world size) of the empirical Fisher when
-per-example gradients are independent (van de Ven, arXiv:2502.11756; GMvandeVen/continual-learning#11).
-
-Both write safetensors (the reference used pickle, which can execute code on load), keyed by the
-retriever's parameter names, with the estimator in the metadata.
+The batch's examples go through the encoder in two forwards, as the training step pads them (contexts,
+then premise columns), the loss is the sum of the examples' own losses, and one `autograd.grad` goes
+to the layers' outputs (no weight gradient is formed); each example's parameter gradients are then
+rebuilt from activations and output gradients (Linear: sum over its tokens of dy x^T; T5LayerNorm, the
+RMS norm's weight; the embedding rows; the relative attention bias table via a per-sequence copy of the
+position bias), same-shaped layers batched together. Equal to the loop (`per_example.py`) up to float
+tolerance: fp32 ~1e-6 of each tensor's scale; under bf16 autocast the two round differently (~1e-2 per
+entry on one batch, ~3e-3 over a repository). It holds the gradients of all the layers' outputs at once.
+A retriever with a layer this does not know (`unsupported_modules`) always takes the loop.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save
 from torch import nn
 from transformers.models.t5.modeling_t5 import T5Attention, T5LayerNorm
 
-from leanagent.atomic import write_bytes_atomic
-from leanagent.model.retriever import PremiseRetriever, contrastive_mse
-
-METHODS = ("auto", "loop", "vectorised")
-# What `auto` picks, by measurement: on CPU the loop is faster; on an H200 the vectorised pass ran out of
-# its 139 GiB at batch 4-8 with 512-1024-byte sequences (per-example weight gradients of every linear layer),
-# while the loop took 1.38x a training example. So `auto` is the loop everywhere; "vectorised" is opt-in.
-AUTO_METHOD = "loop"
-
-
-class FisherModule(pl.LightningModule):
-    """Runs one epoch over the training examples and accumulates squared per-example gradients.
-
-    `method`: "loop" (one `autograd.grad` per example), "vectorised" (two forwards and one backward per
-    batch, per-example gradients rebuilt from activations and output gradients; memory-hungry) or
-    "auto" (`AUTO_METHOD`). Both give the same sums up to float tolerance (see the module docstring).
-    """
-
-    def __init__(self, retriever: PremiseRetriever, method: str = "auto") -> None:
-        super().__init__()
-        if method not in METHODS:
-            raise ValueError(f"unknown Fisher method {method!r}; choose one of {METHODS}")
-        self.retriever = retriever
-        self.method = method
-        self.automatic_optimization = False
-        self.names = [n for n, p in retriever.named_parameters() if p.requires_grad]
-        self.unsupported = unsupported_modules(retriever)
-        if method == "vectorised" and self.unsupported:
-            raise ValueError(f"the vectorised Fisher does not cover {self.unsupported[:5]}; use method='loop'")
-        self.sums: dict[str, torch.Tensor] = {}
-        self.count = 0
-        self.fisher: dict[str, torch.Tensor] = {}
-        self.num_examples = 0
-        self._hooks: _PerExampleGrads | None = None
-
-    def configure_optimizers(self) -> None:
-        return None
-
-    def resolved_method(self, device: torch.device) -> str:
-        if self.method != "auto":
-            return self.method
-        if self.unsupported:
-            return "loop"
-        return AUTO_METHOD
-
-    def on_train_epoch_start(self) -> None:
-        self.sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.retriever.named_parameters()
-                     if n in self.names}
-        self.count = 0
-
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        # Dropout off: the Fisher describes the model as it is used, and must not depend on the rank's RNG.
-        self.retriever.eval()
-        if self.resolved_method(batch["context_ids"].device) == "vectorised":
-            if self._hooks is None:
-                self._hooks = _PerExampleGrads(self.retriever, {id(p): n for n, p in self.retriever.named_parameters()
-                                                                if n in self.names})
-            self.count += accumulate_squared_example_grads(self.retriever, batch, self.sums, self._hooks)
-            return
-        params = [p for n, p in self.retriever.named_parameters() if n in self.names]
-        sums = [self.sums[n] for n in self.names]
-        # Every example's lengths in one host read: a read per example would stall a GPU between examples.
-        padding, ctx_lens, prem_lens = _example_lengths(batch)
-        for i in range(len(padding)):
-            if padding[i]:
-                continue
-            loss = self.example_loss(batch, i, ctx_lens[i], prem_lens[i])
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
-            used = [(total, grad.float()) for total, grad in zip(sums, grads, strict=True) if grad is not None]
-            totals, squared = [t for t, _ in used], [g for _, g in used]
-            torch._foreach_addcmul_(totals, squared, squared)  # sums += grad^2, one multi-tensor kernel
-            self.count += 1
-
-    def example_loss(self, batch: dict[str, Any], i: int, ctx_len: int, prem_len: int) -> torch.Tensor:
-        """Example i alone, unpadded (its context's length and its longest premise's, from `_example_lengths`),
-        so that its loss is bit-identical however the data is batched or sharded."""
-        b = len(batch["index"])
-        columns = list(range(i, batch["premise_ids"].shape[0], b))
-        context = self.retriever.encode(batch["context_ids"][i : i + 1, :ctx_len],
-                                        batch["context_mask"][i : i + 1, :ctx_len])
-        premises = self.retriever.encode(batch["premise_ids"][columns, :prem_len],
-                                         batch["premise_mask"][columns, :prem_len])
-        label = batch["label"][i : i + 1, columns]
-        return contrastive_mse(context, premises, label)
-
-    def on_train_epoch_end(self) -> None:
-        names = sorted(self.sums)
-        flat = torch.cat([self.sums[n].flatten() for n in names])
-        count = torch.tensor([float(self.count)], device=flat.device, dtype=torch.float64)
-        if _distributed():
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            dist.all_reduce(count, op=dist.ReduceOp.SUM)
-        total = int(count.item())
-        if total == 0:
-            raise RuntimeError("the Fisher pass saw no training example")
-        self.fisher = _unflatten(flat / total, names, self.sums)
-        self.num_examples = total
-
-
-# ---- the vectorised per-example gradients -----------------------------------------------------------
-
-def _example_lengths(batch: dict[str, Any]) -> tuple[list[bool], list[int], list[int]]:
-    """Per batch item: is it padding, its context's length, and the longest of its premise columns'."""
-    b = len(batch["index"])
-    prem = batch["premise_mask"].sum(dim=1).view(-1, b).amax(dim=0)  # row i + j * b is item i's column j
-    ctx = batch["context_mask"].sum(dim=1)
-    padding, ctx_lens, prem_lens = torch.stack([batch["is_padding"].to(ctx.device).long(), ctx, prem]).tolist()
-    return [bool(p) for p in padding], ctx_lens, prem_lens
+from leanagent.model.retriever import PremiseRetriever
 
 
 def _relative_bias_attentions(model: nn.Module) -> list[T5Attention]:
@@ -219,7 +70,7 @@ def example_major_batch(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tens
             batch["premise_ids"][prem_rows, :prem_len], prem_mask[:, :prem_len], label)
 
 
-class _PerExampleGrads:
+class PerExampleGrads:
     """Rebuilds each example's gradient from activations and output gradients, for a whole batch at once.
 
     Every forward holds `k` examples' sequences, example-major (example e's are consecutive, as many for
@@ -270,14 +121,14 @@ class _PerExampleGrads:
         self.handles: list[Any] = []
         self.start(0)
 
-    def start(self, k: int) -> _PerExampleGrads:
+    def start(self, k: int) -> PerExampleGrads:
         """A new batch of `k` examples."""
         self.k = k
         # (kind, module, parameter names, the call's input (or bucket index), the tensor whose gradient is needed)
         self.records: list[tuple[str, nn.Module, tuple[str | None, ...], torch.Tensor, torch.Tensor]] = []
         return self
 
-    def __enter__(self) -> _PerExampleGrads:
+    def __enter__(self) -> PerExampleGrads:
         for module in self.bias_attentions:
             self.handles.append(module.register_forward_pre_hook(self._bias_pre_hook, with_kwargs=True))
         for module, kind, own in self.hooked:
@@ -424,20 +275,20 @@ class _PerExampleGrads:
 
 
 def accumulate_squared_example_grads(retriever: PremiseRetriever, batch: dict[str, Any],
-                                     sums: dict[str, torch.Tensor], hooks: _PerExampleGrads | None = None) -> int:
+                                     sums: dict[str, torch.Tensor], hooks: PerExampleGrads | None = None) -> int:
     """Adds sum over the batch's non-padding examples of (d loss_e / d theta)^2 to `sums`; returns their count.
 
     Two forwards, as in the training step (the examples' contexts, then their premise columns, each
     padded to its longest real sequence), the loss the sum of the examples' own losses (each exactly
     `FisherModule.example_loss`), one backward to the activations only (no weight gradient is formed),
-    and the per-example parameter gradients rebuilt by `_PerExampleGrads` (an example's contributions
+    and the per-example parameter gradients rebuilt by `PerExampleGrads` (an example's contributions
     from the two forwards are added before they are squared). `hooks`: one built for this retriever
     and these sums' parameters, reused across batches.
     """
     if not bool((~batch["is_padding"].bool()).any()):
         return 0
     if hooks is None:
-        hooks = _PerExampleGrads(retriever, {id(p): n for n, p in retriever.named_parameters() if n in sums})
+        hooks = PerExampleGrads(retriever, {id(p): n for n, p in retriever.named_parameters() if n in sums})
     ctx_ids, ctx_mask, prem_ids, prem_mask, label = example_major_batch(batch)
     k, cols = label.shape
     with hooks.start(k):
@@ -448,106 +299,3 @@ def accumulate_squared_example_grads(retriever: PremiseRetriever, batch: dict[st
     loss = F.mse_loss(similarity, label.to(similarity.dtype), reduction="none").mean(dim=1).sum()
     hooks.backward(loss, sums)
     return k
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _unflatten(flat: torch.Tensor, names: list[str], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    offset = 0
-    for name in names:
-        numel = like[name].numel()
-        out[name] = flat[offset : offset + numel].view_as(like[name]).cpu()
-        offset += numel
-    return out
-
-
-NO_BATCH = ("the reference Fisher pass ran no batch (fewer training examples than data.batch_size x world size, "
-            "and the training loader drops the last incomplete batch)")
-
-
-class ReferenceFisherModule(pl.LightningModule):
-    """LeanAgent's FisherComputationModule: squared DDP-averaged batch gradients, summed, / (N * world size).
-
-    Fit it on the data module's own `train_dataloader()`; N is `len(trainer.train_dataloader.dataset)`,
-    the training dataset (not the examples actually seen: drop_last and the sampler's padding are
-    ignored, as in the reference). Keys are the retriever's parameter names, every trainable one
-    (a parameter that never gets a gradient keeps 0; the reference would omit it and EWC would refuse).
-    """
-
-    def __init__(self, retriever: PremiseRetriever) -> None:
-        super().__init__()
-        self.retriever = retriever
-        self.automatic_optimization = False
-        self.names = [n for n, p in retriever.named_parameters() if p.requires_grad]
-        self.sums: dict[str, torch.Tensor] = {}
-        self.steps = 0
-        self.fisher: dict[str, torch.Tensor] = {}
-        self.num_examples = 0
-        self.num_steps = 0  # DDP-averaged gradients squared (steps of one rank)
-
-    def configure_optimizers(self) -> None:
-        return None  # the reference's SGD(lr=0) is never stepped
-
-    def on_train_epoch_start(self) -> None:
-        self.sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.retriever.named_parameters()
-                     if n in self.names}
-        self.steps = 0
-
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        # Train mode, as the reference's trainer.fit leaves it: dropout is on.
-        self.retriever.train()
-        self.retriever.zero_grad(set_to_none=True)
-        loss = self.retriever.batch_loss(batch)  # the retriever's loss, without any EWC term
-        # Through Lightning so that DDP all-reduces (averages) the gradient across ranks, as in the reference.
-        self.manual_backward(loss)
-        for name, param in self.retriever.named_parameters():
-            if name in self.sums and param.grad is not None:
-                self.sums[name] += param.grad.detach().float() ** 2
-        self.retriever.zero_grad(set_to_none=True)
-        self.steps += 1
-        return loss.detach()
-
-    def on_train_epoch_end(self) -> None:
-        names = sorted(self.sums)
-        flat = torch.cat([self.sums[n].flatten() for n in names])
-        steps = torch.tensor([float(self.steps)], device=flat.device, dtype=torch.float64)
-        world_size = 1
-        if _distributed():
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            dist.all_reduce(steps, op=dist.ReduceOp.SUM)
-            world_size = dist.get_world_size()
-        if int(steps.item()) == 0:
-            raise RuntimeError(NO_BATCH)
-        dataset_size = len(self.trainer.train_dataloader.dataset)
-        self.fisher = _unflatten(flat / (dataset_size * world_size), names, self.sums)
-        self.num_examples = dataset_size
-        self.num_steps = int(steps.item()) // world_size
-
-    def on_fit_end(self) -> None:
-        # An empty loader ends fit before any epoch hook runs: never hand back an empty Fisher.
-        if not self.fisher:
-            raise RuntimeError(NO_BATCH)
-
-
-def save_fisher(path: Path, fisher: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
-    """Write atomically: a crash never leaves a truncated Fisher that EWC would later trust."""
-    write_bytes_atomic(Path(path), save({n: t.contiguous() for n, t in fisher.items()},
-                                        metadata={k: json.dumps(v) for k, v in metadata.items()}))
-
-
-def load_fisher(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such Fisher file")
-    tensors: dict[str, torch.Tensor] = {}
-    with safe_open(str(path), framework="pt") as f:
-        raw_meta = f.metadata() or {}
-        for name in f.keys():
-            tensors[name] = f.get_tensor(name)
-    bad = [n for n, t in tensors.items() if not torch.isfinite(t).all() or (t < 0).any()]
-    if bad:
-        raise ValueError(f"{path}: Fisher entries are negative or not finite: {bad[:5]}")
-    return tensors, {k: json.loads(v) for k, v in raw_meta.items()}

@@ -1,0 +1,101 @@
+"""One job, as both sides see it: the rank programs inside torchrun, and whoever launched and watches them.
+
+A job is one rank program (train, fisher or evaluate) writing into one job folder. The two sides never
+share memory, only this folder, so its protocol lives here, on the ground floor, with nothing heavy:
+
+- the program's command line (`program_argv`): what the launcher starts, what `programs.main` parses;
+- `result.json` (`result_filename`): written by rank 0 last, so its presence means the job is finished;
+- `heartbeat/rankN.json` (`beat`, `stale_ranks`, `read_progress`): each rank's liveness, and rank 0's
+  progress snapshot, which the launcher's watchdog and progress display read;
+- the errors a job's inputs or folder are refused with, before anything is launched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from leanagent.atomic import read_json, write_json_atomic
+from leanagent.ranks import global_rank
+
+Program = Literal["train", "fisher", "evaluate"]
+PROGRAMS_MODULE = "leanagent.train.programs"  # what runs inside each rank: `python -m leanagent.train.programs ...`
+
+
+class JobInputError(ValueError):
+    """Bad input found before launch; nothing was started and nothing was written."""
+
+
+class JobFinishedError(FileExistsError):
+    """The job folder already holds a result; a finished job is never overwritten."""
+
+
+def as_datasets(dataset: Path | Sequence[Path]) -> list[Path]:
+    """One dataset or several (evaluate scores a model on several in one job)."""
+    return [Path(dataset)] if isinstance(dataset, (str, Path)) else [Path(d) for d in dataset]
+
+
+def program_argv(program: Program, config_path: Path, dataset: Path | Sequence[Path], out: Path,
+                 checkpoint: Path | None = None, fisher: Path | None = None) -> list[str]:
+    """The rank program's arguments, every path absolute (the ranks may start in another folder, or node)."""
+    argv = [program, "--config", str(Path(config_path).resolve())]
+    for d in as_datasets(dataset):
+        argv += ["--dataset", str(d.resolve())]
+    argv += ["--out", str(Path(out).resolve())]
+    if checkpoint is not None:
+        argv += ["--checkpoint", str(Path(checkpoint).resolve())]
+    if fisher is not None:
+        argv += ["--fisher", str(Path(fisher).resolve())]
+    return argv
+
+
+def result_filename(node_rank: int = 0) -> str:
+    """Global rank 0 writes result.json; local rank 0 of every other node its own file (job folders may be shared)."""
+    return "result.json" if node_rank == 0 else f"result.node{node_rank}.json"
+
+
+# ---- heartbeats -----------------------------------------------------------------------------------
+
+def heartbeat_dir(job_dir: Path) -> Path:
+    return Path(job_dir) / "heartbeat"
+
+
+def beat(job_dir: Path, stage: str, step: int | None = None, progress: dict[str, Any] | None = None) -> None:
+    """This rank is alive, in `stage`; rank 0 adds where the job is (`progress`), for the launcher to show.
+
+    With the seed's one-year collective timeout a stuck all-reduce is never noticed by torch; a file
+    that stops changing is, by the launcher's watchdog.
+    """
+    rank = global_rank()
+    record: dict[str, Any] = {"rank": rank, "time": time.time(), "stage": stage, "step": step}
+    if progress is not None:
+        record["progress"] = progress
+    write_json_atomic(heartbeat_dir(job_dir) / f"rank{rank}.json", record)
+
+
+def read_progress(job_dir: Path) -> dict[str, Any] | None:
+    """Rank 0's latest progress snapshot, or None (no beat yet, or one without progress)."""
+    try:
+        progress = read_json(heartbeat_dir(job_dir) / "rank0.json").get("progress")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return progress if isinstance(progress, dict) else None
+
+
+def stale_ranks(job_dir: Path, timeout_s: float, now: float | None = None) -> list[str]:
+    """Ranks whose heartbeat file exists and has not changed for `timeout_s` seconds."""
+    now = time.time() if now is None else now
+    folder = heartbeat_dir(job_dir)
+    if not folder.is_dir():
+        return []
+    stale = []
+    for f in sorted(folder.glob("rank*.json")):
+        try:
+            age = now - f.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if age > timeout_s:
+            stale.append(f"{f.stem} ({age:.0f} s)")
+    return stale

@@ -1,0 +1,230 @@
+"""The launcher seam: what every way of starting a job's ranks shares, and what each must provide.
+
+A launcher starts one rank program (`leanagent.job.PROGRAMS_MODULE`, under torchrun) on the machines it
+knows and hands back a `RunningJob`; `Launcher.launch` then watches it to the end, the same way for
+every launcher:
+
+- every output line goes to `on_line`, rank lines as `[rank N] ...` (torchrun prefixes them), less
+  known third-party noise unless LEANAGENT_VERBOSE is set (`quiet.py`; the rank logs under JOB/logs/
+  keep everything), plus rank 0's progress as a bar or `[progress] ...` lines (`progress_view.py`);
+- a deadline (`timeout_s`) and a heartbeat watchdog (`heartbeat_timeout_s`: with the seed's one-year
+  collective timeout only a file that stops changing reveals a hung rank) end the job;
+- an interrupt of the launching thread (Ctrl-C, SIGTERM, a Prefect cancel) ends the job before it
+  propagates: nothing of a job outlives whoever launched it;
+- a failure names the failing rank with its last lines (`LaunchError`); success returns `result.json`.
+
+A new launcher is one module in this folder, `leanagent/launch/NAME.py`, defining `launcher(cfg)`, chosen
+by the config's `launcher: NAME` (`launcher_for`). This module imports nothing heavy (no torch): the
+launcher side runs on a login node or a Prefect worker as well as beside the ranks.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import re
+import shutil
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from leanagent.atomic import read_json
+from leanagent.config import PipelineConfig
+from leanagent.job import heartbeat_dir, read_progress, result_filename, stale_ranks
+from leanagent.launch.progress_view import job_label, progress_view
+from leanagent.launch.quiet import NoiseFilter, verbose
+from leanagent.supervision import pids_dir
+
+RANK_LINE = re.compile(r"^\[rank (\d+)\] ?(.*)$")
+FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)")
+TAIL_LINES = 30
+GRACE_SECONDS = 30.0
+# Ending a job because the launcher was interrupted: Prefect's runner SIGKILLs a cancelled flow-run process 30 s
+# after its SIGTERM, and the job must be over (and the stage recorded) before that. Under Lightning 2.6 the grace
+# buys little anyway: its SIGTERM handler broadcasts from inside the handler, which can deadlock the ranks.
+INTERRUPT_GRACE_SECONDS = 10.0
+POLL_SECONDS = 0.5  # how long one wait for output lasts: the deadline and heartbeat checks run this often
+OUTPUT_AFTER_EXIT_SECONDS = 5.0  # keep reading this long after the job ended, for output still on its way
+
+
+class LaunchError(RuntimeError):
+    """A rank program failed, or the job was ended by a deadline, a stale heartbeat or an interrupt."""
+
+    def __init__(self, message: str, failing_rank: int | None = None, tail: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.failing_rank = failing_rank
+        self.tail = list(tail)
+
+
+class RunningJob(ABC):
+    """A started job, as its launcher sees it: its output, its end, and how to end it."""
+
+    @abstractmethod
+    def read(self, timeout_s: float) -> bytes | None:
+        """Output that arrived within `timeout_s` (b"" if none); None once the output has ended."""
+
+    @abstractmethod
+    def exit_code(self) -> int | None:
+        """The job's exit code once it has ended, None while it runs (cheap: called every poll)."""
+
+    @abstractmethod
+    def refresh(self) -> None:
+        """Bookkeeping between polls (a local job walks /proc for new processes; a SLURM job asks the queue)."""
+
+    @abstractmethod
+    def wait(self) -> int:
+        """Block until the job has ended; its exit code."""
+
+    @abstractmethod
+    def end(self, grace_s: float, emit: Callable[[str], None], interrupted: bool = False) -> None:
+        """Stop every process of the job: ask, wait up to `grace_s`, then force. Returns when none is left."""
+
+
+class Launcher(ABC):
+    """Starts a rank program's processes and watches them to the end (`launch`)."""
+
+    node_rank: int = 0  # the node whose result file this launcher reads (a static multi-node job)
+    devices: int = 1  # ranks per node, for the environment of the ranks
+
+    @abstractmethod
+    def start(self, program_args: Sequence[str], job_dir: Path, log_dir: Path) -> RunningJob:
+        """Start the job's processes; their output must reach `RunningJob.read`, each rank's also `log_dir`."""
+
+    def launch(self, program_args: Sequence[str], job_dir: Path, on_line: Callable[[str], None] | None = None,
+               timeout_s: float | None = None, heartbeat_timeout_s: float | None = None,
+               grace_s: float = GRACE_SECONDS, progress_interval_s: float | None = None) -> dict:
+        """Run one rank program to completion and return its `result.json` (see the module docstring)."""
+        job_dir = Path(job_dir)
+        job_dir.mkdir(parents=True, exist_ok=True)
+        # A retry reuses the job folder: the failed attempt's heartbeats are stale by now and must not count.
+        shutil.rmtree(heartbeat_dir(job_dir), ignore_errors=True)
+        shutil.rmtree(pids_dir(job_dir), ignore_errors=True)
+        output = JobOutput(job_label(program_args), on_line, progress_interval_s)
+        log_dir = job_dir / "logs" / f"attempt-{time.strftime('%Y%m%d-%H%M%S')}"
+        label = program_args[0] if program_args else "torchrun"
+        started = time.monotonic()
+        job = self.start(program_args, job_dir, log_dir)
+        reason: str | None = None
+        exited_at: float | None = None
+        try:
+            while True:
+                chunk = job.read(POLL_SECONDS)
+                if chunk is None:
+                    break
+                output.feed(chunk)
+                output.show_progress(job_dir)
+                job.refresh()
+                now = time.monotonic()
+                if job.exit_code() is not None:
+                    # Stop reading soon after the job ends, even if an orphan still holds its output open.
+                    exited_at = exited_at or now
+                    if now - exited_at > OUTPUT_AFTER_EXIT_SECONDS:
+                        break
+                if timeout_s is not None and now - started > timeout_s:
+                    reason = f"deadline of {timeout_s:.0f} s reached"
+                    break
+                if heartbeat_timeout_s is not None:
+                    stale = stale_ranks(job_dir, heartbeat_timeout_s)
+                    if stale:
+                        reason = f"no heartbeat for {heartbeat_timeout_s:.0f} s from {', '.join(stale)}"
+                        break
+        except BaseException:
+            output.emit("[launcher] interrupted: ending every process of the job")
+            job.end(min(grace_s, INTERRUPT_GRACE_SECONDS), output.emit, interrupted=True)
+            raise
+        finally:
+            output.close(job_dir)
+        if reason is not None:
+            output.emit(f"[launcher] {reason}: ending every process of the job")
+            job.end(grace_s, output.emit)
+            raise LaunchError(f"{label} job in {job_dir}: {reason}", None, output.launcher_tail)
+        returncode = job.wait()
+        # The job has exited: a rank it could not end (stopped, hung) or a forked child may still run.
+        job.end(1.0, output.emit)
+        if returncode != 0:
+            raise output.failure(label, job_dir, returncode)
+        result_path = job_dir / result_filename(self.node_rank)
+        if not result_path.is_file():
+            raise LaunchError(f"{job_dir}: the job exited 0 but wrote no {result_path.name}", None,
+                              output.launcher_tail)
+        return read_json(result_path)
+
+
+class JobOutput:
+    """A job's output on its way to `on_line`: split into lines, attributed to ranks, filtered, with progress."""
+
+    def __init__(self, label: str, on_line: Callable[[str], None] | None, progress_interval_s: float | None) -> None:
+        self.sink = on_line or (lambda line: print(line, flush=True))
+        self.view = progress_view(label, self.sink, progress_interval_s)
+        self.noise = NoiseFilter(enabled=not verbose())
+        self.tails: dict[int, collections.deque[str]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=TAIL_LINES))
+        self.launcher_tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._buffer = b""
+
+    def emit(self, line: str) -> None:
+        if self.view is None:
+            self.sink(line)
+            return
+        with self.view.writing():
+            self.sink(line)
+
+    def feed(self, chunk: bytes) -> None:
+        self._buffer += chunk
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for raw in lines:
+            self._route(raw.decode("utf-8", "replace").rstrip("\r"))
+
+    def _route(self, line: str) -> None:
+        m = RANK_LINE.match(line)
+        if m:
+            self.tails[int(m.group(1))].append(m.group(2))
+            if self.noise.keep(int(m.group(1)), m.group(2)):
+                self.emit(line)
+        else:
+            self.launcher_tail.append(line)
+            self.emit(f"[launcher] {line}" if line else line)
+
+    def show_progress(self, job_dir: Path) -> None:
+        if self.view is not None:
+            progress = read_progress(job_dir)
+            if progress is not None:
+                self.view.update(progress)
+
+    def close(self, job_dir: Path) -> None:
+        """The last progress snapshot (written as the job ended), then whatever output had no newline yet."""
+        if self.view is not None:
+            self.show_progress(job_dir)
+            self.view.close()
+        if self._buffer:
+            self._route(self._buffer.decode("utf-8", "replace"))
+            self._buffer = b""
+
+    def failure(self, label: str, job_dir: Path, returncode: int) -> LaunchError:
+        tails = {r: list(t) for r, t in self.tails.items()}
+        rank = failing_rank(tails, list(self.launcher_tail))
+        lines = tails.get(rank, []) if rank is not None else list(self.launcher_tail)
+        where = f"rank {rank}" if rank is not None else "torchrun"
+        body = "\n".join(f"  {line}" for line in lines[-TAIL_LINES:])
+        return LaunchError(f"{label} job in {job_dir} failed (exit {returncode}); last lines of {where}:\n{body}",
+                           rank, lines)
+
+
+def failing_rank(tails: dict[int, list[str]], launcher_tail: list[str]) -> int | None:
+    """torchrun's summary names the first failed rank; otherwise the rank that printed a traceback."""
+    summary = "\n".join(launcher_tail)
+    if "Root Cause" in summary:
+        m = FAILED_RANK.search(summary[summary.index("Root Cause"):])
+        if m:
+            return int(m.group(1))
+    for rank in sorted(tails):
+        if any(line.startswith("Traceback") for line in tails[rank]):
+            return rank
+    return min(tails) if tails else None
+
+
+def launcher_for(cfg: PipelineConfig) -> Launcher:
+    """The launcher the config names: `leanagent.launch.<cfg.launcher>`'s `launcher(cfg)`."""
+    module = importlib.import_module(f"leanagent.launch.{cfg.launcher}")
+    return module.launcher(cfg)

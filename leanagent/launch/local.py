@@ -1,0 +1,268 @@
+"""The local launcher: torchrun on this machine (or one node of a static multi-node job), in its own session.
+
+Why torchrun and not Lightning's own launcher: Lightning's default DDP launcher re-runs `sys.argv` for
+the other ranks, which inside a Prefect worker would re-run the flow. Under torchrun Lightning detects
+the elastic environment and starts nothing itself.
+
+Why we end every process ourselves: torchrun forwards SIGTERM to its workers, but starts each in a
+session of its own, so no signal to torchrun's group reaches them, and a SIGKILL to torchrun alone
+orphans them; Prefect's runner signals a single PID. On interrupt, deadline or a stale heartbeat we
+SIGTERM every rank we know (`JobProcesses`: torchrun's descendants seen in /proc, and the pid records
+the ranks write), wake stopped ones, wait the grace (less on an interrupt, or once a rank has gone),
+then SIGKILL whatever is left, torchrun included, each pid checked against its start time. If the
+launcher itself dies, torchrun's parent-death signal and each rank's watcher end the job
+(`leanagent/supervision.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from leanagent.config import PipelineConfig, TrainerConfig
+from leanagent.job import PROGRAMS_MODULE
+from leanagent.launch.base import GRACE_SECONDS, Launcher, RunningJob
+from leanagent.launch.quiet import quiet_environment
+from leanagent.supervision import (
+    SUPERVISION_ENV,
+    HoldSignals,
+    descendants,
+    is_running,
+    parent_death_signal,
+    process_table,
+    rank_records,
+    read_proc,
+    signal_verified,
+    supervisor_environment,
+)
+
+SCRUBBED_ENV = (
+    "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS", *SUPERVISION_ENV,
+)
+KILL_WAIT_SECONDS = 15.0  # after SIGKILL: only a process in uninterruptible sleep (D) takes longer
+REFRESH_SECONDS = 1.0  # how often the launcher looks for new processes of the job
+# Once a rank has ended, its peers cannot complete any collective (with the seed's one-year DDP timeout they
+# would wait for a year): after SIGTERM, the survivors get this long for what they can do alone, not all of grace_s.
+PEER_GONE_GRACE_SECONDS = 5.0
+PROGRAMS_ENTRY = ("-m", PROGRAMS_MODULE)
+
+
+def launcher(cfg: PipelineConfig) -> LocalLauncher:
+    """`launcher: local` (the default)."""
+    return LocalLauncher(cfg.trainer)
+
+
+def torchrun_command(cfg: TrainerConfig, program_args: Sequence[str], log_dir: Path | None = None,
+                     entry: Sequence[str] = PROGRAMS_ENTRY) -> list[str]:
+    """torchrun (with a launcher watchdog, leanagent/launch/torchrun.py) for `python -m leanagent.train.programs
+    ...`: one process per device, also on CPU."""
+    cmd = [sys.executable, "-m", "leanagent.launch.torchrun", f"--nproc-per-node={cfg.devices}"]
+    if cfg.num_nodes > 1:
+        cmd += [f"--nnodes={cfg.num_nodes}", f"--node-rank={cfg.node_rank}", "--rdzv-backend=static",
+                f"--rdzv-endpoint={cfg.rdzv_endpoint}"]
+    else:
+        cmd += ["--standalone", "--nnodes=1"]
+    if log_dir is not None:
+        cmd += [f"--log-dir={log_dir}", "--tee=3"]
+    cmd += [*entry, *program_args]
+    return cmd
+
+
+def child_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    for key in SCRUBBED_ENV:
+        env.pop(key, None)
+    # torchrun prefixes every worker line with its global rank, so the supervisor can attribute it.
+    env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class JobProcesses:
+    """Every process of one job that this machine runs, each by pid and start time.
+
+    torchrun (our child) is known from the start; its descendants (the ranks, in sessions of their
+    own, and their DataLoader workers) are found by walking /proc, every `REFRESH_SECONDS` while the
+    job runs, and once more before anything is signalled; the ranks' own records in `JOB/pids/`
+    add any that were orphaned before a walk saw them. A pid whose start time changed is another
+    process and is never signalled.
+    """
+
+    def __init__(self, proc: subprocess.Popen, job_dir: Path) -> None:
+        self.proc = proc
+        self.job_dir = job_dir
+        self.known: dict[int, int] = {}  # pid -> start time
+        self.ranks: dict[int, int] = {}  # the rank processes among them (torchrun's children, pid records)
+        info = read_proc(proc.pid)  # our unreaped child: this pid is torchrun's until we wait for it
+        self.torchrun = (proc.pid, info.start) if info is not None else None
+        if self.torchrun is not None:
+            self.known[proc.pid] = info.start
+        self._refreshed = 0.0
+
+    def refresh(self, force: bool = True) -> dict[int, int]:
+        """Look for new processes of the job; return those still running (pid -> start time)."""
+        now = time.monotonic()
+        if not force and now - self._refreshed < REFRESH_SECONDS:
+            return self.known
+        self._refreshed = now
+        table = process_table()
+        running = {pid: start for pid, start in self.known.items()
+                   if pid in table and table[pid].start == start and table[pid].running}
+        for pid in descendants(table, set(running)):
+            running.setdefault(pid, table[pid].start)
+            if self.torchrun is not None and table[pid].ppid == self.torchrun[0] and self.torchrun[0] in running:
+                self.ranks.setdefault(pid, table[pid].start)
+        for pid, start in rank_records(self.job_dir).items():
+            self.ranks.setdefault(pid, start)
+            if pid in table and table[pid].start == start and table[pid].running:
+                running.setdefault(pid, start)
+        # Forget the dead: their pids may be reused by anyone.
+        self.known = {pid: start for pid, start in running.items() if table[pid].running}
+        return self.known
+
+    def alive(self) -> dict[int, int]:
+        return self.refresh(force=True)
+
+    def ranks_ended(self) -> bool:
+        """Some rank has ended while another still runs."""
+        alive = [is_running(pid, start) for pid, start in self.ranks.items()]
+        return any(alive) and not all(alive)
+
+    def signal(self, sig: int, torchrun: bool = True) -> int:
+        """`sig` to every known process and to the process group each leads; the number signalled.
+
+        `torchrun=False` spares torchrun itself: a second SIGTERM (its parent-death signal, if the launcher
+        dies during the grace) can break its own clean-up and leave it waiting forever on its log threads.
+        Ended ranks make it end its job and exit by itself.
+        """
+        spare = self.torchrun[0] if self.torchrun is not None and not torchrun else None
+        return sum(signal_verified(pid, start, sig, group=True) for pid, start in list(self.known.items())
+                   if pid != spare)
+
+
+def end_job(jobs: JobProcesses, grace_s: float = GRACE_SECONDS, emit: Callable[[str], None] | None = None,
+            interrupted: bool = False) -> None:
+    """SIGTERM every process of the job, give them `grace_s` to write what they can, SIGKILL what remains.
+
+    Once one rank has ended, the others get at most PEER_GONE_GRACE_SECONDS more: they cannot complete
+    a collective without it. Returns when none is left (or, for a process in uninterruptible sleep, after
+    KILL_WAIT_SECONDS more).
+    A SIGINT/SIGTERM/SIGHUP meanwhile (in the main thread) skips the rest of the grace period; unless the
+    job is being ended because of an interrupt already, that signal is delivered again afterwards.
+    """
+    hurry = HoldSignals(redeliver=not interrupted)
+    with hurry:
+        alive = jobs.alive()
+        if not alive:
+            _reap(jobs.proc)
+            return
+        if emit is not None and grace_s > 1.0:
+            emit(f"[launcher] SIGTERM to the ranks ({len(alive)} process(es) in the job: {sorted(alive)})")
+        jobs.signal(signal.SIGTERM, torchrun=False)
+        jobs.signal(signal.SIGCONT)  # a stopped rank cannot act on SIGTERM until it runs again
+        if _wait_until_gone(jobs, grace_s, hurry):
+            return
+        alive = jobs.alive()
+        if emit is not None:
+            emit(f"[launcher] SIGKILL to {len(alive)} process(es) still running: {sorted(alive)}")
+        jobs.signal(signal.SIGKILL)
+        if _wait_until_gone(jobs, KILL_WAIT_SECONDS, None):
+            return
+        if emit is not None:
+            emit(f"[launcher] still running after SIGKILL (uninterruptible sleep?): {sorted(jobs.alive())}")
+
+
+def _wait_until_gone(jobs: JobProcesses, wait_s: float, hurry: HoldSignals | None) -> bool:
+    deadline = time.monotonic() + wait_s
+    peer_gone = hurry is None  # only the grace period (with `hurry`) is cut short
+    while True:
+        _reap(jobs.proc, block=False)
+        if not jobs.alive():
+            _reap(jobs.proc)
+            return True
+        if not peer_gone and jobs.ranks_ended():
+            peer_gone = True
+            deadline = min(deadline, time.monotonic() + PEER_GONE_GRACE_SECONDS)
+        if time.monotonic() >= deadline or (hurry is not None and hurry.signalled is not None):
+            return False
+        time.sleep(0.1)
+
+
+def _reap(proc: subprocess.Popen, block: bool = True) -> None:
+    try:
+        proc.wait(timeout=5.0) if block else proc.poll()
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class LocalJob(RunningJob):
+    """torchrun and its ranks on this machine, read through one pipe."""
+
+    def __init__(self, proc: subprocess.Popen, job_dir: Path) -> None:
+        self.proc = proc
+        self.processes = JobProcesses(proc, job_dir)
+        self._selector = selectors.DefaultSelector()
+        assert proc.stdout is not None
+        self._selector.register(proc.stdout, selectors.EVENT_READ)
+        self._open = True
+
+    def read(self, timeout_s: float) -> bytes | None:
+        if not self._open:
+            return None
+        out = b""
+        for _key, _ in self._selector.select(timeout=timeout_s):
+            chunk = os.read(self.proc.stdout.fileno(), 65536)  # type: ignore[union-attr]
+            if not chunk:
+                self._selector.unregister(self.proc.stdout)
+                self._selector.close()
+                self._open = False
+                return out or None
+            out += chunk
+        return out
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+    def refresh(self) -> None:
+        self.processes.refresh(force=False)
+
+    def wait(self) -> int:
+        return self.proc.wait()
+
+    def end(self, grace_s: float, emit: Callable[[str], None], interrupted: bool = False) -> None:
+        end_job(self.processes, grace_s, emit, interrupted=interrupted)
+        if self._open:
+            self._selector.close()
+            self._open = False
+
+
+class LocalLauncher(Launcher):
+    """torchrun here: `--standalone`, or one node of `trainer.num_nodes` with torchrun's static rendezvous.
+
+    `entry` replaces `-m leanagent.train.programs` (tests run probe scripts under the same launcher).
+    """
+
+    def __init__(self, cfg: TrainerConfig, entry: Sequence[str] = PROGRAMS_ENTRY) -> None:
+        self.cfg = cfg
+        self.entry = tuple(entry)
+        self.node_rank = cfg.node_rank
+        self.devices = cfg.devices
+
+    def start(self, program_args: Sequence[str], job_dir: Path, log_dir: Path) -> LocalJob:
+        cmd = torchrun_command(self.cfg, program_args, log_dir=log_dir, entry=self.entry)
+        env = {**child_environment(), **supervisor_environment(job_dir)}
+        quiet_environment(env, self.cfg.devices)
+        # Own session: signals meant for the launcher (a terminal's Ctrl-C) do not hit the ranks mid-step; the
+        # launcher ends the job itself. PDEATHSIG: if this thread dies (SIGKILL, OOM), the kernel SIGTERMs torchrun.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, preexec_fn=parent_death_signal(signal.SIGTERM), bufsize=0)
+        return LocalJob(proc, job_dir)

@@ -1,0 +1,147 @@
+"""The diagonal empirical Fisher of the retriever, for EWC: `per_example`, the default estimator.
+
+F_i = (1/N) * sum_n (d loss_n / d theta_i)^2 over the N training examples of a repository, each example
+scored against its own positive and negatives. It squares *per-example* gradients. Under DDP the
+gradient all-reduce would average before squaring, so this pass takes gradients with
+`torch.autograd.grad` (DDP's reducer never sees them), accumulates local fp32 sums, and all-reduces
+the sums and the true example count once at the end. Padding items (`is_padding`) are skipped,
+dropout is off (eval mode), sums are fp32. Two computations of the same sums:
+
+- "loop" (here): per example, its context alone and its premise columns (unpadded) through the encoder
+  and one `autograd.grad` to the parameters. Bit-identical however the data is batched or sharded.
+- "vectorised" (`vectorised.py`): the batch's examples in two forwards, each example's parameter
+  gradients rebuilt from layer activations and output gradients. Equal to the loop up to float
+  tolerance, but it holds every layer's output gradients at once, and ran out of an H200's memory
+  in a real Fisher job; opt-in (README, Performance).
+
+`reference.py` is LeanAgent's own estimator. The Fisher files are written by
+`leanagent.checkpoints.save_fisher`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+
+from leanagent.model.fisher.vectorised import PerExampleGrads, accumulate_squared_example_grads, unsupported_modules
+from leanagent.model.retriever import PremiseRetriever, contrastive_mse
+
+METHODS = ("auto", "loop", "vectorised")
+# What `auto` picks, by measurement (README, Performance): the loop is faster on a CPU, and the vectorised pass ran
+# out of an H200's 139 GiB in a real Fisher job; so the loop everywhere, "vectorised" opt-in.
+AUTO_METHOD = "loop"
+
+
+class FisherModule(pl.LightningModule):
+    """Runs one epoch over the training examples and accumulates squared per-example gradients.
+
+    `method`: "loop" (one `autograd.grad` per example), "vectorised" (two forwards and one backward per
+    batch, per-example gradients rebuilt from activations and output gradients; memory-hungry) or
+    "auto" (`AUTO_METHOD`). Both give the same sums up to float tolerance (see the module docstring).
+    """
+
+    def __init__(self, retriever: PremiseRetriever, method: str = "auto") -> None:
+        super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"unknown Fisher method {method!r}; choose one of {METHODS}")
+        self.retriever = retriever
+        self.method = method
+        self.automatic_optimization = False
+        self.names = [n for n, p in retriever.named_parameters() if p.requires_grad]
+        self.unsupported = unsupported_modules(retriever)
+        if method == "vectorised" and self.unsupported:
+            raise ValueError(f"the vectorised Fisher does not cover {self.unsupported[:5]}; use method='loop'")
+        self.sums: dict[str, torch.Tensor] = {}
+        self.count = 0
+        self.fisher: dict[str, torch.Tensor] = {}
+        self.num_examples = 0
+        self._hooks: PerExampleGrads | None = None
+
+    def configure_optimizers(self) -> None:
+        return None
+
+    def resolved_method(self, device: torch.device) -> str:
+        if self.method != "auto":
+            return self.method
+        if self.unsupported:
+            return "loop"
+        return AUTO_METHOD
+
+    def on_train_epoch_start(self) -> None:
+        self.sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.retriever.named_parameters()
+                     if n in self.names}
+        self.count = 0
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        # Dropout off: the Fisher describes the model as it is used, and must not depend on the rank's RNG.
+        self.retriever.eval()
+        if self.resolved_method(batch["context_ids"].device) == "vectorised":
+            if self._hooks is None:
+                self._hooks = PerExampleGrads(self.retriever, {id(p): n for n, p in self.retriever.named_parameters()
+                                                                if n in self.names})
+            self.count += accumulate_squared_example_grads(self.retriever, batch, self.sums, self._hooks)
+            return
+        params = [p for n, p in self.retriever.named_parameters() if n in self.names]
+        sums = [self.sums[n] for n in self.names]
+        # Every example's lengths in one host read: a read per example would stall a GPU between examples.
+        padding, ctx_lens, prem_lens = _example_lengths(batch)
+        for i in range(len(padding)):
+            if padding[i]:
+                continue
+            loss = self.example_loss(batch, i, ctx_lens[i], prem_lens[i])
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            used = [(total, grad.float()) for total, grad in zip(sums, grads, strict=True) if grad is not None]
+            totals, squared = [t for t, _ in used], [g for _, g in used]
+            torch._foreach_addcmul_(totals, squared, squared)  # sums += grad^2, one multi-tensor kernel
+            self.count += 1
+
+    def example_loss(self, batch: dict[str, Any], i: int, ctx_len: int, prem_len: int) -> torch.Tensor:
+        """Example i alone, unpadded (its context's length and its longest premise's, from `_example_lengths`),
+        so that its loss is bit-identical however the data is batched or sharded."""
+        b = len(batch["index"])
+        columns = list(range(i, batch["premise_ids"].shape[0], b))
+        context = self.retriever.encode(batch["context_ids"][i : i + 1, :ctx_len],
+                                        batch["context_mask"][i : i + 1, :ctx_len])
+        premises = self.retriever.encode(batch["premise_ids"][columns, :prem_len],
+                                         batch["premise_mask"][columns, :prem_len])
+        label = batch["label"][i : i + 1, columns]
+        return contrastive_mse(context, premises, label)
+
+    def on_train_epoch_end(self) -> None:
+        names = sorted(self.sums)
+        flat = torch.cat([self.sums[n].flatten() for n in names])
+        count = torch.tensor([float(self.count)], device=flat.device, dtype=torch.float64)
+        if is_distributed():
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            dist.all_reduce(count, op=dist.ReduceOp.SUM)
+        total = int(count.item())
+        if total == 0:
+            raise RuntimeError("the Fisher pass saw no training example")
+        self.fisher = unflatten(flat / total, names, self.sums)
+        self.num_examples = total
+
+
+def _example_lengths(batch: dict[str, Any]) -> tuple[list[bool], list[int], list[int]]:
+    """Per batch item: is it padding, its context's length, and the longest of its premise columns'."""
+    b = len(batch["index"])
+    prem = batch["premise_mask"].sum(dim=1).view(-1, b).amax(dim=0)  # row i + j * b is item i's column j
+    ctx = batch["context_mask"].sum(dim=1)
+    padding, ctx_lens, prem_lens = torch.stack([batch["is_padding"].to(ctx.device).long(), ctx, prem]).tolist()
+    return [bool(p) for p in padding], ctx_lens, prem_lens
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def unflatten(flat: torch.Tensor, names: list[str], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name in names:
+        numel = like[name].numel()
+        out[name] = flat[offset : offset + numel].view_as(like[name]).cpu()
+        offset += numel
+    return out
