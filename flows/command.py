@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from prefect.exceptions import ExternalSignal
 
 from flows.lifelong import BAD_INPUT, REFUSALS, describe_interrupt, lifelong_retrieval
-from flows.temporary_server import TemporaryServerError, temporary_server
+from flows.temporary_server import TemporaryServerError, send_queued, temporary_server
 from leanagent.config import load_config
 from leanagent.launch.base import LaunchError
 from leanagent.report import RunReport
@@ -30,7 +30,10 @@ def run_from_cli(config_path: str) -> int:
     try:
         load_config(config_path)  # fail in milliseconds, before Prefect starts a temporary server
         with temporary_server(), _NotTwice.on_the_console():
-            summary = lifelong_retrieval(config_path=config_path)
+            try:
+                summary = lifelong_retrieval(config_path=config_path)
+            finally:
+                send_queued()
     except (*BAD_INPUT, TemporaryServerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -53,9 +53,15 @@ def temporary_server() -> Iterator[None]:
         yield
     finally:
         if server is not None:
-            for worker in (APILogWorker, EventsWorker):
-                worker.drain_all(timeout=DRAIN_SECONDS)
+            send_queued()
             server.stop()
+
+
+def send_queued() -> None:
+    """Send the logs and events still queued for the API (a bounded wait), now rather than at the interpreter's
+    exit, where a slow send prints "EventsWorker - Still processing items" after the command's last word."""
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=DRAIN_SECONDS)
 
 
 def _start():  # -> SubprocessASGIServer | None

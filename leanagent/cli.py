@@ -211,6 +211,37 @@ def cmd_run(args: argparse.Namespace) -> int:
             return exc.exit_code
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """What a run has in the SLURM queue (and what its stages' last jobs became)."""
+    from leanagent.launch.slurm import SlurmError, run_jobs
+
+    try:
+        jobs = run_jobs(Path(args.run_dir))
+    except SlurmError as exc:
+        return _fail(str(exc))
+    if not jobs:
+        print(f"{args.run_dir}: no SLURM job recorded (launcher: local, or nothing submitted yet)")
+        return 0
+    for job_dir, job_id, state in jobs:
+        stage = job_dir.relative_to(Path(args.run_dir) / "jobs")
+        what = "forgotten by SLURM" if state is None else state.state + (
+            f" ({state.reason})" if state.reason and state.reason != "None" else "")
+        print(f"{job_id:>10}  {what:<28} {stage}")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """scancel every job of a run still in the queue (a SIGKILLed flow could not)."""
+    from leanagent.launch.slurm import SlurmError, cancel
+
+    try:
+        ids = cancel(Path(args.run_dir))
+    except SlurmError as exc:
+        return _fail(str(exc))
+    print(f"cancelled {len(ids)} job(s){': ' + ', '.join(map(str, ids)) if ids else ''}")
+    return 0
+
+
 EXIT_USAGE = 2  # export, index, retrieve: a bad argument or input, as argparse reports its own
 
 
@@ -408,6 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True)
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("status", help="what a run has in the SLURM queue (launcher: slurm)")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("cancel", help="scancel every SLURM job of a run still in the queue")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_cancel)
 
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder with a model card")
     p.add_argument("checkpoint", help="a leanagent .ckpt, a LeanAgent/ReProver .ckpt (or consolidated DeepSpeed "

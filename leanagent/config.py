@@ -76,9 +76,7 @@ class TrainerConfig(_Section):
         None, gt=0, description="also write the job's last.ckpt every this many minutes, mid-epoch (atomic)")
 
     @model_validator(mode="after")
-    def _multi_node_needs_endpoint(self) -> TrainerConfig:
-        if self.num_nodes > 1 and not self.rdzv_endpoint:
-            raise ValueError("trainer.rdzv_endpoint (host:port of node 0) is required when trainer.num_nodes > 1")
+    def _node_rank_within_nodes(self) -> TrainerConfig:
         if self.node_rank >= self.num_nodes:
             raise ValueError(f"trainer.node_rank ({self.node_rank}) must be < trainer.num_nodes ({self.num_nodes})")
         return self
@@ -118,16 +116,55 @@ class RepoConfig(_Section):
         return self.name or self.path.name
 
 
+class SlurmConfig(_Section):
+    """How each job is submitted under `launcher: slurm`: one SLURM job per train, Fisher or evaluate job."""
+
+    partition: str | None = Field(None, description="sbatch --partition (None: the cluster's default)")
+    account: str | None = Field(None, description="sbatch --account")
+    qos: str | None = Field(None, description="sbatch --qos")
+    time: str | None = Field(None, description="sbatch --time, e.g. 1-00:00:00 (a job at its limit is resumed)")
+    nodes: int | None = Field(None, gt=0, description="nodes per job (default trainer.num_nodes, which it must equal)")
+    gpus_per_node: int | None = Field(
+        None, gt=0, description="ranks (GPUs) per node (default trainer.devices, which it must equal)")
+    cpus_per_task: int | None = Field(None, gt=0, description="sbatch --cpus-per-task (one task per node: torchrun)")
+    mem: str | None = Field(None, description="sbatch --mem, e.g. 64G")
+    constraint: str | None = Field(None, description="sbatch --constraint")
+    extra_args: list[str] = Field(default_factory=list, description="more sbatch arguments, e.g. [--exclusive]")
+    setup: list[str] = Field(default_factory=list,
+                             description="shell lines run in the job before the ranks start (module load ..., "
+                                         "source .venv/bin/activate)")
+    signal_lead_s: int = Field(120, ge=0, description="seconds before the time limit at which the ranks are asked "
+                                                      "to checkpoint and stop (sbatch --signal=B:USR2@...)")
+    max_requeues: int = Field(3, ge=0, description="resubmissions of a job that was stopped for its time limit, "
+                                                   "preempted or lost a node")
+    poll_s: float = Field(5.0, gt=0, description="seconds between looks at the queue")
+
+
 class PipelineConfig(_Section):
-    launcher: Literal["local"] = Field(
-        "local", description="how each job's ranks are started: local = torchrun on this machine "
-                             "(leanagent/launch/NAME.py is the launcher NAME)")
+    launcher: Literal["local", "slurm"] = Field(
+        "local", description="how each job's ranks are started: local = torchrun on this machine, slurm = one "
+                             "SLURM job each (leanagent/launch/NAME.py is the launcher NAME)")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     trainer: TrainerConfig = TrainerConfig()
     lifelong: LifelongConfig = LifelongConfig()
+    slurm: SlurmConfig = SlurmConfig()
     run_dir: Path = Path("runs/leanagent")
     repos: list[RepoConfig] = []
+
+    @model_validator(mode="after")
+    def _nodes_and_rendezvous(self) -> PipelineConfig:
+        trainer = self.trainer
+        if self.launcher == "local" and trainer.num_nodes > 1 and not trainer.rdzv_endpoint:
+            raise ValueError("trainer.rdzv_endpoint (host:port of node 0) is required when trainer.num_nodes > 1 "
+                             "with launcher: local (under launcher: slurm the job finds its first node itself)")
+        for key, mine, theirs, their_key in (("slurm.nodes", self.slurm.nodes, trainer.num_nodes, "trainer.num_nodes"),
+                                             ("slurm.gpus_per_node", self.slurm.gpus_per_node, trainer.devices,
+                                              "trainer.devices")):
+            if mine is not None and mine != theirs:
+                raise ValueError(f"{key} is {mine} but {their_key} is {theirs}: the ranks are trainer.devices x "
+                                 f"trainer.num_nodes, so set both alike")
+        return self
 
 
 class ConfigError(ValueError):

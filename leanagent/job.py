@@ -5,6 +5,7 @@ share memory, only this folder, so its protocol lives here, on the ground floor,
 
 - the program's command line (`program_argv`): what the launcher starts, what `programs.main` parses;
 - `result.json` (`result_filename`): written by rank 0 last, so its presence means the job is finished;
+  `needs-resume.json` instead when the ranks were asked to stop (a time limit ahead) and saved a checkpoint;
 - `heartbeat/rankN.json` (`beat`, `stale_ranks`, `read_progress`): each rank's liveness, and rank 0's
   progress snapshot, which the launcher's watchdog and progress display read;
 - the errors a job's inputs or folder are refused with, before anything is launched.
@@ -22,6 +23,10 @@ from leanagent.ranks import global_rank
 
 Program = Literal["train", "fisher", "evaluate"]
 PROGRAMS_MODULE = "leanagent.train.programs"  # what runs inside each rank: `python -m leanagent.train.programs ...`
+# A launcher that can be told to stop ahead of a time limit (SLURM) names a file here; when it appears the ranks
+# save a step checkpoint at their next step, and rank 0 writes NEEDS_RESUME_FILE instead of result.json.
+STOP_FILE_ENV = "LEANAGENT_STOP_FILE"
+NEEDS_RESUME_FILE = "needs-resume.json"
 
 
 class JobInputError(ValueError):

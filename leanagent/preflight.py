@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,6 +214,65 @@ def check_rendezvous(trainer: TrainerConfig) -> list[str]:
     return []
 
 
+def check_launcher(cfg: PipelineConfig, device_count: int | None = None) -> list[str]:
+    """Where the ranks will run: this machine's GPUs and the static rendezvous (local), or the cluster (slurm).
+
+    Under SLURM the flow runs on a login node or a Prefect worker, which has no GPUs of its own: the
+    partition is asked instead (`sinfo`), before anything is submitted.
+    """
+    if cfg.launcher == "local":
+        return check_accelerator(cfg.trainer, device_count) + check_rendezvous(cfg.trainer)
+    return check_slurm(cfg)
+
+
+def check_slurm(cfg: PipelineConfig) -> list[str]:
+    """sbatch is there, the partition exists and offers the nodes (and GPUs per node) a job asks for."""
+    missing = [tool for tool in ("sbatch", "squeue", "scontrol", "scancel", "sinfo") if shutil.which(tool) is None]
+    if missing:
+        return [f"launcher: slurm needs SLURM's commands, but {', '.join(missing)} is not on PATH; run the flow on "
+                f"a login node of the cluster, or set launcher: local"]
+    slurm, trainer = cfg.slurm, cfg.trainer
+    args = ["sinfo", "-h", "-o", "%P|%D|%G|%a"]
+    if slurm.partition:
+        args[1:1] = ["-p", slurm.partition]
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return ["launcher: slurm: sinfo did not answer within 60 s; is the controller up?"]
+    if done.returncode != 0:
+        reason = (done.stderr.strip() or f"exit {done.returncode}").splitlines()[-1]
+        return [f"launcher: slurm: sinfo failed ({reason}); is SLURM_CONF right and the controller up?"]
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.count("|") == 3]
+    if slurm.partition and not rows:
+        known = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=60).stdout.split()
+        return [f"slurm.partition: {slurm.partition!r} is not a partition of this cluster (it has "
+                f"{', '.join(sorted({p.rstrip('*') for p in known})) or 'none'})"]
+    nodes = slurm.nodes or trainer.num_nodes
+    offered = sum(int(count) for _, count, _, _ in rows if count.isdigit())
+    where = f"partition {slurm.partition}" if slurm.partition else "the cluster's partitions"
+    problems = []
+    if offered and nodes > offered:
+        problems.append(f"slurm.nodes / trainer.num_nodes: {nodes} node(s) per job, but {where} has {offered}")
+    if trainer.accelerator in ("gpu", "cuda"):
+        gpus = max((_gpus(gres) for _, _, gres, _ in rows), default=0)
+        per_node = slurm.gpus_per_node or trainer.devices
+        if gpus < per_node:
+            problems.append(f"slurm.gpus_per_node / trainer.devices: {per_node} GPU(s) per node, but the nodes of "
+                            f"{where} offer {gpus} (Gres {sorted({r[2] for r in rows})}); set trainer.accelerator: cpu "
+                            f"for a CPU partition")
+    return problems
+
+
+def _gpus(gres: str) -> int:
+    """GPUs per node from sinfo's Gres column (`gpu:4`, `gpu:a100:4(S:0-1)`, `(null)`)."""
+    total = 0
+    for item in gres.split(","):
+        fields = item.split("(")[0].split(":")
+        if fields[0] == "gpu" and fields[-1].isdigit():
+            total += int(fields[-1])
+    return total
+
+
 # ---- disk -------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -313,7 +373,7 @@ def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path
                   checkpoint: Path | None = None, fisher: Path | None = None, validate: bool = True,
                   free_bytes: int | None = None, device_count: int | None = None) -> None:
     """Everything one job needs, checked before it is launched; raises PreflightError listing each problem."""
-    problems = check_accelerator(cfg.trainer, device_count) + check_rendezvous(cfg.trainer)
+    problems = check_launcher(cfg, device_count)
     checkpoint_config: dict[str, Any] | None = None
     unknown = False  # a bad input file: what it would have told us (architecture, size) is unknown
     if checkpoint is not None:
@@ -354,7 +414,7 @@ def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path
 def preflight_run(cfg: PipelineConfig, validate: bool = True, free_bytes: int | None = None,
                   device_count: int | None = None) -> None:
     """Everything a lifelong run needs, checked before its first job; nothing is written into run_dir."""
-    problems = check_accelerator(cfg.trainer, device_count) + check_rendezvous(cfg.trainer)
+    problems = check_launcher(cfg, device_count)
     start = cfg.lifelong.start_checkpoint
     if start is not None and not start.exists():
         problems.append(f"lifelong.start_checkpoint: {start}: no such checkpoint file or folder")

@@ -36,6 +36,7 @@ MANIFEST_VERSION = 1
 RUN_IRRELEVANT_KEYS = (
     "run_dir",
     "launcher",
+    "slurm",
     "data.num_workers",
     "trainer.log_every_n_steps",
     "trainer.node_rank",

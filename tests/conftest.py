@@ -60,6 +60,18 @@ def unit_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_demo_repos(tmp_path_factory.mktemp("unit_repo") / "data", 1, seed=3)[0]
 
 
+@pytest.fixture(scope="session")
+def ddp_assets(tmp_path_factory) -> dict[str, Path]:
+    """Two synthetic repositories (seed 7) and a tiny encoder: the DDP and SLURM jobs' inputs."""
+    root = tmp_path_factory.mktemp("ddp_assets")
+    from leanagent.data.synthetic import write_demo_repos
+    from leanagent.model.presets import write_random_encoder
+
+    repos = write_demo_repos(root / "data", 2, seed=7)
+    model = write_random_encoder(root / "model", "tiny", seed=0)
+    return {"root": root, "repo_a": repos[0], "repo_b": repos[1], "model": model}
+
+
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in override.items():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import os
 import re
 import shutil
 import time
@@ -34,8 +35,14 @@ from leanagent.config import PipelineConfig
 from leanagent.job import heartbeat_dir, read_progress, result_filename, stale_ranks
 from leanagent.launch.progress_view import job_label, progress_view
 from leanagent.launch.quiet import NoiseFilter, verbose
-from leanagent.supervision import pids_dir
+from leanagent.supervision import SUPERVISION_ENV, pids_dir
 
+SCRUBBED_ENV = (
+    "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS", *SUPERVISION_ENV,
+)
 RANK_LINE = re.compile(r"^\[rank (\d+)\] ?(.*)$")
 FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)")
 TAIL_LINES = 30
@@ -222,6 +229,16 @@ def failing_rank(tails: dict[int, list[str]], launcher_tail: list[str]) -> int |
         if any(line.startswith("Traceback") for line in tails[rank]):
             return rank
     return min(tails) if tails else None
+
+
+def child_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    for key in SCRUBBED_ENV:
+        env.pop(key, None)
+    # torchrun prefixes every worker line with its global rank, so the supervisor can attribute it.
+    env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
 
 
 def launcher_for(cfg: PipelineConfig) -> Launcher:

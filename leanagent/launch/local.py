@@ -27,10 +27,9 @@ from pathlib import Path
 
 from leanagent.config import PipelineConfig, TrainerConfig
 from leanagent.job import PROGRAMS_MODULE
-from leanagent.launch.base import GRACE_SECONDS, Launcher, RunningJob
+from leanagent.launch.base import GRACE_SECONDS, Launcher, RunningJob, child_environment
 from leanagent.launch.quiet import quiet_environment
 from leanagent.supervision import (
-    SUPERVISION_ENV,
     HoldSignals,
     descendants,
     is_running,
@@ -42,12 +41,6 @@ from leanagent.supervision import (
     supervisor_environment,
 )
 
-SCRUBBED_ENV = (
-    "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCHELASTIC_ERROR_FILE", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS", *SUPERVISION_ENV,
-)
 KILL_WAIT_SECONDS = 15.0  # after SIGKILL: only a process in uninterruptible sleep (D) takes longer
 REFRESH_SECONDS = 1.0  # how often the launcher looks for new processes of the job
 # Once a rank has ended, its peers cannot complete any collective (with the seed's one-year DDP timeout they
@@ -75,16 +68,6 @@ def torchrun_command(cfg: TrainerConfig, program_args: Sequence[str], log_dir: P
         cmd += [f"--log-dir={log_dir}", "--tee=3"]
     cmd += [*entry, *program_args]
     return cmd
-
-
-def child_environment(base: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
-    for key in SCRUBBED_ENV:
-        env.pop(key, None)
-    # torchrun prefixes every worker line with its global rank, so the supervisor can attribute it.
-    env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank ${rank}] "
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 class JobProcesses:

@@ -127,20 +127,63 @@ class StepCheckpoint(Callback):
         if not due:
             return
         started = time.monotonic()
-        path = str(self.path)
-        # The same file as the ModelCheckpoint of this folder writes at the epoch's end, and known to it as its
-        # last.ckpt (before saving: it is part of the state); else it would find a last.ckpt it did not write
-        # and put its own in last-v1.ckpt.
-        for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath \
-                    and Path(callback.dirpath).resolve() == self.dirpath.resolve():
-                path = callback.last_model_path = callback.format_checkpoint_name({}, callback.CHECKPOINT_NAME_LAST)
-        trainer.save_checkpoint(path)
+        path = save_step_checkpoint(trainer, self.dirpath)
         self.save_seconds.append(time.monotonic() - started)
         self._last_step, self._last_time = step, time.monotonic()
         if trainer.global_rank == 0:
             print(f"step checkpoint: epoch {trainer.current_epoch} step {step} -> {path} "
                   f"in {self.save_seconds[-1]:.2f}s", flush=True)
+
+
+def save_step_checkpoint(trainer: pl.Trainer, dirpath: Path) -> str:
+    """Write the job's `last.ckpt` now, mid-epoch (collective: every rank calls it); its path.
+
+    The same file as the ModelCheckpoint of this folder writes at the epoch's end, and known to it as its
+    last.ckpt (before saving: it is part of the state); else it would find a last.ckpt it did not write and
+    put its own in last-v1.ckpt.
+    """
+    path = str(Path(dirpath) / LAST_CHECKPOINT)
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath \
+                and Path(callback.dirpath).resolve() == Path(dirpath).resolve():
+            path = callback.last_model_path = callback.format_checkpoint_name({}, callback.CHECKPOINT_NAME_LAST)
+    trainer.save_checkpoint(path)
+    return path
+
+
+class StopRequested(Exception):
+    """The ranks were asked to stop (a time limit ahead) and saved a step checkpoint: the job is to be resumed."""
+
+
+class StopOnRequest(Callback):
+    """Checkpoint and stop when the launcher's stop file appears (SLURM, before the time limit or on preemption).
+
+    Checked after every optimizer step; the ranks agree with one all-reduce (one rank may see the file a
+    step before another), save a step checkpoint together and raise `StopRequested`, which the train
+    program turns into `needs-resume.json`. Not on an epoch's last batch (ModelCheckpoint's epoch checkpoint
+    follows it; a step checkpoint there would resume past the epoch's validation): one step later. Inactive
+    without a stop file to watch (`leanagent.job.STOP_FILE_ENV`), so the local launcher pays nothing.
+    """
+
+    def __init__(self, dirpath: Path, stop_file: str | None) -> None:
+        self.dirpath = Path(dirpath)
+        self.stop_file = Path(stop_file) if stop_file else None
+        self._last_step = -1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.stop_file is None or trainer.global_step == self._last_step:
+            return
+        self._last_step = trainer.global_step
+        if batch_idx + 1 >= trainer.num_training_batches:
+            return
+        if not trainer.strategy.reduce_boolean_decision(self.stop_file.exists(), all=False):
+            return
+        path = save_step_checkpoint(trainer, self.dirpath)
+        if trainer.global_rank == 0:
+            print(f"stopping to be resumed: epoch {trainer.current_epoch} step {trainer.global_step} -> {path}",
+                  flush=True)
+        raise StopRequested(path)
 
 
 class RandomState(Callback):

@@ -23,12 +23,12 @@ from leanagent.checkpoints import BadFileError, epoch_step, read_fisher, save_fi
 from leanagent.config import PipelineConfig, load_config
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.data.errors import DatasetError
-from leanagent.job import beat, result_filename
+from leanagent.job import NEEDS_RESUME_FILE, beat, result_filename
 from leanagent.model.fisher import FisherModule, ReferenceFisherModule
 from leanagent.model.loading import load_retriever
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.ranks import global_rank, local_rank, node_rank
-from leanagent.train.callbacks import Heartbeat
+from leanagent.train.callbacks import Heartbeat, StopRequested
 from leanagent.train.plan import JOB_PLAN, ewc_anchor, plan_training, start_at_epoch
 from leanagent.train.trainer import (
     build_eval_trainer,
@@ -236,7 +236,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.program != "evaluate" and len(args.dataset) != 1:
         raise SystemExit(f"{args.program} takes exactly one --dataset, got {len(args.dataset)}")
     if args.program == "train":
-        result = run_train(cfg, args.dataset[0], job_dir, args.checkpoint, args.fisher)
+        try:
+            result = run_train(cfg, args.dataset[0], job_dir, args.checkpoint, args.fisher)
+        except StopRequested as stopped:
+            # Asked to stop before a time limit: the step checkpoint is written; a rerun resumes from it.
+            if global_rank() == 0:
+                write_json_atomic(job_dir / NEEDS_RESUME_FILE, {"checkpoint": str(stopped), "time": time.time()})
+            shutdown_process_group()
+            return
     elif args.program == "fisher":
         result = run_fisher(cfg, args.dataset[0], job_dir, args.checkpoint)
     else:

@@ -22,12 +22,14 @@ from pytorch_lightning.strategies import DDPStrategy
 
 from leanagent.atomic import write_atomic
 from leanagent.config import TrainerConfig
+from leanagent.job import STOP_FILE_ENV
 from leanagent.train.callbacks import (
     MONITOR,
     DatasetEpoch,
     RandomState,
     RepositoryEarlyStopping,
     StepCheckpoint,
+    StopOnRequest,
 )
 
 TENSORBOARD_DIR = "tensorboard"
@@ -158,6 +160,7 @@ def build_training_trainer(cfg: TrainerConfig, job_dir: Path, max_epochs: int,
                                 restore_state=resuming_this_job),
         StepCheckpoint(job_dir / "checkpoints", cfg.checkpoint_every_n_steps, cfg.checkpoint_every_minutes),
         RandomState(restore=resuming_this_job),
+        StopOnRequest(job_dir / "checkpoints", os.environ.get(STOP_FILE_ENV)),
         DatasetEpoch(),
         *(extra_callbacks or []),
     ]

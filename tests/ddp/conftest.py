@@ -7,22 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
-
-from leanagent.data.synthetic import write_demo_repos
-from leanagent.model.presets import write_random_encoder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO_ROOT / "tests" / "ddp_scripts"
-
-
-@pytest.fixture(scope="session")
-def ddp_assets(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("ddp_assets")
-    repos = write_demo_repos(root / "data", 2, seed=7)
-    model = write_random_encoder(root / "model", "tiny", seed=0)
-    return {"root": root, "repo_a": repos[0], "repo_b": repos[1], "model": model}
 
 
 def write_config(path: Path, model: Path, devices: int = 2, **overrides) -> Path:

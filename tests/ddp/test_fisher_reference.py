@@ -21,7 +21,7 @@ from leanagent.checkpoints import load_fisher
 from leanagent.data.corpus import Corpus
 from leanagent.data.examples import build_train_examples
 from leanagent.data.theorems import load_split
-from leanagent.launch.local import child_environment
+from leanagent.launch.base import child_environment
 from leanagent.model.retriever import PremiseRetriever
 
 from .conftest import REPO_ROOT, leanagent

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from leanagent.config import TrainerConfig
-from leanagent.launch.base import LaunchError
-from leanagent.launch.local import LocalLauncher, child_environment
+from leanagent.launch.base import LaunchError, child_environment
+from leanagent.launch.local import LocalLauncher
 
 from .conftest import SCRIPTS
 

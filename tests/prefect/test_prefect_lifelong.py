@@ -42,7 +42,11 @@ def run3(prefect_harness: None, tmp_path_factory: pytest.TempPathFactory, demo_a
          ) -> FinishedRun:
     root = tmp_path_factory.mktemp("lifelong")
     config_path = write_cpu_config(root / "config.yaml", root / "run", demo_assets.repos[:3])
-    state = lifelong_retrieval(config_path=str(config_path), return_state=True)
+    # Every rank line, Lightning's per-job ones included: rank 1 prints little else, and the test below checks
+    # that the lines of both ranks reach the flow run's logs (what is hidden is tests/unit/test_quiet_progress.py's).
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LEANAGENT_VERBOSE", "1")
+        state = lifelong_retrieval(config_path=str(config_path), return_state=True)
     assert state.is_completed(), state.message
     return FinishedRun(config_path, root / "run", state.state_details.flow_run_id, state.result())
 

@@ -14,7 +14,7 @@ def test_retries_are_not_spent_on_refused_input() -> None:
     def retried(exc: BaseException) -> bool:
         return retry_unless_bad_input(None, None, Failed(data=exc))  # type: ignore[arg-type]
 
-    assert retried(LaunchError("rank 1 died", 1, 1, []))
+    assert retried(LaunchError("rank 1 died", 1, []))
     assert not retried(JobInputError("no such checkpoint"))
     assert not retried(JobFinishedError("result.json exists"))
 

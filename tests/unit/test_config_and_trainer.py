@@ -12,7 +12,8 @@ from pytorch_lightning.callbacks import EarlyStopping, LearningRateMonitor, Mode
 from pytorch_lightning.strategies import DDPStrategy
 
 from leanagent.config import ONE_YEAR_SECONDS, ConfigError, PipelineConfig, TrainerConfig, load_config
-from leanagent.launch.local import SCRUBBED_ENV, child_environment, torchrun_command
+from leanagent.launch.base import SCRUBBED_ENV, child_environment
+from leanagent.launch.local import torchrun_command
 from leanagent.train.trainer import build_fisher_trainer, build_training_trainer, ddp_strategy
 
 

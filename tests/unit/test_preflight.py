@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from pydantic import ValidationError
 from transformers import T5EncoderModel
 
 from leanagent.config import PipelineConfig, RepoConfig, TrainerConfig
@@ -200,3 +201,24 @@ def test_repositories_need_distinct_names_and_at_least_one(assets, tmp_path):
     assert f"both named {assets['repo'].name!r}" in message and "give one a distinct `name`" in message
     empty = twins.model_copy(update={"repos": []})
     assert "lists no repository" in refusal(preflight_run, empty, free_bytes=BIG)
+
+
+def test_the_slurm_section_is_checked_when_the_config_is_read():
+    base = {"launcher": "slurm", "trainer": {"accelerator": "cpu", "devices": 2, "num_nodes": 2}}
+    cfg = PipelineConfig.model_validate(base)  # no rdzv_endpoint needed: the job finds its first node
+    assert cfg.slurm.nodes is None and cfg.slurm.max_requeues == 3
+    with pytest.raises(ValidationError, match="slurm.nodes is 3 but trainer.num_nodes is 2"):
+        PipelineConfig.model_validate({**base, "slurm": {"nodes": 3}})
+    with pytest.raises(ValidationError, match="extra_forbidden|Extra inputs"):
+        PipelineConfig.model_validate({**base, "slurm": {"partitions": "gpu"}})
+    with pytest.raises(ValidationError, match="rdzv_endpoint"):
+        PipelineConfig.model_validate({**base, "launcher": "local"})
+
+
+def test_launcher_slurm_without_slurms_commands_is_refused_naming_them(assets, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # a machine without SLURM
+    cfg = cpu_config(assets, tmp_path).model_copy(update={"launcher": "slurm"})
+    message = refusal(preflight_run, cfg, free_bytes=BIG)
+    assert message.startswith("launcher: slurm needs SLURM's commands, but sbatch, squeue, scontrol, scancel, sinfo "
+                              "is not on PATH"), message
+    assert "\n" not in message

@@ -1,0 +1,176 @@
+"""The lifelong flow under `launcher: slurm`: the same recall matrix as under `local`, reruns that submit nothing,
+a SIGKILLed `leanagent run` whose rerun reattaches, and a Prefect cancel that leaves nothing in the queue."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.lifelong import lifelong_retrieval
+from leanagent.supervision import descendants, process_table
+from tests.slurm.cluster import Cluster
+from tests.slurm.test_slurm import REPO_ROOT, STARTUP_S, job_ids, wait_for
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.prefect]
+
+
+def flow_config(path: Path, assets, run_dir: Path, launcher: str, repos: list[Path], **lifelong) -> Path:
+    nodes, devices = (2, 1) if launcher == "slurm" else (1, 2)
+    cfg = {
+        "launcher": launcher,
+        "model": {"name_or_path": str(assets.model), "lr": 1e-3, "warmup_steps": 5, "max_seq_len": 256},
+        "data": {"batch_size": 4, "eval_batch_size": 16, "max_seq_len": 256, "num_workers": 0},
+        "trainer": {"accelerator": "cpu", "devices": devices, "num_nodes": nodes, "precision": "bf16-mixed",
+                    "accumulate_grad_batches": 1},
+        "lifelong": {"epochs_per_repo": 1, "ewc_lambda": 0.1, **lifelong},
+        "slurm": {"partition": "debug", "poll_s": 0.5},
+        "run_dir": str(run_dir),
+        "repos": [{"path": str(p)} for p in repos],
+    }
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def all_job_ids(run_dir: Path) -> dict[str, list[int]]:
+    return {str(p.parent.parent.relative_to(run_dir)): json.loads(p.read_text())["job_ids"]
+            for p in sorted(run_dir.glob("jobs/**/slurm/job.json"))}
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_the_three_repository_flow_under_slurm_gives_the_local_recall_matrix_and_a_rerun_submits_nothing(
+        cluster: Cluster, demo_assets, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun gives 2 local ranks: the same sums, bit for bit
+    local = lifelong_retrieval(config_path=str(flow_config(tmp_path / "local.yaml", demo_assets, tmp_path / "local",
+                                                           "local", demo_assets.repos)))
+    config = flow_config(tmp_path / "slurm.yaml", demo_assets, tmp_path / "slurm", "slurm", demo_assets.repos)
+    started = time.monotonic()
+    first = lifelong_retrieval(config_path=str(config))
+    took = time.monotonic() - started
+    assert first["order"] == local["order"]
+    assert first["matrix"] == local["matrix"] and first["baseline"] == local["baseline"]
+    submitted = all_job_ids(tmp_path / "slurm")
+    # One SLURM job per train, Fisher and evaluation job of the flow: 3 x (train, fisher, evaluate) + untrained.
+    assert len(submitted) == 10 and all(len(ids) == 1 for ids in submitted.values()), submitted
+    print(f"\n[slurm] 3-repository flow: {took:.0f} s under slurm for {len(submitted)} jobs")
+    again = lifelong_retrieval(config_path=str(config))
+    assert again["matrix"] == first["matrix"]
+    assert all_job_ids(tmp_path / "slurm") == submitted  # nothing was submitted again
+    assert not cluster.jobs()
+
+
+def _cli(log: Path, config: Path, env: dict[str, str]) -> subprocess.Popen:
+    with open(log, "w") as f:
+        return subprocess.Popen([sys.executable, "-m", "leanagent.cli", "run", "--config", str(config)], stdout=f,
+                                stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env, start_new_session=True)
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
+                                                           "PREFECT_API_URL")}
+    (tmp_path / "prefect-home").mkdir(exist_ok=True)
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               OMP_NUM_THREADS="1")
+    return env
+
+
+def _running_job(cluster: Cluster, job_dir: Path) -> int | None:
+    ids = job_ids(job_dir) if (job_dir / "slurm" / "job.json").is_file() else []
+    if ids and cluster.run("squeue", "-h", "-j", str(ids[-1]), "-o", "%T", check=False).stdout.strip() == "RUNNING":
+        return ids[-1]
+    return None
+
+
+def test_a_sigkilled_leanagent_run_is_rerun_and_reattaches_to_its_job(cluster: Cluster, demo_assets, tmp_path):
+    run_dir = tmp_path / "run"
+    # Long enough that the rerun, which starts its own Prefect server first, finds the job still running.
+    config = flow_config(tmp_path / "cfg.yaml", demo_assets, run_dir, "slurm", demo_assets.repos[:1],
+                         epochs_per_repo=30)
+    train = run_dir / "jobs" / "00-repo_0" / "train"
+    cli = _cli(tmp_path / "first.log", config, _env(tmp_path))
+    try:
+        wait_for(lambda: _running_job(cluster, train) is not None, 2 * STARTUP_S, "the training job running")
+        job_id = _running_job(cluster, train)
+        os.killpg(cli.pid, signal.SIGKILL)  # the flow, the temporary server: all of `leanagent run`, at once
+        cli.wait(timeout=30)
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+    assert cluster.jobs() == [str(job_id)]  # nothing could cancel it: the job goes on
+    rerun = _cli(tmp_path / "rerun.log", config, _env(tmp_path))
+    rerun.wait(timeout=1800)
+    log = (tmp_path / "rerun.log").read_text()
+    assert rerun.returncode == 0, log[-4000:]
+    assert f"slurm: reattached to job {job_id}" in log
+    assert job_ids(train) == [job_id]  # one job id for the stage
+    assert not cluster.jobs()
+
+
+def _tree(pid: int) -> set[int]:
+    table = process_table()
+    return {pid} | descendants(table, {pid})
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_prefect_cancel_of_a_served_run_leaves_no_job_in_the_queue(cluster: Cluster, demo_assets, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.settings import PREFECT_API_URL
+    from prefect.states import Cancelling
+
+    run_dir = tmp_path / "run"
+    config = flow_config(tmp_path / "cfg.yaml", demo_assets, run_dir, "slurm", demo_assets.repos[:1],
+                         epochs_per_repo=50)
+    name = f"slurm-cancel-{os.getpid()}"
+    env = _env(tmp_path)
+    env.update(PREFECT_API_URL=PREFECT_API_URL.value(), PREFECT_RUNNER_POLL_FREQUENCY="1")
+    with open(tmp_path / "serve.log", "w") as f:
+        serve = subprocess.Popen([sys.executable, "deployments/serve.py", "--name", name], cwd=REPO_ROOT, env=env,
+                                 stdout=f, stderr=subprocess.STDOUT)
+    train = run_dir / "jobs" / "00-repo_0" / "train"
+    try:
+        with get_client(sync_client=True) as client:
+            deployment = None
+
+            def deployed() -> bool:
+                nonlocal deployment
+                try:
+                    deployment = client.read_deployment_by_name(f"lifelong-retrieval/{name}")
+                except Exception:  # noqa: BLE001 - not served yet
+                    return False
+                return True
+
+            wait_for(deployed, STARTUP_S, "the deployment served")
+            serving = _tree(serve.pid)  # the runner and its helpers, before the run: not the run's processes
+            run = client.create_flow_run_from_deployment(deployment.id, parameters={"config_path": str(config)})
+            wait_for(lambda: _running_job(cluster, train) is not None, 2 * STARTUP_S, "the training job running")
+            # The flow-run process and what it started; not the resource tracker that the runner's multiprocessing
+            # starts with its first run and keeps for the next.
+            flow_processes = {p for p in _tree(serve.pid) - serving
+                              if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()}
+            client.set_flow_run_state(run.id, Cancelling(message="cancelled by test_slurm_flow"))
+            cancelled = time.monotonic()
+            wait_for(lambda: not cluster.jobs(), 120, "the queue empty")
+            emptied = time.monotonic() - cancelled
+            wait_for(lambda: client.read_flow_run(run.id).state.type == StateType.CANCELLED, 120,
+                     "the flow run Cancelled")
+        table = process_table()
+        left = {p: Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in flow_processes
+                if p in table and table[p].running}
+        assert not left, left
+        stage = json.loads((run_dir / "manifest.json").read_text())["repos"]["00-repo_0"]["stages"]["train"]
+        assert stage["status"] == "interrupted", stage
+        print(f"\n[slurm] Prefect cancel of a served run: the queue empty {emptied:.1f} s after the cancel")
+    finally:
+        serve.send_signal(signal.SIGINT)
+        try:
+            serve.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
