@@ -309,7 +309,9 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
         state = args.state
     try:
         loading = time.perf_counter()
-        index = PremiseIndex.load(Path(args.index), device=args.device)
+        index = PremiseIndex.load(Path(args.index), device=args.device, model=args.model, force=args.force)
+        for warning in index.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
         start = time.perf_counter()
         hits = index.retrieve(state, k=args.k, file=args.file, line=args.line, column=args.column)
         seconds = time.perf_counter() - start
@@ -326,6 +328,14 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
     # A prover keeps the index loaded (`leanagent.PremiseIndex`); this process paid for imports and loading once.
     print(f"answered in {1000 * seconds:.1f} ms (index and model loaded in {start - loading:.1f} s)", file=sys.stderr)
     return 0
+
+
+def _add_model_check_arguments(p: argparse.ArgumentParser) -> None:
+    """`retrieve` and `serve`: the index refuses a model other than the one its corpus was embedded with."""
+    p.add_argument("--model", help="encode states with this checkpoint or HF folder instead of the one index.json "
+                                   "names (e.g. both moved); it must hold the same weights")
+    p.add_argument("--force", action="store_true",
+                   help="use the index even when its model changed since it was built (stale embeddings), warning")
 
 
 VERBOSE_HELP = ("show every line of the ranks, known third-party warnings included (LEANAGENT_VERBOSE=1 does the "
@@ -469,7 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", type=int, default=10)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    _add_model_check_arguments(p)
     p.set_defaults(func=cmd_retrieve)
+
     return parser
 
 
