@@ -274,6 +274,24 @@ class PremiseIndex:
         with _precision(self.device):
             return self.retriever.encode(ids.to(self.device), mask.to(self.device))
 
+    @torch.inference_mode()
+    def encode_premises(self, texts: list[str], batch_size: int = 32) -> torch.Tensor:
+        """Embeddings of premise texts (serialized as the corpus's, name tagged), cut at the index's premise length,
+        in length-sorted batches, and rounded to bf16 as the stored rows were: ranked together with those rows,
+        a text equal to an indexed premise's scores as that premise does (up to the rounding of padded batches)."""
+        from leanagent.data.dataset import tokenize_texts
+
+        out = torch.empty(len(texts), self.embeddings.shape[1], dtype=self.embeddings.dtype, device=self.device)
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        max_len = int(self.meta["max_seq_len"])
+        for lo in range(0, len(order), batch_size):
+            rows = order[lo:lo + batch_size]
+            ids, mask = tokenize_texts(self.retriever.tokenizer, [texts[i] for i in rows], max_len)
+            with _precision(self.device):
+                emb = self.retriever.encode(ids.to(self.device), mask.to(self.device))
+            out[torch.tensor(rows, device=self.device)] = emb.to(torch.bfloat16).to(self.embeddings.dtype)
+        return out
+
     def retrieve(self, state: str, k: int = 10, file: str | None = None, line: int | None = None,
                  column: int = 0) -> list[Hit]:
         """The k best premises for `state`, best first; only those accessible at `file`:`line` when given."""
