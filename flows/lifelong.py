@@ -28,6 +28,7 @@ from prefect.exceptions import Abort, ExternalSignal
 
 from leanagent.checkpoints import prune_checkpoints
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, load_config, resolve_paths
+from leanagent.dataset_strategy import training_datasets
 from leanagent.preflight import preflight_run
 from leanagent.report import RunReport
 from leanagent.run_state import (
@@ -231,9 +232,18 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
             "lifelong": report.lifelong_metrics(), "manifest": str(state.path), "run_dir": str(cfg.run_dir)}
 
 
+def training_data(cfg: PipelineConfig, ordered: list[RepoConfig], state: RunState) -> list[Path]:
+    """Stage i's training and Fisher dataset: repository i itself (`single`), or repositories 0..i merged
+    (`merge_all`, written once under run_dir and recorded in the manifest). Evaluation always uses each
+    repository's own test split."""
+    return training_datasets(cfg, [r.display_name for r in ordered], [r.path for r in ordered], state,
+                             log=get_run_logger().info)
+
+
 def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoConfig], state: RunState,
                     options: JobOptions) -> RunReport:
     names = [r.display_name for r in ordered]
+    datasets = training_data(cfg, ordered, state)
     report = RunReport(names)
     artifacts = _Artifacts(report, state.path)
     jobs = cfg.run_dir / "jobs"
@@ -251,13 +261,13 @@ def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoCo
     fisher: Path | None = None
     for i, repo in enumerate(ordered):
         name = stage_name(i, repo.display_name, TRAIN)
-        train = run_stage(state, name, train_retriever, options, artifacts, dataset=repo.path, out=jobs / name,
+        train = run_stage(state, name, train_retriever, options, artifacts, dataset=datasets[i], out=jobs / name,
                           checkpoint=checkpoint, fisher=fisher if ewc else None, timeout_s=options.train_timeout_s,
                           **common)
         checkpoint = Path(train["checkpoint"])  # the newest (LeanAgent) or the best: lifelong.checkpoint
         # Always, as LeanAgent does, so that EWC can be switched on for a later repository.
         name = stage_name(i, repo.display_name, FISHER)
-        result = run_stage(state, name, compute_fisher, options, artifacts, dataset=repo.path, out=jobs / name,
+        result = run_stage(state, name, compute_fisher, options, artifacts, dataset=datasets[i], out=jobs / name,
                            checkpoint=checkpoint, timeout_s=options.fisher_timeout_s, **common)
         fisher = Path(result["fisher"])
         evaluations = run_evaluations(
