@@ -339,14 +339,12 @@ def _add_model_check_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import socket
-
     import uvicorn
     from pydantic import ValidationError
 
     from leanagent.config import format_validation_error
     from leanagent.index import PremiseIndex, PremiseIndexError
-    from leanagent.serve import ServeLimits, create_app
+    from leanagent.serve import ServeLimits, create_app, listen
 
     problem = _check_device(args.device)
     if problem:
@@ -364,8 +362,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     app = create_app(index, limits)  # before listening: a client never meets a half-built server
     try:  # bound here, so that --port 0 works and the line below names the real port
-        sock = socket.create_server((args.host, args.port), family=socket.AF_INET6 if ":" in args.host
-                                    else socket.AF_INET)
+        sock = listen(args.host, args.port)
     except OSError as exc:
         return _usage_error(f"--host {args.host} --port {args.port}: cannot listen there ({exc.strerror or exc})")
     host, port = sock.getsockname()[:2]

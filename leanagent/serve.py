@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -455,6 +456,27 @@ def create_app(index: PremiseIndex | PremiseServer, limits: ServeLimits | None =
         return JSONResponse(await run_in_threadpool(server.retrieve, _parse(body)))
 
     return app
+
+
+def listen(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> socket.socket:
+    """A listening TCP socket for uvicorn's `sockets=` (bound by us, so that port 0 can be reported).
+
+    Made with proto IPPROTO_TCP, and with TCP_NODELAY, which accepted connections inherit: asyncio sets NODELAY
+    only on sockets whose proto says TCP, and `socket.create_server` leaves it 0. Without it every response
+    (headers, then body: two writes) waited for the client's delayed ACK, 40 ms a request on Linux."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP,
+                               flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def load_app(folder: str, device: str = "cpu", model: str | None = None, force: bool = False,

@@ -30,7 +30,7 @@ from leanagent.data.corpus import serialize_premise
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.index import PremiseIndex, build_index
 from leanagent.model.presets import write_random_encoder
-from leanagent.serve import PremiseServer, RetrieveRequest, ServeLimits, create_app, lean_name, module_name
+from leanagent.serve import PremiseServer, RetrieveRequest, ServeLimits, create_app, lean_name, listen, module_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STATE = "x y n m : Nat\n⊢ Eq (HAdd.hAdd (glend 0) (blix (quon x) m)) (HAdd.hAdd 0 (quon (blix x m)))"
@@ -56,7 +56,7 @@ class LiveServer:
     """uvicorn in a thread on a socket bound to 127.0.0.1:0 (no port race), stopped as Ctrl-C would stop it."""
 
     def __init__(self, app) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock = listen("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))  # logs reach caplog
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
@@ -438,3 +438,17 @@ def test_state_embedding_is_the_index_s(built) -> None:
     a = server.retrieve(RetrieveRequest(state="1 goals\n" + STATE, k=5))
     b = server.retrieve(RetrieveRequest(state=STATE, k=5))
     assert a == b and torch.equal(index.encode_state(STATE), index.encode_state("1 goals\n" + STATE))
+
+
+def test_the_listening_socket_sends_without_waiting_for_acks() -> None:
+    """A response is two writes (headers, body): without TCP_NODELAY the body waited for the client's delayed ACK
+    (40 ms a request on Linux). asyncio sets it only on sockets whose proto is TCP; `listen` makes them so."""
+    sock = listen("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP and sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        with socket.create_connection(sock.getsockname()[:2]):
+            accepted, _ = sock.accept()
+            with accepted:
+                assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        sock.close()
