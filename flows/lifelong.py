@@ -27,6 +27,7 @@ from prefect.states import Failed, State
 
 from leanagent.checkpoints import prune_checkpoints
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, load_config, resolve_paths
+from leanagent.dataset_strategy import training_datasets
 from leanagent.job import JobInputError
 from leanagent.preflight import preflight_run
 from leanagent.report import RunReport
@@ -231,7 +232,11 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
         config_file = cfg.run_dir / "leanagent-run-config.yaml"
         dump_config(cfg, config_file)  # every rank reads the config from this file
         state.set_order([r.display_name for r in ordered], [r.path for r in ordered])
-        report = _run_curriculum(cfg, config_file, ordered, state, options or JobOptions())
+        try:
+            datasets = training_data(cfg, ordered, state)  # merge_all: the merged datasets, checked before any job
+        except BAD_INPUT as exc:
+            return refused(exc)
+        report = _run_curriculum(cfg, config_file, ordered, datasets, state, options or JobOptions())
     return {"rows": report.rows, "matrix": report.matrix, "baseline": report.baseline, "order": report.names,
             "lifelong": report.lifelong_metrics(), "manifest": str(state.path), "run_dir": str(cfg.run_dir)}
 
@@ -247,8 +252,16 @@ def refused(exc: Exception) -> State:
     return Failed(message=str(exc), data=exc)
 
 
-def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoConfig], state: RunState,
-                    options: JobOptions) -> RunReport:
+def training_data(cfg: PipelineConfig, ordered: list[RepoConfig], state: RunState) -> list[Path]:
+    """Stage i's training and Fisher dataset: repository i itself (`single`), or repositories 0..i merged
+    (`merge_all`, written once under run_dir and recorded in the manifest). Evaluation always uses each
+    repository's own test split."""
+    return training_datasets(cfg, [r.display_name for r in ordered], [r.path for r in ordered], state,
+                             log=get_run_logger().info)
+
+
+def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoConfig], datasets: list[Path],
+                    state: RunState, options: JobOptions) -> RunReport:
     names = [r.display_name for r in ordered]
     report = RunReport(names)
     artifacts = _Artifacts(report, state.path)
@@ -267,13 +280,13 @@ def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoCo
     fisher: Path | None = None
     for i, repo in enumerate(ordered):
         name = stage_name(i, repo.display_name, TRAIN)
-        train = run_stage(state, name, train_retriever, options, artifacts, dataset=repo.path, out=jobs / name,
+        train = run_stage(state, name, train_retriever, options, artifacts, dataset=datasets[i], out=jobs / name,
                           checkpoint=checkpoint, fisher=fisher if ewc else None, timeout_s=options.train_timeout_s,
                           **common)
         checkpoint = Path(train["checkpoint"])  # the newest (LeanAgent) or the best: lifelong.checkpoint
         # Always, as LeanAgent does, so that EWC can be switched on for a later repository.
         name = stage_name(i, repo.display_name, FISHER)
-        result = run_stage(state, name, compute_fisher, options, artifacts, dataset=repo.path, out=jobs / name,
+        result = run_stage(state, name, compute_fisher, options, artifacts, dataset=datasets[i], out=jobs / name,
                            checkpoint=checkpoint, timeout_s=options.fisher_timeout_s, **common)
         fisher = Path(result["fisher"])
         evaluations = run_evaluations(

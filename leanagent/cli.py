@@ -314,7 +314,9 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
         state = args.state
     try:
         loading = time.perf_counter()
-        index = PremiseIndex.load(Path(args.index), device=args.device)
+        index = PremiseIndex.load(Path(args.index), device=args.device, model=args.model, force=args.force)
+        for warning in index.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
         start = time.perf_counter()
         hits = index.retrieve(state, k=args.k, file=args.file, line=args.line, column=args.column)
         seconds = time.perf_counter() - start
@@ -330,6 +332,61 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
         print("no accessible premise", file=sys.stderr)
     # A prover keeps the index loaded (`leanagent.PremiseIndex`); this process paid for imports and loading once.
     print(f"answered in {1000 * seconds:.1f} ms (index and model loaded in {start - loading:.1f} s)", file=sys.stderr)
+    return 0
+
+
+def _add_model_check_arguments(p: argparse.ArgumentParser) -> None:
+    """`retrieve` and `serve`: the index refuses a model other than the one its corpus was embedded with."""
+    p.add_argument("--model", help="encode states with this checkpoint or HF folder instead of the one index.json "
+                                   "names (e.g. both moved); it must hold the same weights")
+    p.add_argument("--force", action="store_true",
+                   help="use the index even when its model changed since it was built (stale embeddings), warning")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from leanagent.config import format_validation_error
+    from leanagent.index import PremiseIndex, PremiseIndexError
+    from leanagent.serve import ServeLimits, create_app, listen
+
+    problem = _check_device(args.device)
+    if problem:
+        return _usage_error(problem)
+    given = {"max_k": args.max_k, "max_new_premises": args.max_new_premises, "cache_size": args.cache_size}
+    try:
+        limits = ServeLimits(**{key: value for key, value in given.items() if value is not None})
+    except ValidationError as exc:
+        return _usage_error("--" + format_validation_error(exc).replace("_", "-"))
+    try:
+        index = PremiseIndex.load(Path(args.index), device=args.device, model=args.model, force=args.force)
+    except PremiseIndexError as exc:
+        return _usage_error(str(exc))
+    for warning in index.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    app = create_app(index, limits)  # before listening: a client never meets a half-built server
+    try:  # bound here, so that --port 0 works and the line below names the real port
+        sock = listen(args.host, args.port)
+    except OSError as exc:
+        return _usage_error(f"--host {args.host} --port {args.port}: cannot listen there ({exc.strerror or exc})")
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    config = uvicorn.Config(app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
+                            timeout_graceful_shutdown=10)
+    reason = "shutdown"
+    try:
+        # Ours until uvicorn takes the signals over, and again after: it shuts down gracefully, then re-raises
+        # the signal it got, which ours turns into Interrupted. A signal during start-up stops as cleanly.
+        with interrupt_on_signals():
+            print(f"serving {len(index)} premises of {args.index} at {url}; in Lean: set_option "
+                  f"premiseSelection.apiBaseUrl \"{url}\"  (Ctrl-C stops)", file=sys.stderr, flush=True)
+            uvicorn.Server(config).run(sockets=[sock])
+    except Interrupted as exc:
+        reason = str(exc)
+    finally:
+        sock.close()
+    print(f"stopped ({reason}) after {app.state.premise_server.requests} retrieval(s)", file=sys.stderr)
     return 0
 
 
@@ -482,7 +539,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", type=int, default=10)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    _add_model_check_arguments(p)
     p.set_defaults(func=cmd_retrieve)
+
+    p = sub.add_parser("serve", help="answer Lean's premise-selection API (premiseSelection.apiBaseUrl) from an index",
+                       description="Serve an INDEX over HTTP with the protocol of Lean's premise-selection cloud "
+                                   "client: GET /indexed-modules, /indexed-premises, /max-new-premises, /health and "
+                                   "POST /retrieve. The model and embeddings are loaded once.")
+    p.add_argument("index", help="an INDEX folder written by `leanagent index`")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=23337, help="port (default 23337; 0: any free port, printed)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--max-k", type=int, help="a larger k is capped to this (default 1024)")
+    p.add_argument("--max-new-premises", type=int,
+                   help="new premises one request may upload, what GET /max-new-premises says (default 2048)")
+    p.add_argument("--cache-size", type=int, help="new-premise embeddings kept between requests (default 16384)")
+    p.add_argument("--access-log", action="store_true", help="log every request")
+    _add_model_check_arguments(p)
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -100,6 +100,11 @@ class LifelongConfig(_Section):
     checkpoint: Literal["latest", "best"] = Field(
         "latest", description="which checkpoint of a repository the next one starts from and is evaluated: "
                               "the newest (LeanAgent) or the best by Recall@10_val")
+    dataset_strategy: Literal["single", "merge_all"] = Field(
+        "single", description="single: repository i trains (and computes its Fisher) on itself, LeanAgent's main "
+                              "setup; merge_all: on the merge of repositories 0..i in curriculum order (LeanAgent's "
+                              "merge rules, written once under run_dir/merged). Each is evaluated on its own test "
+                              "split either way")
     start_checkpoint: Path | None = Field(
         None, description="the first repository's training starts from this checkpoint (and the untrained "
                           "baseline is scored with it): one of ours, or a LeanAgent/ReProver retriever .ckpt, "

@@ -9,13 +9,16 @@ an INDEX folder:
 - `files.jsonl`: per corpus file its direct imports, its premises' row range and the last line a
   premise of it reaches: what accessibility needs, in the corpus's own terms, so the import closure
   is computed by the same `Corpus` code evaluation uses (exactly the same premises count);
-- `index.json`, written last (a folder without it is an unfinished index): the model, the dataset,
-  the embedding width and count, and the lengths states and premises are cut at.
+- `index.json`, written last (a folder without it is an unfinished index): the model and its identity
+  (path, and per weights file its size, modification time and SHA-256; `leanagent.model_identity`),
+  the dataset, the embedding width and count, and the lengths states and premises are cut at.
 
-`PremiseIndex.load` reads it and loads the encoder once; `PremiseIndex.retrieve` then formats a
-proof state as training did, encodes it and ranks premises with `top_k_accessible`, restricted to
-those accessible at a file and line when given: the premises of the files it imports
-(transitively) and those of the same file ending at or before that position.
+`PremiseIndex.load` reads it, refuses it when the model is no longer the one that embedded the corpus
+(a retrained `last.ckpt` at the same path would otherwise answer with stale embeddings), and loads the
+encoder once; `PremiseIndex.retrieve` then formats a proof state as training did, encodes it and ranks
+premises with `top_k_accessible`, restricted to those accessible at a file and line when given: the
+premises of the files it imports (transitively) and those of the same file ending at or before that
+position. Any line from 1 on is a position: past a file's last premise, all of its premises count.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 
 import torch
 
+from leanagent import model_identity
 from leanagent.atomic import refuse_non_empty, write_atomic, write_bytes_atomic
 from leanagent.config import DataConfig
 from leanagent.data.corpus import Corpus, FileRecord, Premise
@@ -73,6 +77,7 @@ def build_index(model: str | Path, dataset: str | Path, out: str | Path, device:
     if not corpus_file.is_file():
         raise PremiseIndexError(f"--dataset {dataset}: no corpus.jsonl in it")
     _check_out(out, force)
+    identity = model_identity.identify(model)  # before loading: the bytes the embeddings come from
     loaded = load_model(model, device, base_model=base_model)
     retriever = loaded.retriever
     max_len = int(retriever.hparams["max_seq_len"])
@@ -94,6 +99,7 @@ def build_index(model: str | Path, dataset: str | Path, out: str | Path, device:
         "format": FORMAT_VERSION,
         "checkpoint": str(loaded.checkpoint) if loaded.checkpoint else None,
         "model": str(loaded.model_dir) if loaded.model_dir else None,
+        "model_identity": identity,
         "base_model": base_model,  # the architecture of a LeanAgent/ReProver checkpoint, if given
         "dataset": str(dataset.resolve()),
         "corpus": str(corpus_file.resolve()),
@@ -183,7 +189,7 @@ class PremiseIndex:
     """A loaded index and its encoder: load once, query many times (each query is one encoder pass)."""
 
     def __init__(self, folder: Path, meta: dict[str, Any], embeddings: torch.Tensor, premises: list[dict[str, Any]],
-                 files: dict[str, _FileInfo], retriever: Any) -> None:
+                 files: dict[str, _FileInfo], retriever: Any, warnings: list[str] | None = None) -> None:
         self.folder = folder
         self.meta = meta
         self.embeddings = embeddings
@@ -192,17 +198,25 @@ class PremiseIndex:
         self.retriever = retriever
         self.device = retriever.device
         self.corpus = _accessibility_corpus(premises, files)
+        # What `load` let through with `force` (a changed model) or could not check: for the caller to show.
+        self.warnings: list[str] = list(warnings or [])
 
     @classmethod
-    def load(cls, folder: str | Path, device: str = "cpu") -> PremiseIndex:
+    def load(cls, folder: str | Path, device: str = "cpu", model: str | Path | None = None,
+             force: bool = False) -> PremiseIndex:
+        """Load an index and its encoder. `model` (a checkpoint or HF folder) replaces the one index.json names,
+        e.g. after moving both to another machine. Either way the model must hold the weights the corpus was
+        embedded with; otherwise this refuses in one line naming both, unless `force` (then `warnings` says so)."""
         from safetensors.torch import load_file
 
 
         folder = Path(folder)
         meta = _read_meta(folder)
-        model = meta.get("checkpoint") or meta.get("model")
-        if not model:
+        named = meta.get("checkpoint") or meta.get("model")
+        if not named and model is None:
             raise PremiseIndexError(f"{folder / INDEX_FILE}: names no checkpoint or model")
+        model = str(model) if model is not None else named
+        warnings = _check_model(folder, meta, Path(model), force)
         try:
             embeddings = load_file(str(folder / EMBEDDINGS_FILE))["embeddings"]
         except Exception as exc:  # safetensors raises its own SafetensorError; a wrong file, KeyError
@@ -226,7 +240,7 @@ class PremiseIndex:
         # values; one state against 76k premises took 32 ms there against 12.8 ms in bf16 on an AVX-512-BF16 CPU).
         embeddings = embeddings.to(loaded.retriever.device,
                                    torch.bfloat16 if loaded.retriever.device.type == "cuda" else torch.float32)
-        return cls(folder, meta, embeddings, premises, files, loaded.retriever)
+        return cls(folder, meta, embeddings, premises, files, loaded.retriever, warnings)
 
     def __len__(self) -> int:
         return len(self.premises)
@@ -241,12 +255,13 @@ class PremiseIndex:
 
     def accessible_mask(self, file: str, line: int, column: int = 0) -> torch.Tensor:
         """Premises accessible at (line, column) of `file`, exactly as at evaluation (`Corpus.accessible_mask`):
-        those of the files it imports, transitively, and those of `file` ending at or before that position."""
+        those of the files it imports, transitively, and those of `file` ending at or before that position.
+
+        Any line from 1 on is a position: a theorem being written after a file's last indexed premise (the main
+        use of a retriever) sees all of that file's premises. Only a line below 1 names no position."""
         path = self.resolve_file(file)
-        last = self.files[path].last_line
-        if line < 1 or (last is not None and line > last):
-            known = f"1-{last}" if last is not None else "from 1"
-            raise PremiseIndexError(f"--line {line}: out of range for {file} (the index knows lines {known})")
+        if line < 1:
+            raise PremiseIndexError(f"--line {line}: lines start at 1")
         return self.corpus.accessible_mask(path, (line, column))
 
     # -- querying --
@@ -258,6 +273,22 @@ class PremiseIndex:
                                    int(self.meta.get("context_max_len", CONTEXT_MAX_LEN)))
         with _precision(self.device):
             return self.retriever.encode(ids.to(self.device), mask.to(self.device))
+
+    @torch.inference_mode()
+    def encode_premises(self, texts: list[str], batch_size: int = 32) -> torch.Tensor:
+        """Embeddings of premise texts (serialized as the corpus's, name tagged), cut at the index's premise length,
+        in length-sorted batches, and rounded to bf16 as the stored rows were: ranked together with those rows,
+        a text equal to an indexed premise's scores as that premise does (up to the rounding of padded batches)."""
+        out = torch.empty(len(texts), self.embeddings.shape[1], dtype=self.embeddings.dtype, device=self.device)
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        max_len = int(self.meta["max_seq_len"])
+        for lo in range(0, len(order), batch_size):
+            rows = order[lo:lo + batch_size]
+            ids, mask = tokenize_texts(self.retriever.tokenizer, [texts[i] for i in rows], max_len)
+            with _precision(self.device):
+                emb = self.retriever.encode(ids.to(self.device), mask.to(self.device))
+            out[torch.tensor(rows, device=self.device)] = emb.to(torch.bfloat16).to(self.embeddings.dtype)
+        return out
 
     def retrieve(self, state: str, k: int = 10, file: str | None = None, line: int | None = None,
                  column: int = 0) -> list[Hit]:
@@ -280,6 +311,22 @@ class PremiseIndex:
             hits.append(Hit(len(hits) + 1, float(score), row, p["full_name"], p["path"], tuple(p["start"]),
                             tuple(p["end"]), p["text"]))
         return hits
+
+
+def _check_model(folder: Path, meta: dict[str, Any], model: Path, force: bool) -> list[str]:
+    """Refuse (or, with `force`, warn about) a model that is not the one the corpus was embedded with."""
+    recorded = meta.get("model_identity")
+    if not isinstance(recorded, dict):
+        return [f"{folder / INDEX_FILE}: records no model identity (built before leanagent recorded one), so a "
+                f"changed model cannot be detected; rebuild it with `leanagent index` to have that checked"]
+    now = model_identity.mismatch(recorded, model)
+    if now is None:
+        return []
+    problem = (f"{folder}: its corpus was embedded with {model_identity.describe(recorded)}, but the model is now "
+               f"{now}; its embeddings would be stale")
+    if not force:
+        raise PremiseIndexError(f"{problem}. Rebuild it with `leanagent index`, or pass --force to use it anyway")
+    return [f"{problem}; used anyway (--force)"]
 
 
 def _accessibility_corpus(premises: list[dict[str, Any]], files: dict[str, _FileInfo]) -> Corpus:

@@ -209,6 +209,8 @@ class LifelongRun:
     final_r1: float | None = None
     final_mrr: float | None = None
     report: RunReport | None = None  # a run_dir's full report
+    # A run_dir's LeanAgent setup (dataset strategy, curriculum, EWC), so that compared runs say what they are.
+    setup: str | None = None
 
     @property
     def short_name(self) -> str:
@@ -237,14 +239,15 @@ def load_run(path: str | Path) -> LifelongRun:
         if not manifest.is_file():
             raise SourceError(f"{path}: a folder without {MANIFEST_NAME} (not a run_dir of `leanagent run`)")
         try:
-            report = report_from_manifest(json.loads(manifest.read_text()))
+            data = json.loads(manifest.read_text())
+            report = report_from_manifest(data)
         except (json.JSONDecodeError, OSError, KeyError, TypeError, ValueError) as exc:
             raise SourceError(f"{manifest}: not a readable run manifest ({exc})") from None
         lm = report.lifelong_metrics()
         val = report.val_r10  # None where a train result has no Recall@10_val: IP is then None
         return LifelongRun(str(path), path.name, list(report.names[: len(report.matrix)]), check_matrix(report.matrix),
                            val if any(v is not None for v in val) else None, None, lm["final_R@1"], lm["final_MRR"],
-                           report)
+                           report, run_setup(data.get("config")))
     if not path.is_file():
         raise SourceError(f"{path}: no such run_dir or JSON file")
     try:
@@ -254,6 +257,18 @@ def load_run(path: str | Path) -> LifelongRun:
     except json.JSONDecodeError as exc:
         raise SourceError(f"{path}: not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
     return _run_from_json(path, doc)
+
+
+def run_setup(config: Any) -> str | None:
+    """`merge_all, curriculum, EWC 0.1`: LeanAgent's three switches, from a manifest's config (a run recorded before
+    `dataset_strategy` existed ran `single`, the default)."""
+    lifelong = config.get("lifelong") if isinstance(config, dict) else None
+    if not isinstance(lifelong, dict):
+        return None
+    ewc = lifelong.get("ewc_lambda") or 0
+    return ", ".join([str(lifelong.get("dataset_strategy", "single")),
+                      "curriculum" if lifelong.get("curriculum", True) else "given order",
+                      f"EWC {ewc:g}" if ewc else "no EWC"])
 
 
 def _run_from_json(path: Path, doc: Any) -> LifelongRun:
@@ -328,7 +343,8 @@ def comparison_json(runs: Sequence[LifelongRun]) -> dict[str, Any]:
     """What `leanagent report --json` writes: {"runs": [...]}, in the order given."""
     out = []
     for run, m in zip(runs, compare(runs), strict=True):
-        out.append({"source": run.source, "label": run.label, "names": run.names, "repositories": len(run.test_r10),
+        out.append({"source": run.source, "label": run.label, "setup": run.setup, "names": run.names,
+                    "repositories": len(run.test_r10),
                     **{k: m[k] for k in METRIC_COLUMNS}, "composite": m["composite"], "avg": m["avg"],
                     "val": run.val_r10, "final_R@1": m["final_R@1"], "final_R@10": m["final_R@10"],
                     "final_MRR": m["final_MRR"]})
@@ -342,6 +358,7 @@ def comparison_text(runs: Sequence[LifelongRun], markdown: bool = False) -> str:
     metrics = compare(runs)
     heads = [f"{k + 1}:{run.short_name}" for k, run in enumerate(runs)]
     table: list[tuple[str, list[str]]] = [
+        ("setup", [run.setup or "-" for run in runs]),
         ("repositories", [str(len(run.test_r10)) for run in runs]),
         ("final R@1", [_pct(m["final_R@1"]) for m in metrics]),
         ("final R@10", [_pct(m["final_R@10"]) for m in metrics]),
@@ -357,7 +374,7 @@ def comparison_text(runs: Sequence[LifelongRun], markdown: bool = False) -> str:
         bullets = "\n".join(f"- {line}" for line in legend)
         parts.append(f"## Lifelong metrics\n\n{text}\n{bullets}\n\n{GLOSSARY}")
     else:
-        width = [max(10, len(h)) for h in heads]
+        width = [max(10, len(h), *(len(cells[k]) for _, cells in table)) for k, h in enumerate(heads)]
         lines = [f"{'metric':<26} " + " ".join(f"{h:>{w}}" for h, w in zip(heads, width, strict=True))]
         lines += [f"{name:<26} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, width, strict=True))
                   for name, cells in table]

@@ -26,6 +26,7 @@ from leanagent.config import TrainerConfig
 from leanagent.launch.base import LaunchError
 from leanagent.launch.local import LocalLauncher
 from leanagent.supervision import descendants, is_running, process_table, read_proc
+from tests.prefect.prefect_api import served_deployment
 
 from .conftest import REPO_ROOT, write_config
 
@@ -381,17 +382,7 @@ def test_cancelling_a_served_deployment_run_ends_its_job(tmp_path, ddp_assets, l
     leftovers[serve.pid] = read_proc(serve.pid).start
     try:
         with get_client(sync_client=True) as client:
-            deployment = None
-
-            def deployed() -> bool:
-                nonlocal deployment
-                try:
-                    deployment = client.read_deployment_by_name(f"lifelong-retrieval/{name}")
-                except Exception:
-                    return False
-                return True
-
-            _wait_for(deployed, STARTUP_S, "the deployment served", serve)
+            deployment = served_deployment(client, name, STARTUP_S, serve)
             run = client.create_flow_run_from_deployment(deployment.id, parameters={"config_path": str(cfg)})
             _wait_for(lambda: len(_train_pids(run_dir)) == 2, 2 * STARTUP_S, "the training job's ranks running", serve)
             time.sleep(2.0)

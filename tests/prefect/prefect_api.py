@@ -41,3 +41,21 @@ def flow_run_artifacts(flow_run_id: UUID) -> list[Artifact]:
     with get_client(sync_client=True) as client:
         return client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+
+
+def served_deployment(client, name: str, timeout_s: float, server=None):
+    """The deployment `lifelong-retrieval/NAME` once a `deployments/serve.py` process has registered it.
+
+    `server` (its Popen) ends the wait early, with its output, if it exits first.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return client.read_deployment_by_name(f"lifelong-retrieval/{name}")
+        except Exception:  # noqa: BLE001 - not registered yet
+            pass
+        if server is not None and server.poll() is not None:
+            raise AssertionError(f"the serving process exited ({server.returncode}) before the deployment was served")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the deployment {name} was not served within {timeout_s:.0f} s")
+        time.sleep(0.5)

@@ -232,15 +232,27 @@ def test_a_stop_signal_before_the_time_limit_checkpoints_resubmits_and_finishes(
 
 
 def test_a_real_time_limit_with_a_signal_lead_is_survived(cluster, ddp_assets, tmp_path):
-    """`slurm.time: 2 min` and `signal_lead_s: 75` on a job that needs longer: SLURM signals the job (its
-    controller looks about every 30 s), the ranks stop at a step boundary, the job is resubmitted and finishes."""
-    cfg = write_config(tmp_path / "cfg.yaml", ddp_assets["model"], lifelong={"epochs_per_repo": 12},
-                       slurm={"time": "00:02:00", "signal_lead_s": 75, "max_requeues": 6})
+    """SLURM's own signal before a time limit: once training is under way the test shortens the job's limit
+    (`scontrol update TimeLimit`) to a minute or two from now, within `signal_lead_s`; SLURM signals the job at
+    its next look (about every 30 s), the ranks stop at a step boundary, the job is submitted again (with the
+    script's full limit) and finishes."""
+    # Early stopping off (patience longer than the job): it trains all its epochs, longer than the short limit.
+    cfg = write_config(tmp_path / "cfg.yaml", ddp_assets["model"], lifelong={"epochs_per_repo": 30},
+                       trainer={"early_stopping_patience": 100},
+                       slurm={"time": "00:10:00", "signal_lead_s": 120})
     out, log = tmp_path / "job", tmp_path / "train.log"
-    result = finished(start_train(cfg, ddp_assets["repo_a"], out, log), log, timeout_s=1800)
-    assert result["epoch"] == 12 and len(job_ids(out)) >= 2, job_ids(out)
-    assert "its ranks stopped to be resumed; submitting it again" in log.read_text()
-    assert result["start_global_step"] > 0
+    proc = start_train(cfg, ddp_assets["repo_a"], out, log)
+    wait_for(lambda: checkpoint_step(out / "checkpoints" / "last.ckpt") >= 10, STARTUP_S, "training under way")
+    [first] = job_ids(out)
+    elapsed = cluster.run("squeue", "-h", "-j", str(first), "-o", "%M").stdout.strip()  # [[D-]H:]M:SS
+    seconds = sum(int(x) * 60**k for k, x in enumerate(reversed(elapsed.replace("-", ":").split(":"))))
+    minutes = -(-(seconds + 50) // 60)  # SLURM keeps limits in whole minutes: 50 to 110 s from now, < the lead
+    cluster.run("scontrol", "update", f"JobId={first}", f"TimeLimit={minutes}")
+    result = finished(proc, log, timeout_s=1800)
+    text = log.read_text()
+    assert f"slurm: job {first} has 120 s left: asking the ranks to checkpoint and stop" in text, text[-3000:]
+    assert f"slurm: job {first}: its ranks stopped to be resumed; submitting it again" in text
+    assert result["epoch"] == 30 and len(job_ids(out)) == 2 and result["start_global_step"] > 0, job_ids(out)
     assert not cluster.jobs()
 
 

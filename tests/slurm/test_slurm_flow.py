@@ -16,6 +16,7 @@ import yaml
 
 from flows.lifelong import lifelong_retrieval
 from leanagent.supervision import descendants, process_table
+from tests.prefect.prefect_api import served_deployment
 from tests.slurm.cluster import Cluster
 from tests.slurm.test_slurm import REPO_ROOT, STARTUP_S, job_ids, wait_for
 
@@ -137,17 +138,7 @@ def test_a_prefect_cancel_of_a_served_run_leaves_no_job_in_the_queue(cluster: Cl
     train = run_dir / "jobs" / "00-repo_0" / "train"
     try:
         with get_client(sync_client=True) as client:
-            deployment = None
-
-            def deployed() -> bool:
-                nonlocal deployment
-                try:
-                    deployment = client.read_deployment_by_name(f"lifelong-retrieval/{name}")
-                except Exception:  # noqa: BLE001 - not served yet
-                    return False
-                return True
-
-            wait_for(deployed, STARTUP_S, "the deployment served")
+            deployment = served_deployment(client, name, STARTUP_S, serve)
             serving = _tree(serve.pid)  # the runner and its helpers, before the run: not the run's processes
             run = client.create_flow_run_from_deployment(deployment.id, parameters={"config_path": str(config)})
             wait_for(lambda: _running_job(cluster, train) is not None, 2 * STARTUP_S, "the training job running")

@@ -43,6 +43,15 @@ def test_leanagent_hyper_parameters_are_the_defaults():
     assert ewc.lifelong.ewc_lambda == 0.1
     assert ewc.model_dump(exclude={"lifelong", "run_dir", "repos"}) == cfg.model_dump(exclude={"lifelong", "run_dir",
                                                                                                "repos"})
+    assert life.dataset_strategy == "single"
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    for name, ewc_lambda in (("leanagent-merge-all.yaml", 0.0), ("leanagent-merge-all-ewc.yaml", 0.1)):
+        merge = load_config(configs / name)
+        assert (merge.lifelong.dataset_strategy, merge.lifelong.ewc_lambda) == ("merge_all", ewc_lambda), name
+        assert merge.lifelong.model_dump(exclude={"dataset_strategy", "ewc_lambda"}) == life.model_dump(
+            exclude={"dataset_strategy", "ewc_lambda"})
+        assert merge.model_dump(exclude={"lifelong", "run_dir", "repos"}) == cfg.model_dump(
+            exclude={"lifelong", "run_dir", "repos"})
 
 
 def test_seed_strategy_timeout():

@@ -206,14 +206,26 @@ def test_file_and_line_restrict_to_accessible_premises_exactly_as_evaluation(tra
     assert [h.score for h in restricted] == sorted((h.score for h in restricted), reverse=True)
 
 
+def test_a_line_past_the_last_premise_sees_all_of_the_file(trained, indexes):
+    """Proving a new theorem at the end of a file: every premise of the file is accessible there."""
+    index = PremiseIndex.load(indexes["trained"])
+    corpus = trained["corpus"]
+    path = next(p for p in corpus.paths if len(corpus.file_range(p)) > 1)
+    last = max(corpus.premises[i].end[0] for i in corpus.file_range(path))
+    state = "x y n m : Nat\n⊢ glend 0 + blix (quon x) m = 0 + quon (blix x m)"
+    before = index.retrieve(state, k=len(corpus), file=path, line=last - 1)
+    for line in (last + 1, 100_000):
+        hits = index.retrieve(state, k=len(corpus), file=path, line=line)
+        assert {h.index for h in hits} == set(corpus.file_range(path)) | set(corpus.imported_indices(path))
+    assert len(hits) > len(before)
+
+
 def test_query_errors_name_the_argument(indexes, trained):
     index = PremiseIndex.load(indexes["trained"])
     with pytest.raises(PremiseIndexError, match=r"^--file Nope\.lean: not a file"):
         index.retrieve("x", file="Nope.lean", line=3)
     path = trained["corpus"].paths[-1]
-    with pytest.raises(PremiseIndexError, match=r"^--line 100000: out of range for"):
-        index.retrieve("x", file=path, line=100000)
-    with pytest.raises(PremiseIndexError, match=r"^--line 0"):
+    with pytest.raises(PremiseIndexError, match=r"^--line 0: lines start at 1"):
         index.retrieve("x", file=path, line=0)
     with pytest.raises(PremiseIndexError, match="no such index folder"):
         PremiseIndex.load(trained["root"] / "missing")
@@ -269,7 +281,7 @@ def test_cli_index_then_retrieve_json(trained, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["retrieve", "{root}/missing", "--state", "x"], "missing: no such index folder"),
     (["retrieve", "{index}", "--state", "x", "--file", "Nope.lean", "--line", "1"], "--file Nope.lean"),
-    (["retrieve", "{index}", "--state", "x", "--file", "{path}", "--line", "99999"], "--line 99999: out of range"),
+    (["retrieve", "{index}", "--state", "x", "--file", "{path}", "--line", "0"], "--line 0: lines start at 1"),
     (["retrieve", "{index}", "--state", "x", "--file", "{path}"], "--file and --line go together"),
     (["index", "--model", "{root}/model", "--dataset", "{repo}", "--out", "{index}"], "not empty"),
     (["index", "--model", "{root}/nothing", "--dataset", "{repo}", "--out", "{root}/new"], "nothing"),

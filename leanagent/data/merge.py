@@ -1,0 +1,140 @@
+"""LeanAgent's "merge all" datasets: one LeanDojo dataset made of several repositories' datasets.
+
+Under `lifelong.dataset_strategy: merge_all` repository i trains on repositories 0..i merged, with the rules of
+LeanAgent's `DynamicDatabase.generate_merged_dataset`:
+
+- corpus: files keyed by path, the first repository's copy kept (a later copy of the same path is dropped, even
+  when its content differs; such paths are counted and named in `merge.json`, since a later repository's
+  annotations may point into the version that was dropped);
+- theorems: keyed by (file_path, full_name, start, end), the copy of the most recently processed repository (the
+  later in the curriculum) kept.
+
+One difference: LeanAgent re-splits the merged theorems itself (2% validation, 2% test, `random.seed(3407)`);
+here each theorem stays in the benchmark split its kept copy was in, so the merged validation set is the union
+of the repositories' validation sets and no repository's test theorem moves into training.
+
+The output is an ordinary LeanDojo dataset (`corpus.jsonl`, `SPLIT/{train,val,test}.json`), so `leanagent
+validate` and `leanagent examples` read it, plus `merge.json`: the sources, the counts, and the SHA-256 of every
+input and output file, by which a rerun tells a reusable merge from a stale one. It is written into a temporary
+folder renamed into place, so a crash never leaves half a dataset under the final name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from leanagent.atomic import write_atomic
+from leanagent.data.errors import DatasetError
+from leanagent.data.theorems import read_split_json, split_source
+
+SPLIT_FILES = ("train.json", "val.json", "test.json")
+MERGE_FILE = "merge.json"
+CORPUS_FILE = "corpus.jsonl"
+LISTED = 10  # conflicting paths named in merge.json
+_CHUNK = 1 << 20
+
+
+def dataset_files(split: str) -> list[str]:
+    """The files of a dataset that a merge reads, and writes: relative names, corpus first."""
+    return [CORPUS_FILE, *(f"{split}/{name}" for name in SPLIT_FILES)]
+
+
+def sha256_file(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def digests(dataset: Path, split: str) -> dict[str, str]:
+    """{relative name: SHA-256} of `dataset_files`; a missing file is recorded as "missing"."""
+    return {name: sha256_file(dataset / name) if (dataset / name).is_file() else "missing"
+            for name in dataset_files(split)}
+
+
+def _theorem_key(raw: Any, where: str) -> tuple:
+    try:
+        return (raw["file_path"], raw["full_name"], tuple(raw["start"]), tuple(raw["end"]))
+    except (KeyError, TypeError) as exc:
+        raise DatasetError(f"{where}: a theorem needs file_path, full_name, start and end to be merged "
+                           f"({type(exc).__name__}: {exc})") from None
+
+
+def merge_datasets(sources: Sequence[Path], out: Path, split: str = "random") -> dict[str, Any]:
+    """Write the merge of `sources` (in curriculum order) to the new folder `out`; return what `merge.json` holds."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out}: already exists; a merge is written only into a new folder")
+    inputs = {str(Path(s)): digests(Path(s), split) for s in sources}
+    tmp = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)  # our own leftover from a crash mid-merge
+    (tmp / split).mkdir(parents=True)
+    try:
+        kept, conflicts = _merge_corpus(sources, tmp / CORPUS_FILE)
+        counts, duplicates = _merge_theorems(sources, tmp / split, split)
+        info = {"sources": [str(Path(s)) for s in sources], "split": split, "files": kept,
+                "corpus_conflicts": len(conflicts), "conflicting_paths": conflicts[:LISTED],
+                "theorems": counts, "duplicate_theorems": duplicates, "inputs": inputs,
+                "outputs": digests(tmp, split)}
+        write_atomic(tmp / MERGE_FILE, lambda f: json.dump(info, f, indent=2, sort_keys=True))
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return info
+
+
+def _merge_corpus(sources: Sequence[Path], out: Path) -> tuple[int, list[str]]:
+    """Corpus lines by path, the first copy kept byte for byte; (files kept, paths whose later copies differ)."""
+    lines: dict[str, str] = {}
+    conflicts: list[str] = []
+    for source in sources:
+        corpus = Path(source) / CORPUS_FILE
+        with open(corpus, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    path = json.loads(line)["path"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise DatasetError(f"{corpus}:{lineno}: not a corpus record with a path") from None
+                text = line.rstrip("\n")
+                if path not in lines:
+                    lines[path] = text
+                elif lines[path] != text and path not in conflicts:
+                    conflicts.append(path)
+
+    def write(f) -> None:
+        for text in lines.values():
+            f.write(text + "\n")
+
+    write_atomic(out, write)
+    return len(lines), conflicts
+
+
+def _merge_theorems(sources: Sequence[Path], out: Path, split: str) -> tuple[dict[str, int], int]:
+    """Theorems by (file, name, start, end), the latest repository's copy kept, in the split that copy is in;
+    each one at the position where its key first appeared. ({split file: count}, duplicates dropped)."""
+    chosen: dict[tuple, tuple[str, Any]] = {}
+    duplicates = 0
+    for source in sources:
+        for name in SPLIT_FILES:
+            path = Path(source) / split / name
+            where = split_source(path)
+            for k, raw in enumerate(read_split_json(path)):
+                key = _theorem_key(raw, f"{Path(source).name}/{where}: theorem #{k}")
+                duplicates += key in chosen
+                chosen[key] = (name, raw)
+    counts = {}
+    for name in SPLIT_FILES:
+        theorems = [raw for split_name, raw in chosen.values() if split_name == name]
+        counts[name.removesuffix(".json")] = len(theorems)
+        write_atomic(out / name, lambda f, t=theorems: json.dump(t, f, ensure_ascii=False))
+    return counts, duplicates

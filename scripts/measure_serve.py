@@ -1,0 +1,170 @@
+"""Request latency (p50, p99) and requests/s of `leanagent serve` at 1, 8 and 32 concurrent clients.
+
+    python scripts/measure_serve.py WORKDIR [--preset tiny] [--device cpu] [--json OUT] [--skip-mathlib]
+
+Builds, under WORKDIR (reused when present): the demo index (the tiny random encoder over the third demo
+repository, as in README's "Use what you trained") and a mathlib-scale index (`leanagent demo-data
+--mathlib-scale`: 2,000 files, 76,000 premises). Each is served by a real `leanagent serve` process on
+127.0.0.1; the clients are threads of this process, each with its own httpx connection, sending requests one
+after another. Two bodies are measured:
+
+- new client: every module of the corpus in `imported_modules`, 16 new premises (the same ones each time, so
+  cached after the first request, as a client's unchanged file would send them), k = 32;
+- old client: every premise position in `local_premises` (what clients <= v4.30 send: 76,000 integers at
+  mathlib scale, about 450 kB), no new premises, k = 32.
+
+States are the test split's, a different one per request. The server and the clients share the machine's cores;
+each row also gives the server process's CPU time per request and the load average, since on a shared machine
+the latencies move with whatever else runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CLIENTS = (1, 8, 32)
+REQUESTS = {1: 200, 8: 40, 32: 12}  # per client: 200, 320 and 384 requests per level
+WARMUP = 8
+
+
+def _cli(*argv: str) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
+    subprocess.run([sys.executable, "-m", "leanagent.cli", *argv], check=True, env=env, cwd=REPO_ROOT)
+
+
+def build(work: Path, preset: str, device: str, mathlib: bool) -> dict[str, tuple[Path, Path]]:
+    """{name: (index folder, dataset)}, built once."""
+    model = work / f"model-{preset}"
+    if not model.exists():
+        _cli("init-model", str(model), "--preset", preset)
+    if not (work / "demo").exists():
+        _cli("demo-data", str(work / "demo"))
+    out = {"demo": (work / f"index-demo-{preset}", work / "demo" / "repo_2")}
+    if mathlib:
+        if not (work / "mathlib").exists():
+            _cli("demo-data", str(work / "mathlib"), "--mathlib-scale")
+        out["mathlib-scale"] = (work / f"index-mathlib-{preset}", work / "mathlib")
+    for index, dataset in out.values():
+        if not (index / "index.json").exists():
+            start = time.perf_counter()
+            _cli("index", "--model", str(model), "--dataset", str(dataset), "--out", str(index), "--device", device,
+                 "--force")
+            print(f"built {index} in {time.perf_counter() - start:.0f} s", flush=True)
+    return out
+
+
+def states(dataset: Path) -> list[str]:
+    theorems = json.loads((dataset / "random" / "test.json").read_text())
+    found = [t["state_before"] for th in theorems for t in th["traced_tactics"]]
+    return found or ["x : Nat\n⊢ Eq x x"]
+
+
+class Served:
+    """`leanagent serve INDEX --port 0` as a user runs it; its URL from the line it prints."""
+
+    def __init__(self, index: Path, device: str) -> None:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "leanagent.cli", "serve", str(index), "--port", "0",
+                                      "--device", device], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+        line = self.proc.stderr.readline()
+        if " at " not in line:
+            raise SystemExit(f"leanagent serve did not start: {line}{self.proc.stderr.read()}")
+        self.url = line.split(" at ", 1)[1].split(";", 1)[0]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def bodies(url: str, pool: list[str], fmt: str, count: int) -> list[bytes]:
+    modules = httpx.get(f"{url}/indexed-modules", timeout=60).json()
+    premises = httpx.get(f"{url}/indexed-premises", timeout=60).json()
+    new = [{"name": f"Measure.new_{i}", "decl": f"theorem Measure.new_{i} (x : Nat) : Eq (frob (quon x)) {i}"}
+           for i in range(16)]
+    out = []
+    for i in range(count):
+        body: dict = {"state": pool[i % len(pool)], "k": 32}
+        if fmt == "new client":
+            body.update(local_premises=[], imported_modules=list(range(len(modules))), new_premises=new,
+                        caller_in_module_system=False, imported_all_modules=[])
+        else:
+            body.update(local_premises=list(range(len(premises))), new_premises=[])
+        out.append(json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode())
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far: what the server spent, whatever else the machine runs."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(url: str, payloads: list[bytes], clients: int, per_client: int, pid: int) -> dict:
+    def client(c: int) -> list[float]:
+        times = []
+        with httpx.Client(timeout=600, headers={"Content-Type": "application/json"}) as http:
+            for m in range(per_client):
+                start = time.perf_counter()
+                answer = http.post(f"{url}/retrieve", content=payloads[(c * per_client + m) % len(payloads)])
+                times.append(time.perf_counter() - start)
+                if answer.status_code != 200 or not isinstance(answer.json(), list):
+                    raise SystemExit(f"request failed: {answer.status_code} {answer.text[:200]}")
+        return times
+
+    with httpx.Client(timeout=600, headers={"Content-Type": "application/json"}) as http:
+        for payload in payloads[-WARMUP:]:  # the new premises' cache, torch's first passes
+            http.post(f"{url}/retrieve", content=payload)
+    with ThreadPoolExecutor(clients) as pool:
+        cpu, start = cpu_seconds(pid), time.perf_counter()
+        latencies = sorted(t for times in pool.map(client, range(clients)) for t in times)
+        wall, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu
+    p99 = latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))]
+    return {"clients": clients, "requests": len(latencies), "p50_ms": 1000 * statistics.median(latencies),
+            "p99_ms": 1000 * p99, "requests_per_s": len(latencies) / wall,
+            "server_cpu_ms_per_request": 1000 * cpu / len(latencies), "load_average": os.getloadavg()[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--preset", default="tiny", choices=["tiny", "byt5-small"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--skip-mathlib", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    for name, (index, dataset) in build(args.work, args.preset, args.device, not args.skip_mathlib).items():
+        served = Served(index, args.device)
+        try:
+            pool = states(dataset)
+            premises = json.loads((index / "index.json").read_text())["num_premises"]
+            for fmt in ("new client", "old client"):
+                payloads = bodies(served.url, pool, fmt, 512)
+                for clients in CLIENTS:
+                    row = {"index": name, "premises": premises, "body": fmt, "body_kb": len(payloads[0]) / 1024,
+                           **measure(served.url, payloads, clients, REQUESTS[clients], served.proc.pid)}
+                    rows.append(row)
+                    print(f"{name:>14} {premises:>6} premises  {fmt:<10} ({row['body_kb']:6.1f} kB)  "
+                          f"{clients:>2} clients  p50 {row['p50_ms']:7.1f} ms  p99 {row['p99_ms']:7.1f} ms  "
+                          f"{row['requests_per_s']:7.1f} req/s  server CPU {row['server_cpu_ms_per_request']:6.1f} "
+                          f"ms/request  load {row['load_average']:.1f}", flush=True)
+        finally:
+            served.stop()
+    if args.json:
+        args.json.write_text(json.dumps({"device": args.device, "preset": args.preset, "cpus": os.cpu_count(),
+                                         "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
