@@ -57,7 +57,7 @@ def test_training_continues_epochs_across_repositories(lifelong):
     assert b["ewc"] is True and a["ewc"] is False
     for result in (a, b):
         assert Path(result["checkpoint"]).is_file() and Path(result["last_checkpoint"]).is_file()
-        assert set(result["metrics"]) == {"Recall@1_val", "Recall@10_val", "MRR"}
+        assert set(result["metrics"]) == {"Recall@1_val", "Recall@10_val", "MRR", "train_token_efficiency"}
         # lifelong.checkpoint: latest (LeanAgent continues from, and evaluates, the newest checkpoint)
         assert result["checkpoint"] == result["latest_checkpoint"]
         assert Path(result["checkpoint"]).name.startswith(f"epoch={result['epoch'] - 1}-")
