@@ -183,7 +183,7 @@ class PremiseRetriever(pl.LightningModule):
             return None
         if self._blocks is None:
             self._blocks = CompiledBlocks(self.encoder)
-            self._blocks.warm_up(self.device, backward=torch.is_grad_enabled() and self.training)
+        self._blocks.warm_up(self.device, backward=torch.is_grad_enabled())
         return None if self._blocks.failed else self._blocks
 
     @contextmanager
@@ -361,8 +361,9 @@ class PremiseRetriever(pl.LightningModule):
         lengths = premise_token_lengths(corpus, max_len)
         for lo, hi in token_budget_batches(lengths[mine], self.hparams["eval_batch_size"] * max_len):
             ids, mask = tokenize_premises(self.tokenizer, corpus, mine[lo:hi], max_len)
-            shard[lo:hi] = self.encode(ids.to(self.device, non_blocking=True),
-                                       mask.to(self.device, non_blocking=True)).to(dtype)
+            padded = not bool(mask.all())  # read on the host, before the copy: no device sync
+            shard[lo:hi] = self.encode(ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True),
+                                       padded=padded).to(dtype)
             if self.progress_hook is not None:
                 self.progress_hook("embed-corpus")
         full = torch.empty(n, dim, device=self.device, dtype=dtype)
