@@ -22,8 +22,9 @@ what a lifelong run spends its time on:
 - with `--device cuda`: the same training step on fixed-length batches (L = 512 and 1024, batch 4 to 16),
   with tokens/s and model FLOP utilisation.
 
-On a CPU the training rows use the model's first 2 layers (`--train-layers`): byt5-small's width keeps
-the step dominated by its matmuls, as on a GPU, at a sixth of the time.
+On a CPU the training rows use the model's first 2 layers (`--train-layers`): every layer of byt5-small's
+width has the same matmuls and attention shapes, so fewer layers keep each step's balance (the share of
+matmuls against attention's and dropout's elementwise work) at a sixth of the time.
 """
 
 from __future__ import annotations
@@ -572,8 +573,8 @@ def bench_fixed_length(model: PremiseRetriever, device: torch.device, precision_
 
 
 def keep_layers(model: PremiseRetriever, layers: int | None) -> str:
-    """Keep the encoder's first `layers` blocks (all when None or more): on a CPU a step of byt5-small's width with
-    fewer layers is dominated by the same matmuls, in a fraction of the time. Says what was kept."""
+    """Keep the encoder's first `layers` blocks (all when None or more): every layer of one width does the same
+    work, so fewer layers keep a step's balance in a fraction of its time. Says what was kept."""
     blocks = model.encoder.encoder.block
     total = len(blocks)
     if layers is None or layers >= total:

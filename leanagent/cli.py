@@ -380,8 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-max-len", type=int,
                    help="bytes the training step and Fisher pass cut sequences at (default LeanAgent's 1024)")
     p.add_argument("--train-layers", type=int,
-                   help="layers of the model the training rows keep (default 2 on cpu, where byt5-small's width "
-                        "keeps the step matmul-bound; all on cuda)")
+                   help="layers of the model the training rows keep (default 2 on cpu: byt5-small's width, each "
+                        "layer's work as in the full model, a sixth of the time; all on cuda)")
     p.add_argument("--train-batches", type=int, help="batches of 4 the training step rows run (default 4 cpu, 16 cuda)")
     p.add_argument("--fisher-examples", type=int, help="examples the Fisher rows run (default 8)")
     p.add_argument("--fisher-methods", help="comma-separated: loop, vectorised (default loop on cpu, both on cuda)")
