@@ -123,12 +123,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     problem = _check_device(args.device)
     if problem:
         return _fail(problem)
-    for flag, value in (("--train-max-len", args.train_max_len), ("--embed-sample", args.embed_sample)):
+    for flag, value in (("--train-max-len", args.train_max_len), ("--embed-sample", args.embed_sample),
+                        ("--train-layers", args.train_layers), ("--train-batches", args.train_batches),
+                        ("--fisher-examples", args.fisher_examples)):
         if value is not None and value < 1:
             return _usage_error(f"{flag} {value}: must be positive")
+    states = [Path(p) for p in args.states or []]
+    missing = [str(p) for p in states if not p.is_file()]
+    if missing:
+        return _fail(f"--states: no such file: {', '.join(missing)}")
+    methods = tuple(args.fisher_methods.split(",")) if args.fisher_methods else None
+    if methods and not set(methods) <= {"loop", "vectorised"}:
+        return _usage_error(f"--fisher-methods {args.fisher_methods}: choose from loop, vectorised")
     results = run_bench(dataset, args.model, args.preset, args.device, split=args.split,
                         min_seconds=args.min_seconds, embed_sample=args.embed_sample, launch=not args.no_launch,
-                        compile_model=args.compile, train_max_len=args.train_max_len)
+                        compile_model=not args.no_compile, train_max_len=args.train_max_len, states=states or None,
+                        train_layers=args.train_layers, train_batches=args.train_batches,
+                        fisher_examples=args.fisher_examples or 8, fisher_methods=methods)
     print(format_table(results))
     if args.json:
         write_json(results, Path(args.json))
@@ -451,10 +462,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-seconds", type=float, default=3.0, help="time each rate for at least this long")
     p.add_argument("--embed-sample", type=int, help="premises embedded (default 512 on cpu, 4096 on cuda)")
     p.add_argument("--no-launch", action="store_true", help="skip the job-launch measurement")
+    p.add_argument("--states", nargs="+", metavar="SPLIT_JSON",
+                   help="LeanDojo split files whose proof states are the training rows' contexts (their real "
+                        "lengths; premises stay the dataset's), e.g. a real benchmark's random/val.json")
     p.add_argument("--train-max-len", type=int,
-                   help="bytes of the training step and Fisher pass's sequences (default 1024 on cuda; 256 on cpu, "
-                        "where a byt5-small batch of 4 at 1024 needs ~45 GB)")
-    p.add_argument("--compile", action="store_true", help="with --device cuda: also time torch.compile'd training")
+                   help="bytes the training step and Fisher pass cut sequences at (default LeanAgent's 1024)")
+    p.add_argument("--train-layers", type=int,
+                   help="layers of the model the training rows keep (default 2 on cpu: byt5-small's width, each "
+                        "layer's work as in the full model, a sixth of the time; all on cuda)")
+    p.add_argument("--train-batches", type=int, help="batches of 4 the training step rows run (default 4 cpu, 16 cuda)")
+    p.add_argument("--fisher-examples", type=int, help="examples the Fisher rows run (default 8)")
+    p.add_argument("--fisher-methods", help="comma-separated: loop, vectorised (default loop on cpu, both on cuda)")
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled training row (and compile times)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("init-model", help="write a random ByT5-architecture encoder (offline)")

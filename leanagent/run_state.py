@@ -32,7 +32,8 @@ from leanagent.config import PipelineConfig
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = ".lock"
 MANIFEST_VERSION = 1
-# Dotted keys that do not change what a run computes; see the module docstring.
+# Dotted keys that do not change what a run computes; see the module docstring. Not model.sort_by_length,
+# model.token_budget or model.compile: beyond float rounding they change which dropout masks training draws.
 RUN_IRRELEVANT_KEYS = (
     "run_dir",
     "launcher",

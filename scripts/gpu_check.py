@@ -1,11 +1,14 @@
-"""One prepared GPU check: bf16 training and the Fisher pass on one GPU with NCCL, on a random
-byt5-small-shaped encoder, reporting examples/s and the fraction of the GPU's bf16 peak.
+"""One prepared GPU check: the rank programs (train, then the Fisher pass) under torchrun with NCCL and
+bf16-mixed, on a random byt5-small-shaped encoder, reporting examples/s and model FLOP utilisation.
 
-    .venv/bin/python scripts/gpu_check.py OUT [--peak-tflops 989]
+    .venv/bin/python scripts/gpu_check.py OUT [--devices N] [--peak-tflops T] [--cpu-smoke]
 
-The FLOP estimate is the usual 6 x parameters x tokens for a training step (forward + backward);
-the Fisher pass does one forward and one backward per example, so the same 6x applies. The time
-is the whole `fit`, validation (corpus embedding) included, so the training figures are a lower bound.
+FLOPs come from `leanagent.perf` (the one FLOP model: a training step is 3x the forward of every real
+sequence; the Fisher loop does one forward and one backward per example, the same 3x) and the peak from
+its table by the GPU's name (`--peak-tflops` overrides it). The time is the whole `fit`, validation
+(corpus embedding) included, so the training figures are a lower bound. `--devices`: ranks, one per GPU
+(NCCL does not run two ranks on one GPU); default every visible GPU, at most 2. `--cpu-smoke`: the tiny
+model on CPU with gloo, to check this script itself.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
 from leanagent.config import PipelineConfig, dump_config
 from leanagent.data.corpus import Corpus
 from leanagent.data.examples import build_train_examples
@@ -21,22 +26,26 @@ from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.theorems import load_split
 from leanagent.jobs import run_job
 from leanagent.model.presets import encoder_config, write_random_encoder
+from leanagent.perf import mfu, peak_bf16_tflops, training_flops
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
+    parser.add_argument("--devices", type=int, help="ranks (one GPU each); default: visible GPUs, at most 2")
+    parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak (default: leanagent.perf's table)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the script itself")
     args = parser.parse_args()
     out = args.out.resolve()
     preset = "tiny" if args.cpu_smoke else "byt5-small"
+    devices = args.devices or (2 if args.cpu_smoke else max(1, min(2, torch.cuda.device_count())))
+    peak = args.peak_tflops or (None if args.cpu_smoke else peak_bf16_tflops(torch.cuda.get_device_name(0)))
     model = write_random_encoder(out / "model", preset)
     repo = write_demo_repos(out / "data", 1, seed=0, theorems_per_repo=400, scale=6)[0]
     cfg = PipelineConfig.model_validate({
         "model": {"name_or_path": str(model), "warmup_steps": 10, "max_seq_len": 512},
         "data": {"batch_size": 8, "max_seq_len": 512, "num_workers": 2},
-        "trainer": {"accelerator": "cpu" if args.cpu_smoke else "gpu", "devices": 1, "precision": "bf16-mixed",
+        "trainer": {"accelerator": "cpu" if args.cpu_smoke else "gpu", "devices": devices, "precision": "bf16-mixed",
                     "accumulate_grad_batches": 1},
     })
     cfg_path = out / "gpu.yaml"
@@ -46,19 +55,21 @@ def main() -> None:
 
     corpus = Corpus.from_jsonl(repo / "corpus.jsonl")
     examples = build_train_examples(corpus, load_split(repo / "random" / "train.json"))
-    ctx_tokens = sum(len(e.context.encode()) + 1 for e in examples) / len(examples)
-    prem_tokens = sum(len(p.text.encode()) + 1 for p in corpus.premises) / len(corpus.premises)
-    tokens_per_example = ctx_tokens + (1 + cfg.data.num_negatives) * prem_tokens
-    c = encoder_config(preset)
-    params = c.vocab_size * c.d_model + c.num_layers * (4 * c.d_model * c.d_kv * c.num_heads + 3 * c.d_model * c.d_ff)
-    report = {}
+    # The FLOPs of a mean example: its context and 1 + negatives premises at their real lengths, cut as training cuts.
+    cut = cfg.data.max_seq_len
+    ctx = [min(len(e.context.encode()) + 1, cut) for e in examples]
+    prem = [min(len(p.text.encode()) + 1, cut) for p in corpus.premises]
+    flops_per_example = (training_flops(encoder_config(preset), ctx) / len(ctx)
+                         + (1 + cfg.data.num_negatives) * training_flops(encoder_config(preset), prem) / len(prem))
+    report: dict = {"devices": devices, "peak_bf16_tflops": peak}
     for name, result, count in (("train", train, train["num_train_examples"] * train["epoch"]),
                                 ("fisher", fisher, fisher["num_examples"])):
         rate = count / result["fit_seconds"]
-        flops = 6 * params * tokens_per_example * rate
-        report[name] = {"examples_per_s": rate, "tflops": flops / 1e12,
-                        "fraction_of_peak": flops / 1e12 / args.peak_tflops, "fit_seconds": result["fit_seconds"]}
+        report[name] = {"examples_per_s": rate, "tflops": rate * flops_per_example / 1e12,
+                        "mfu": mfu(rate * flops_per_example / devices, peak), "fit_seconds": result["fit_seconds"],
+                        "world_size": result["world_size"]}
     report["train_metrics"] = train["metrics"]
+    report["compile"] = {k: train.get(k) for k in ("compiled", "compile_s", "compile_failed")}
     report["fisher_file"] = fisher["fisher"]
     print(json.dumps(report, indent=2))
 

@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
 # The prepared device check, as one command (the device machine has torch, lightning and transformers,
-# and takes the few missing packages as wheels from .whl/). In order of what matters, each under its own
-# timeout so that one stuck part leaves the others' figures:
-#   1. `leanagent bench --device cuda` on a mathlib-scale corpus (embedding, retrieval, train vs Fisher,
-#      training examples/s, tokens/s and MFU of a byt5-small-shaped encoder at L = 512 and 1024 in bf16);
-#   2. the rank programs (train, then Fisher) under torchrun with NCCL and bf16-mixed (scripts/gpu_check.py);
-#   3. the GPU-only tests (vectorised Fisher equals the loop on CUDA);
-#   4. the same training steps under torch.compile, as a measure of the head room.
-#   bash scripts/gpu_run.sh OUT            (OUT: where logs and JSON go; at most 8 files)
+# and takes the few missing packages as wheels from .whl/). In order of what matters, each part under its
+# own timeout so that one stuck part leaves the others' figures (the defaults fit 15 minutes of device time
+# with the machine's start):
+#   1. `leanagent bench --device cuda` on a fresh mathlib-scale corpus, contexts from a real LeanDojo split
+#      file when one is at $STATES (their real lengths): the training step padded / sorted / sorted + one
+#      mask / + compiled (examples/s, real tokens/s, token efficiency, MFU on real tokens, compile time cold
+#      and warm), the Fisher loop and vectorised pass against that step, fixed-length rows at L = 512, 1024;
+#   2. the rank programs (train, then Fisher) under torchrun with NCCL and bf16-mixed, on every visible GPU
+#      up to 2 ranks (scripts/gpu_check.py; NCCL runs one rank per GPU);
+#   3. the GPU-only tests (the vectorised Fisher equals the loop on CUDA) and the encoder tests.
+#
+#   bash scripts/gpu_run.sh OUT                (OUT: where logs and JSON go; at most 8 files)
+#   bash scripts/gpu_run.sh OUT --cpu-smoke    (the same steps on CPU with the tiny model: checks the script)
 set -uo pipefail
-OUT=${1:?usage: gpu_run.sh OUT}
+OUT=${1:?usage: gpu_run.sh OUT [--cpu-smoke]}
+SMOKE=${2:-}
 mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -18,24 +24,26 @@ fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc;
+STATES=${STATES:-../shared/data/minif2f-lean4-ld182/random/val.json}
+if [ "$SMOKE" = "--cpu-smoke" ]; then
+  DEVICE=cpu; PRESET=tiny; MATHLIB="--repos 1"; EXTRA="--train-batches 1 --fisher-examples 4 --embed-sample 16"
+  CHECK_ARGS=--cpu-smoke; TESTS=(tests/unit/test_encoder.py -m "not slow")
+else
+  DEVICE=cuda; PRESET=byt5-small; MATHLIB=--mathlib-scale; EXTRA="--embed-sample ${EMBED_SAMPLE:-1024}"
+  CHECK_ARGS=; TESTS=(tests/unit/test_fisher_vectorised.py tests/unit/test_encoder.py -m "not slow" -k "cuda or mask")
+fi
+STATE_ARGS=
+if [ -f "$STATES" ]; then STATE_ARGS="--states $STATES"; else echo "no $STATES: the bench's contexts are the dataset's"; fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"; nproc;
   $PY -c "import torch, pytorch_lightning, transformers; print('torch', torch.__version__, 'pytorch_lightning', pytorch_lightning.__version__, 'transformers', transformers.__version__)"; } 2>&1 | tee "$OUT/gpu.txt"
 WORK=$(mktemp -d)
-( time $PY -m leanagent.cli demo-data "$WORK/data" --mathlib-scale ) 2>&1 | tail -5 | tee "$OUT/demo-data.log"
+( time $PY -m leanagent.cli demo-data "$WORK/data" $MATHLIB ) 2>&1 | tail -5 | tee "$OUT/demo-data.log"
 DATASET=$(ls -d "$WORK"/data/*/ 2>/dev/null | head -1)
 [ -f "$WORK/data/corpus.jsonl" ] && DATASET="$WORK/data"
-timeout ${BENCH_S:-200} $PY -m leanagent.cli bench --dataset "$DATASET" --preset byt5-small --device cuda \
-  --min-seconds 2 --embed-sample ${EMBED_SAMPLE:-1024} --json "$OUT/bench_cuda.json" 2>&1 | tee "$OUT/bench_cuda.log" | tail -40
-timeout ${CHECK_S:-170} $PY scripts/gpu_check.py "$WORK/gpu_check" 2>&1 | tee "$OUT/gpu_check.log" | tail -30
-timeout ${TESTS_S:-60} $PY -m pytest -q -p no:cacheprovider tests/unit/test_fisher_vectorised.py 2>&1 \
-  | tee "$OUT/gpu_tests.log" | tail -5
-timeout ${COMPILE_S:-100} $PY - "$OUT/compiled.json" <<'PYEOF' 2>&1 | tee "$OUT/compiled.log" | tail -12
-import json, sys
-from leanagent.bench import bench_cuda_training, format_table
-rows = []
-for length in (512, 1024):
-    rows += bench_cuda_training(batch_sizes=(32,), lengths=(length,), compile_model=True)
-    json.dump(rows, open(sys.argv[1], "w"), indent=2)
-    print(format_table({"dataset": "random bytes", "device": "cuda", "cuda_training": rows}), flush=True)
-PYEOF
+# shellcheck disable=SC2086
+timeout ${BENCH_S:-420} $PY -m leanagent.cli bench --dataset "$DATASET" --preset $PRESET --device $DEVICE \
+  --min-seconds 2 --no-launch $EXTRA $STATE_ARGS --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -45
+# shellcheck disable=SC2086
+timeout ${CHECK_S:-170} $PY scripts/gpu_check.py "$WORK/gpu_check" $CHECK_ARGS 2>&1 | tee "$OUT/gpu_check.log" | tail -30
+timeout ${TESTS_S:-90} $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
 echo "gpu_run done"

@@ -23,6 +23,7 @@ from leanagent.data.dataset import (
     TrainDataset,
     build_eval_examples,
     build_train_examples,
+    with_lengths,
 )
 from leanagent.data.errors import DatasetError
 from leanagent.data.theorems import Theorem, load_split
@@ -163,6 +164,10 @@ class RetrievalDataModule(pl.LightningDataModule):
         if dist.is_available() and dist.is_initialized():
             return dist.get_world_size(), dist.get_rank(), 0
         return 1, 0, 0
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """The sequences' real lengths as host lists, for the retriever's sub-batches (`with_lengths`)."""
+        return with_lengths(batch)
 
     def unsharded_train_batches(self) -> int:
         """Batches per epoch of the training loader before DDP shards it: LeanAgent's LR horizon unit."""

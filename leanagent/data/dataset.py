@@ -29,6 +29,7 @@ __all__ = [
     "sample_negatives",
     "tokenize_premises",
     "tokenize_texts",
+    "with_lengths",
 ]
 
 _HASH_PRIME = 1_000_003
@@ -51,6 +52,17 @@ def tokenize_premises(
     if spec is None:
         return tokenize_texts(tokenizer, [corpus.premises[i].text for i in idx], max_len)
     return tokenize_encoded(tokenizer, spec, corpus.premise_utf8(idx), None, max_len)
+
+
+def with_lengths(batch: Any) -> Any:
+    """Adds each side's real sequence lengths (`context_lengths`, `premise_lengths`) as host lists, read from its
+    attention mask while the batch is still on the CPU: planning sub-batches then never waits on the device."""
+    if isinstance(batch, dict):
+        for side in ("context", "premise"):
+            mask = batch.get(f"{side}_mask")
+            if torch.is_tensor(mask) and f"{side}_lengths" not in batch:
+                batch[f"{side}_lengths"] = mask.sum(dim=1).tolist()
+    return batch
 
 
 def example_seed(seed: int, index: int) -> int:

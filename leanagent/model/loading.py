@@ -77,7 +77,8 @@ def load_retriever(cfg: PipelineConfig, checkpoint: Path | None, weights: bool =
     """
     overrides = {"lr": cfg.model.lr, "warmup_steps": cfg.model.warmup_steps, "max_seq_len": cfg.model.max_seq_len,
                  "num_retrieved": cfg.model.num_retrieved, "eval_batch_size": cfg.data.eval_batch_size,
-                 "corpus_autocast": cfg.model.corpus_autocast}
+                 "corpus_autocast": cfg.model.corpus_autocast, "token_budget": cfg.model.token_budget,
+                 "sort_by_length": cfg.model.sort_by_length, "compile": cfg.model.compile}
     if checkpoint is None:
         return PremiseRetriever(cfg.model.name_or_path, **overrides)
     ckpt = read_any_checkpoint(checkpoint)

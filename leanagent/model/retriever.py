@@ -8,8 +8,9 @@ their values at the start of training on a new repository, weighted by a diagona
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,8 +21,10 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, ByT5Tokenizer, T5Config, T5EncoderModel
 
 from leanagent.data.dataset import tokenize_premises
+from leanagent.model.encoder import CompiledBlocks, encoder_hidden
 from leanagent.model.lr_schedule import build_optimizer_and_schedule, reference_horizon
 from leanagent.model.metrics import ContextScore, aggregate, score_context
+from leanagent.model.sub_batches import call_cost_for, plan_sub_batches
 from leanagent.model.topk import top_k_accessible
 
 BYT5_VOCAB_SIZE = 384
@@ -77,6 +80,34 @@ def contrastive_mse(context_emb: torch.Tensor, premise_emb: torch.Tensor, label:
     return F.mse_loss(similarity, label.to(similarity.dtype))
 
 
+@dataclass
+class TokenCount:
+    """Real tokens (the attention masks' ones) and tokens processed (padding included) by the encoder."""
+
+    real: int = 0
+    processed: int = 0
+
+    def __iadd__(self, other: TokenCount) -> TokenCount:
+        self.real += other.real
+        self.processed += other.processed
+        return self
+
+    def __add__(self, other: TokenCount) -> TokenCount:
+        return TokenCount(self.real + other.real, self.processed + other.processed)
+
+    @property
+    def efficiency(self) -> float:
+        return self.real / self.processed if self.processed else 1.0
+
+
+def compile_wanted(setting: str | bool, device: torch.device) -> bool:
+    """`model.compile`: auto compiles under CUDA only (on a CPU the eager step is matmul-bound already, and the
+    first compile takes minutes), true and false as said."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return bool(setting)
+
+
 class PremiseRetriever(pl.LightningModule):
     def __init__(
         self,
@@ -88,6 +119,9 @@ class PremiseRetriever(pl.LightningModule):
         eval_batch_size: int = 64,
         encoder_config: dict[str, Any] | None = None,
         corpus_autocast: bool = False,
+        token_budget: int = 16384,
+        sort_by_length: bool = False,
+        compile: str | bool = "auto",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -114,17 +148,97 @@ class PremiseRetriever(pl.LightningModule):
         self.validation_history: list[dict[str, float]] = []
         # Set by the Heartbeat callback: called inside long loops so a watchdog sees progress.
         self.progress_hook: Callable[[str], None] | None = None
+        # False: transformers' own forward, which builds the attention mask in every layer (the bench's
+        # "sorted" row times it); True: `encoder_hidden`, one mask per forward, bit-identical outputs.
+        self.one_mask = True
+        self._blocks: CompiledBlocks | None = None
+        self._stock = False
+        # Tokens of this process's training steps, by epoch (`train_token_efficiency`); they ride in checkpoints,
+        # so a resumed job counts what an uninterrupted one did.
+        self.train_tokens: dict[int, TokenCount] = {}
+        self.last_tokens = TokenCount()  # of the last `batch_loss`
 
     # ---- encoding -------------------------------------------------------------------------
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, padded: bool | None = None
+               ) -> torch.Tensor:
+        """Masked mean pooling of the encoder's last hidden state, L2-normalised, in fp32 (ReProver's).
+
+        `padded`: whether any row has padding, when the caller knows it (saves reading the mask back)."""
+        hidden = self._hidden(input_ids, attention_mask, padded)
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
         return F.normalize(pooled.float(), dim=1)
 
+    def _hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, padded: bool | None) -> torch.Tensor:
+        if not self.one_mask or self._stock:
+            return self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        blocks = self.compiled_blocks()
+        if blocks is not None:
+            return blocks.hidden(input_ids, attention_mask, padded)
+        return encoder_hidden(self.encoder, input_ids, attention_mask, padded)
+
+    def compiled_blocks(self) -> CompiledBlocks | None:
+        """The compiled blocks when `compile` asks for them on this device (built and compiled at first use)."""
+        if not compile_wanted(self.hparams.get("compile", "auto"), self.device):
+            return None
+        if self._blocks is None:
+            self._blocks = CompiledBlocks(self.encoder)
+        self._blocks.warm_up(self.device, backward=torch.is_grad_enabled())
+        return None if self._blocks.failed else self._blocks
+
+    @contextmanager
+    def stock_forward(self) -> Iterator[None]:
+        """transformers' own forward, uncompiled, whatever `one_mask` and `compile` say: the vectorised Fisher
+        hooks each layer's calls and gives the first attention a per-sequence copy of the bias."""
+        before, self._stock = self._stock, True
+        try:
+            yield
+        finally:
+            self._stock = before
+
+    def encode_pool(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    lengths: Sequence[int] | None = None) -> tuple[torch.Tensor, TokenCount]:
+        """Embeddings of a pool of sequences (a batch's contexts, or its premises), in the pool's order.
+
+        With `sort_by_length` the pool is sorted by length and cut into sub-batches under `token_budget`
+        (`plan_sub_batches`), each padded to its own longest (a multiple of 8) and encoded on its own; the
+        embeddings are put back in the pool's order, in one autograd graph (one DDP forward). Padding is
+        masked, so they are the padded path's up to float rounding; in training, dropout draws its masks
+        for other shapes. `lengths`: the sequences' real lengths, when known on the host (the collate
+        functions give them), else read from the mask. Also returns the tokens real and processed.
+        """
+        n, width = input_ids.shape
+        if lengths is None:
+            lengths = attention_mask.sum(dim=1).tolist()
+        lengths = [int(x) for x in lengths]
+        real = sum(lengths)
+        if not self.hparams.get("sort_by_length", False) or n == 0:
+            return self.encode(input_ids, attention_mask, padded=any(x < width for x in lengths)), \
+                TokenCount(real, n * width)
+        plan = plan_sub_batches(lengths, self.hparams.get("token_budget", 16384), call_cost_for(self.device.type))
+        order = [row for sub in plan for row in sub.rows]
+        perm = torch.tensor(order, dtype=torch.long).to(input_ids.device, non_blocking=True)
+        ids, mask = input_ids.index_select(0, perm), attention_mask.index_select(0, perm)
+        widest = plan[-1].width
+        if widest > width:  # the longest rounded up to a multiple of 8: pad the sorted copies a little more
+            ids, mask = F.pad(ids, (0, widest - width)), F.pad(mask, (0, widest - width))
+        parts, lo = [], 0
+        for sub in plan:
+            hi = lo + len(sub.rows)
+            padded = any(lengths[row] < sub.width for row in sub.rows)
+            parts.append(self.encode(ids[lo:hi, : sub.width], mask[lo:hi, : sub.width], padded))
+            lo = hi
+        inverse = torch.empty(n, dtype=torch.long)
+        inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(n)
+        emb = torch.cat(parts)[inverse.to(input_ids.device, non_blocking=True)]
+        return emb, TokenCount(real, sum(sub.tokens for sub in plan))
+
     def batch_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        context_emb = self.encode(batch["context_ids"], batch["context_mask"])
-        premise_emb = self.encode(batch["premise_ids"], batch["premise_mask"])
+        context_emb, ctx_tokens = self.encode_pool(batch["context_ids"], batch["context_mask"],
+                                                   batch.get("context_lengths"))
+        premise_emb, prem_tokens = self.encode_pool(batch["premise_ids"], batch["premise_mask"],
+                                                    batch.get("premise_lengths"))
+        self.last_tokens = ctx_tokens + prem_tokens
         return contrastive_mse(context_emb, premise_emb, batch["label"])
 
     # ---- EWC ------------------------------------------------------------------------------
@@ -167,15 +281,42 @@ class PremiseRetriever(pl.LightningModule):
     # The validation history rides in checkpoints so that a resumed job reports its best epoch's metrics.
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["leanagent_validation_history"] = list(self.validation_history)
+        checkpoint["leanagent_train_tokens"] = {e: [t.real, t.processed] for e, t in self.train_tokens.items()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.validation_history = list(checkpoint.get("leanagent_validation_history", []))
+        self.train_tokens = {int(e): TokenCount(int(r), int(p))
+                             for e, (r, p) in checkpoint.get("leanagent_train_tokens", {}).items()}
+
+    def token_count_since(self, epoch: int) -> TokenCount:
+        """Tokens of the training steps of epochs >= `epoch` (this job's, when `epoch` is its first)."""
+        total = TokenCount()
+        for e, count in self.train_tokens.items():
+            if e >= epoch:
+                total += count
+        return total
+
+    def drop_compiled(self) -> None:
+        """Forget the compiled blocks (the next forward that wants them compiles afresh)."""
+        self._blocks = None
+
+    def compile_status(self) -> dict[str, Any]:
+        """`model.compile`'s outcome, for result.json: compiled or not, the first compile's seconds, or why not."""
+        if self._blocks is None:
+            return {"compiled": False}
+        if self._blocks.failed:
+            return {"compiled": False, "compile_failed": self._blocks.failed}
+        return {"compiled": True, "compile_s": self._blocks.compile_s}
 
     # ---- training -------------------------------------------------------------------------
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.batch_loss(batch)
+        epoch_tokens = self.train_tokens.setdefault(self.current_epoch, TokenCount())
+        epoch_tokens += self.last_tokens  # in place: the dict's entry grows
         # Not synced: an all-reduce per step only to log a number; the epoch mean is rank 0's.
         self.log("loss_train", loss, on_step=True, on_epoch=True, batch_size=len(batch["index"]))
+        self.log("train_token_efficiency", self.last_tokens.efficiency, on_step=False, on_epoch=True,
+                 batch_size=len(batch["index"]))
         if self._ewc_fisher and self.ewc_lambda > 0:
             penalty = self.ewc_penalty()
             self.log("ewc_penalty", penalty, on_step=True, on_epoch=False, batch_size=len(batch["index"]))
@@ -220,8 +361,9 @@ class PremiseRetriever(pl.LightningModule):
         lengths = premise_token_lengths(corpus, max_len)
         for lo, hi in token_budget_batches(lengths[mine], self.hparams["eval_batch_size"] * max_len):
             ids, mask = tokenize_premises(self.tokenizer, corpus, mine[lo:hi], max_len)
-            shard[lo:hi] = self.encode(ids.to(self.device, non_blocking=True),
-                                       mask.to(self.device, non_blocking=True)).to(dtype)
+            padded = not bool(mask.all())  # read on the host, before the copy: no device sync
+            shard[lo:hi] = self.encode(ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True),
+                                       padded=padded).to(dtype)
             if self.progress_hook is not None:
                 self.progress_hook("embed-corpus")
         full = torch.empty(n, dim, device=self.device, dtype=dtype)
@@ -246,7 +388,7 @@ class PremiseRetriever(pl.LightningModule):
 
     def _eval_step(self, batch: dict[str, Any]) -> None:
         assert self._corpus_emb is not None
-        context_emb = self.encode(batch["context_ids"], batch["context_mask"])
+        context_emb, _ = self.encode_pool(batch["context_ids"], batch["context_mask"], batch.get("context_lengths"))
         top_scores, top_idx = top_k_accessible(context_emb, self._corpus_emb, batch["accessible_mask"],
                                                self.hparams["num_retrieved"])
         for row, index in enumerate(batch["index"].tolist()):

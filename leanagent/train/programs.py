@@ -88,6 +88,10 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
     best_metrics = next((h for h in history if best_name.startswith(f"epoch={h['epoch']}-step={h['step']}-")),
                         history[-1] if history else {})
     latest = latest_epoch_checkpoint(ckpt)
+    metrics = {k: best_metrics.get(k) for k in ("Recall@1_val", "Recall@10_val", "MRR")}
+    # Real tokens over tokens processed (padding included) in this job's training steps; rank 0's, as loss_train.
+    tokens = model.token_count_since(plan.start_epochs)
+    metrics["train_token_efficiency"] = tokens.efficiency if tokens.processed else None
     return {
         # What the next repository starts from and what is evaluated: LeanAgent takes the newest.
         "checkpoint": latest if cfg.lifelong.checkpoint == "latest" else ckpt.best_model_path,
@@ -106,7 +110,8 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
         "unreadable_checkpoints": list(plan.unreadable),
         "dataset": str(dataset),
         "ewc": bool(fisher is not None and cfg.lifelong.ewc_lambda > 0),
-        "metrics": {k: best_metrics.get(k) for k in ("Recall@1_val", "Recall@10_val", "MRR")},
+        "metrics": metrics,
+        **model.compile_status(),
         "history": history,
         "num_train_examples": len(datamodule.train_examples),
         "fit_seconds": fit_seconds,

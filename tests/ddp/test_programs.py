@@ -57,12 +57,14 @@ def test_training_continues_epochs_across_repositories(lifelong):
     assert b["ewc"] is True and a["ewc"] is False
     for result in (a, b):
         assert Path(result["checkpoint"]).is_file() and Path(result["last_checkpoint"]).is_file()
-        assert set(result["metrics"]) == {"Recall@1_val", "Recall@10_val", "MRR"}
+        assert set(result["metrics"]) == {"Recall@1_val", "Recall@10_val", "MRR", "train_token_efficiency"}
         # lifelong.checkpoint: latest (LeanAgent continues from, and evaluates, the newest checkpoint)
         assert result["checkpoint"] == result["latest_checkpoint"]
         assert Path(result["checkpoint"]).name.startswith(f"epoch={result['epoch'] - 1}-")
         assert re.search(r"Recall@10_val=\d+\.\d\d\.ckpt$", result["checkpoint"])  # percent, 2 decimals
         assert 0.0 <= result["metrics"]["Recall@1_val"] <= result["metrics"]["Recall@10_val"] <= 100.0
+        assert 0.0 < result["metrics"]["train_token_efficiency"] <= 1.0
+        assert result["compiled"] is False  # model.compile: auto, and these ranks are CPU ones
     # Every rank reported progress for the launcher's watchdog.
     beats = [json.loads((lifelong["work"] / "b" / "heartbeat" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [b["rank"] for b in beats] == [0, 1] and all(b["stage"] and b["time"] > 0 for b in beats)

@@ -14,6 +14,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from leanagent.config import ONE_YEAR_SECONDS, ConfigError, PipelineConfig, TrainerConfig, load_config
 from leanagent.launch.base import SCRUBBED_ENV, child_environment
 from leanagent.launch.local import torchrun_command
+from leanagent.model.loading import load_retriever
 from leanagent.train.trainer import build_fisher_trainer, build_training_trainer, ddp_strategy
 
 
@@ -54,6 +55,18 @@ def test_leanagent_hyper_parameters_are_the_defaults():
             exclude={"lifelong", "run_dir", "repos"})
 
 
+def test_speed_levers_defaults_and_reach_the_retriever(tmp_path, tiny_model):
+    # Sorting is off by default (it changes training's dropout stream); compiling is on under CUDA only.
+    assert (PipelineConfig().model.sort_by_length, PipelineConfig().model.token_budget,
+            PipelineConfig().model.compile) == (False, 16384, "auto")
+    path = tmp_path / "cfg.yaml"
+    path.write_text(f"model: {{name_or_path: {tiny_model}, sort_by_length: true, token_budget: 2048, "
+                    f"compile: true}}\n")
+    model = load_retriever(load_config(path), None)
+    assert (model.hparams["sort_by_length"], model.hparams["token_budget"], model.hparams["compile"]) == (
+        True, 2048, True)
+
+
 def test_seed_strategy_timeout():
     strategy = ddp_strategy(TrainerConfig())
     assert isinstance(strategy, DDPStrategy)
@@ -70,6 +83,8 @@ def test_seed_strategy_timeout():
         ("unknown_section: 1\n", "unknown_section"),
         ("data: {num_negatives: 1, num_in_file_negatives: 2}\n", "data"),
         ("trainer: {num_nodes: 2}\n", "trainer"),
+        ("model: {compile: sometimes}\n", "model.compile"),
+        ("model: {token_budget: 0}\n", "model.token_budget"),
     ],
 )
 def test_bad_config_is_refused_naming_the_key(tmp_path, yaml_text, key):

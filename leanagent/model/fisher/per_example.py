@@ -26,13 +26,18 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
+from leanagent.data.dataset import with_lengths
+from leanagent.model.fisher.batches import example_lengths
 from leanagent.model.fisher.vectorised import PerExampleGrads, accumulate_squared_example_grads, unsupported_modules
 from leanagent.model.retriever import PremiseRetriever, contrastive_mse
 
 METHODS = ("auto", "loop", "vectorised")
-# What `auto` picks, by measurement (README, Performance): the loop is faster on a CPU, and the vectorised pass ran
-# out of an H200's 139 GiB in a real Fisher job; so the loop everywhere, "vectorised" opt-in.
-AUTO_METHOD = "loop"
+# What `auto` picks per device type, by measurement (README, Performance): the loop is faster on a CPU; on an H200
+# the loop took 1.38x a training example and the vectorised pass 1.04x on 8 examples but ran out of its memory on
+# 32 (before its sub-batches were bounded by `model.token_budget`), so the loop until `scripts/gpu_run.sh` has
+# measured both with sorted sub-batches.
+AUTO_METHOD_BY_DEVICE = {"cpu": "loop", "cuda": "loop"}
+AUTO_METHOD = "loop"  # any other device
 
 
 class FisherModule(pl.LightningModule):
@@ -68,7 +73,10 @@ class FisherModule(pl.LightningModule):
             return self.method
         if self.unsupported:
             return "loop"
-        return AUTO_METHOD
+        return AUTO_METHOD_BY_DEVICE.get(device.type, AUTO_METHOD)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return with_lengths(batch)
 
     def on_train_epoch_start(self) -> None:
         self.sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.retriever.named_parameters()
@@ -86,8 +94,7 @@ class FisherModule(pl.LightningModule):
             return
         params = [p for n, p in self.retriever.named_parameters() if n in self.names]
         sums = [self.sums[n] for n in self.names]
-        # Every example's lengths in one host read: a read per example would stall a GPU between examples.
-        padding, ctx_lens, prem_lens = _example_lengths(batch)
+        padding, ctx_lens, prem_lens = example_lengths(batch)
         for i in range(len(padding)):
             if padding[i]:
                 continue
@@ -98,15 +105,17 @@ class FisherModule(pl.LightningModule):
             torch._foreach_addcmul_(totals, squared, squared)  # sums += grad^2, one multi-tensor kernel
             self.count += 1
 
-    def example_loss(self, batch: dict[str, Any], i: int, ctx_len: int, prem_len: int) -> torch.Tensor:
-        """Example i alone, unpadded (its context's length and its longest premise's, from `_example_lengths`),
-        so that its loss is bit-identical however the data is batched or sharded."""
+    def example_loss(self, batch: dict[str, Any], i: int, ctx_len: int, prem_lens: list[int]) -> torch.Tensor:
+        """Example i alone (its context unpadded, its premise columns cut to their longest, or with
+        `sort_by_length` as sorted sub-batches of their own: `example_lengths` gives the lengths), so that
+        its loss is bit-identical however the data is batched or sharded."""
         b = len(batch["index"])
         columns = list(range(i, batch["premise_ids"].shape[0], b))
+        prem_len = max(prem_lens)
         context = self.retriever.encode(batch["context_ids"][i : i + 1, :ctx_len],
-                                        batch["context_mask"][i : i + 1, :ctx_len])
-        premises = self.retriever.encode(batch["premise_ids"][columns, :prem_len],
-                                         batch["premise_mask"][columns, :prem_len])
+                                        batch["context_mask"][i : i + 1, :ctx_len], padded=False)
+        premises, _ = self.retriever.encode_pool(batch["premise_ids"][columns, :prem_len],
+                                                 batch["premise_mask"][columns, :prem_len], prem_lens)
         label = batch["label"][i : i + 1, columns]
         return contrastive_mse(context, premises, label)
 
@@ -122,15 +131,6 @@ class FisherModule(pl.LightningModule):
             raise RuntimeError("the Fisher pass saw no training example")
         self.fisher = unflatten(flat / total, names, self.sums)
         self.num_examples = total
-
-
-def _example_lengths(batch: dict[str, Any]) -> tuple[list[bool], list[int], list[int]]:
-    """Per batch item: is it padding, its context's length, and the longest of its premise columns'."""
-    b = len(batch["index"])
-    prem = batch["premise_mask"].sum(dim=1).view(-1, b).amax(dim=0)  # row i + j * b is item i's column j
-    ctx = batch["context_mask"].sum(dim=1)
-    padding, ctx_lens, prem_lens = torch.stack([batch["is_padding"].to(ctx.device).long(), ctx, prem]).tolist()
-    return [bool(p) for p in padding], ctx_lens, prem_lens
 
 
 def is_distributed() -> bool:

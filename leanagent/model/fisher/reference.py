@@ -17,6 +17,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
+from leanagent.data.dataset import with_lengths
 from leanagent.model.fisher.per_example import is_distributed, unflatten
 from leanagent.model.retriever import PremiseRetriever
 
@@ -46,6 +47,9 @@ class ReferenceFisherModule(pl.LightningModule):
 
     def configure_optimizers(self) -> None:
         return None  # the reference's SGD(lr=0) is never stepped
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return with_lengths(batch)
 
     def on_train_epoch_start(self) -> None:
         self.sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.retriever.named_parameters()

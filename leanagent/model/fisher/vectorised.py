@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.t5.modeling_t5 import T5Attention, T5LayerNorm
 
+from leanagent.model.fisher.batches import example_groups, select_items
 from leanagent.model.retriever import PremiseRetriever
+from leanagent.model.sub_batches import call_cost_for
 
 
 def _relative_bias_attentions(model: nn.Module) -> list[T5Attention]:
@@ -278,17 +280,29 @@ def accumulate_squared_example_grads(retriever: PremiseRetriever, batch: dict[st
                                      sums: dict[str, torch.Tensor], hooks: PerExampleGrads | None = None) -> int:
     """Adds sum over the batch's non-padding examples of (d loss_e / d theta)^2 to `sums`; returns their count.
 
-    Two forwards, as in the training step (the examples' contexts, then their premise columns, each
-    padded to its longest real sequence), the loss the sum of the examples' own losses (each exactly
-    `FisherModule.example_loss`), one backward to the activations only (no weight gradient is formed),
-    and the per-example parameter gradients rebuilt by `PerExampleGrads` (an example's contributions
-    from the two forwards are added before they are squared). `hooks`: one built for this retriever
-    and these sums' parameters, reused across batches.
+    The examples go in groups (`example_groups`: all of them, or with `sort_by_length` length-sorted groups
+    under `model.token_budget`, which bounds what one pass holds), each group in two forwards as the
+    training step pads them (its contexts, then its premise columns, each cut to its longest real
+    sequence), the loss the sum of the examples' own losses (each exactly `FisherModule.example_loss`),
+    one backward to the activations only (no weight gradient is formed), and the per-example parameter
+    gradients rebuilt by `PerExampleGrads` (an example's contributions from the two forwards are added
+    before they are squared). On transformers' own forward (`stock_forward`): the hooks follow each layer's
+    call. `hooks`: one built for this retriever and these sums' parameters, reused across batches.
     """
-    if not bool((~batch["is_padding"].bool()).any()):
-        return 0
     if hooks is None:
         hooks = PerExampleGrads(retriever, {id(p): n for n, p in retriever.named_parameters() if n in sums})
+    hp = retriever.hparams
+    groups = example_groups(batch, hp.get("token_budget", 16384), call_cost_for(batch["context_ids"].device.type),
+                            hp.get("sort_by_length", True))
+    count = 0
+    with retriever.stock_forward():
+        for items in groups:
+            count += _accumulate_group(retriever, select_items(batch, items), sums, hooks)
+    return count
+
+
+def _accumulate_group(retriever: PremiseRetriever, batch: dict[str, Any], sums: dict[str, torch.Tensor],
+                      hooks: PerExampleGrads) -> int:
     ctx_ids, ctx_mask, prem_ids, prem_mask, label = example_major_batch(batch)
     k, cols = label.shape
     with hooks.start(k):
