@@ -16,7 +16,8 @@ from typing import Any
 from transformers import ByT5Tokenizer
 
 from leanagent.atomic import file_mode, refuse_non_empty, write_atomic
-from leanagent.model.loading import RETRIEVER_FILE, LoadedModel, load_model, no_progress_bars
+from leanagent.model.loading import RETRIEVER_FILE, LoadedModel, load_model
+from leanagent.model.progress_bars import no_progress_bars
 
 MODEL_FILES = frozenset({
     "config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",

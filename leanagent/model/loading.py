@@ -15,8 +15,7 @@ only the epoch count carries over (`epochs_completed`), as LeanAgent's max_epoch
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from leanagent.checkpoints import (
 )
 from leanagent.config import DataConfig, ModelConfig, PipelineConfig
 from leanagent.model.presets import encoder_config
+from leanagent.model.progress_bars import no_progress_bars
 from leanagent.model.retriever import PremiseRetriever
 
 # Written by `leanagent export` beside config.json: what a plain HF folder cannot say about the retriever.
@@ -152,20 +152,6 @@ def checkpoint_encoder_config(path: Path, name_or_path: str) -> dict[str, Any]:
     config, source = reference_architecture(path, checkpoint, name_or_path)
     check_weights(path, reference_state_dict(checkpoint), config, source)
     return config.to_dict()
-
-
-@contextmanager
-def no_progress_bars() -> Iterator[None]:
-    """Transformers' "Loading weights"/"Writing model shards" bars, on every retrieve or export, are noise."""
-    from transformers.utils import logging as hf_logging
-
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
 
 
 def load_model(path: str | Path, device: str = "cpu", base_model: str | None = None) -> LoadedModel:

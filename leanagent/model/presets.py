@@ -12,6 +12,7 @@ import torch
 from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
 
 from leanagent.atomic import refuse_non_empty
+from leanagent.model.progress_bars import no_progress_bars
 
 PRESETS: dict[str, dict] = {
     "tiny": {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4},
@@ -32,6 +33,7 @@ def write_random_encoder(out: Path, preset: str = "tiny", seed: int = 0) -> Path
     torch.manual_seed(seed)
     model = T5EncoderModel(encoder_config(preset))
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    with no_progress_bars():
+        model.save_pretrained(out)
     ByT5Tokenizer().save_pretrained(out)
     return out

@@ -315,8 +315,9 @@ class PremiseRetriever(pl.LightningModule):
         epoch_tokens += self.last_tokens  # in place: the dict's entry grows
         # Not synced: an all-reduce per step only to log a number; the epoch mean is rank 0's.
         self.log("loss_train", loss, on_step=True, on_epoch=True, batch_size=len(batch["index"]))
+        # Synced once, at the epoch's end (on_step=False): the mean over all ranks' steps.
         self.log("train_token_efficiency", self.last_tokens.efficiency, on_step=False, on_epoch=True,
-                 batch_size=len(batch["index"]))
+                 batch_size=len(batch["index"]), sync_dist=True)
         if self._ewc_fisher and self.ewc_lambda > 0:
             penalty = self.ewc_penalty()
             self.log("ewc_penalty", penalty, on_step=True, on_epoch=False, batch_size=len(batch["index"]))
