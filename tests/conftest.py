@@ -7,6 +7,7 @@ autouse, so suites that need neither (data, unit) start no server.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,18 @@ import yaml
 class DemoAssets:
     repos: list[Path]
     model: Path
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGINT back to Python's default when the suite was started with it ignored.
+
+    A shell starts a background command (`cmd &`, no job control) with SIGINT ignored, and an ignored signal
+    stays ignored across exec, in every command a test starts. The tests that Ctrl-C a command then wait
+    for nothing: `leanagent` keeps an ignored SIGINT ignored, as `nohup` asks. A handled signal is reset to
+    its default at exec, so the commands start as under a terminal's foreground.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
