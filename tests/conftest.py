@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import pytest
 import yaml
@@ -83,6 +84,44 @@ def ddp_assets(tmp_path_factory) -> dict[str, Path]:
     repos = write_demo_repos(root / "data", 2, seed=7)
     model = write_random_encoder(root / "model", "tiny", seed=0)
     return {"root": root, "repo_a": repos[0], "repo_b": repos[1], "model": model}
+
+
+def file_times(folder: Path) -> dict[str, int]:
+    """Every file under `folder` with its mtime: equal before and after means nothing was written there."""
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    config_path: Path
+    run_dir: Path
+    flow_run_id: UUID
+    summary: dict
+
+
+@pytest.fixture(scope="session")
+def lifelong_run3(prefect_harness: None, tmp_path_factory: pytest.TempPathFactory, demo_assets: DemoAssets,
+                  write_cpu_config: Callable[..., Path]) -> FinishedRun:
+    """The lifelong flow on the three demo repositories (2 gloo ranks, one epoch each, EWC 0.1), run once.
+
+    It is the slow part of every test that reads a finished `single` run: the flow's own tests, `merge_all`'s
+    comparison, and the SLURM flow's local reference. Tests only read it, or rerun it to see nothing change.
+    """
+    from flows.lifelong import lifelong_retrieval
+
+    root = tmp_path_factory.mktemp("lifelong")
+    # Its folder's name is the run's label in `leanagent report` ("single" beside "merge_all").
+    config_path = write_cpu_config(root / "config.yaml", root / "single", demo_assets.repos[:3])
+    with pytest.MonkeyPatch.context() as env:
+        # Every rank line, Lightning's per-job ones included: rank 1 prints little else, and the flow's tests
+        # check that the lines of both ranks reach the flow run's logs.
+        env.setenv("LEANAGENT_VERBOSE", "1")
+        # What torchrun gives 2 local ranks anyway; a SLURM job's single rank per node needs it said, and the
+        # SLURM flow test compares its matrix with this run's bit for bit.
+        env.setenv("OMP_NUM_THREADS", "1")
+        state = lifelong_retrieval(config_path=str(config_path), return_state=True)
+    assert state.is_completed(), state.message
+    return FinishedRun(config_path, root / "single", state.state_details.flow_run_id, state.result())
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

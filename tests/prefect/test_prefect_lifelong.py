@@ -1,7 +1,7 @@
 """The lifelong flow end to end: three repositories, two CPU ranks under torchrun, EWC on.
 
-One flow run is shared by the module (it is the slow part); the rerun test then checks that a
-second run of the same config launches nothing and touches no file of the first.
+One flow run is shared by the session (`lifelong_run3`, tests/conftest.py: it is the slow part); the rerun test
+then checks that a second run of the same config launches nothing and touches no file of the first.
 """
 
 from __future__ import annotations
@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from uuid import UUID
 
 import pytest
 import yaml
@@ -20,35 +18,15 @@ from flows.lifelong import PROGRESS_KEY, SUMMARY_KEY, TABLE_KEY, lifelong_retrie
 from leanagent.atomic import read_json
 from leanagent.report import RunReport
 from leanagent.run_state import ManifestMismatchError
+from tests.conftest import FinishedRun, file_times
 from tests.prefect.prefect_api import flow_run_artifacts, wait_for_logs
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]
 
 
-@dataclass
-class FinishedRun:
-    config_path: Path
-    run_dir: Path
-    flow_run_id: UUID
-    summary: dict
-
-
-def _files(folder: Path) -> dict[str, int]:
-    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-@pytest.fixture(scope="module")
-def run3(prefect_harness: None, tmp_path_factory: pytest.TempPathFactory, demo_assets, write_cpu_config
-         ) -> FinishedRun:
-    root = tmp_path_factory.mktemp("lifelong")
-    config_path = write_cpu_config(root / "config.yaml", root / "run", demo_assets.repos[:3])
-    # Every rank line, Lightning's per-job ones included: rank 1 prints little else, and the test below checks
-    # that the lines of both ranks reach the flow run's logs (what is hidden is tests/unit/test_quiet_progress.py's).
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("LEANAGENT_VERBOSE", "1")
-        state = lifelong_retrieval(config_path=str(config_path), return_state=True)
-    assert state.is_completed(), state.message
-    return FinishedRun(config_path, root / "run", state.state_details.flow_run_id, state.result())
+@pytest.fixture
+def run3(lifelong_run3: FinishedRun) -> FinishedRun:
+    return lifelong_run3
 
 
 def _job_results(run_dir: Path) -> dict[str, dict]:
@@ -144,11 +122,11 @@ def test_rank_lines_reach_the_flow_run_logs(run3: FinishedRun) -> None:
 
 
 def test_rerun_skips_every_finished_stage(run3: FinishedRun) -> None:
-    before = _files(run3.run_dir / "jobs")
+    before = file_times(run3.run_dir / "jobs")
     stages_before = read_json(run3.run_dir / "manifest.json")["repos"]
     state = lifelong_retrieval(config_path=str(run3.config_path), return_state=True)
     assert state.is_completed(), state.message
-    assert _files(run3.run_dir / "jobs") == before  # no job launched, no file touched
+    assert file_times(run3.run_dir / "jobs") == before  # no job launched, no file touched
     assert read_json(run3.run_dir / "manifest.json")["repos"] == stages_before
     assert state.result()["rows"] == run3.summary["rows"]
     messages = wait_for_logs(state.state_details.flow_run_id, lambda m: sum("skipped" in x for x in m) >= 15)
@@ -161,10 +139,10 @@ def test_changed_config_is_refused_without_touching_the_run(run3: FinishedRun, t
     raw["lifelong"]["ewc_lambda"] = 0.5
     changed = tmp_path / "changed.yaml"
     changed.write_text(yaml.safe_dump(raw))
-    before = _files(run3.run_dir)
+    before = file_times(run3.run_dir)
     with pytest.raises(ManifestMismatchError, match=r"lifelong\.ewc_lambda: 0\.1 -> 0\.5"):
         lifelong_retrieval(config_path=str(changed))
-    after = _files(run3.run_dir)
+    after = file_times(run3.run_dir)
     after.pop(".lock", None)
     before.pop(".lock", None)
     assert after == before

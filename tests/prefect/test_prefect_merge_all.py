@@ -1,7 +1,8 @@
 """`lifelong.dataset_strategy: merge_all` through the real flow, beside a `single` run of the same repositories.
 
 Three demo repositories (copied, so that a test may edit one), the tiny model, 2 gloo ranks, one epoch per
-repository: each run launches 3 training, 3 Fisher and 4 evaluation jobs. The merge_all run trains and computes
+repository: each run launches 3 training, 3 Fisher and 4 evaluation jobs. The `single` run is the session's
+(`lifelong_run3`), on the original repositories. The merge_all run trains and computes
 its Fisher on run_dir/merged/NN-name (repositories 0..i), reruns without launching anything, and
 `leanagent report` prints it beside the single run with the composite score.
 """
@@ -20,6 +21,7 @@ import pytest
 from flows.lifelong import lifelong_retrieval
 from leanagent.atomic import read_json
 from leanagent.run_state import ManifestMismatchError
+from tests.conftest import FinishedRun, file_times
 from tests.prefect.prefect_api import wait_for_logs
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]
@@ -35,23 +37,17 @@ class Runs:
     single_summary: dict
 
 
-def _files(folder: Path) -> dict[str, int]:
-    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 @pytest.fixture(scope="module")
-def runs(prefect_harness: None, tmp_path_factory: pytest.TempPathFactory, demo_assets, write_cpu_config) -> Runs:
+def runs(prefect_harness: None, tmp_path_factory: pytest.TempPathFactory, demo_assets, write_cpu_config,
+         lifelong_run3: FinishedRun) -> Runs:
     root = tmp_path_factory.mktemp("merge_all")
     repos = [Path(shutil.copytree(r, root / "data" / r.name)) for r in demo_assets.repos[:3]]
-    summaries = {}
-    for strategy in ("merge_all", "single"):
-        config = write_cpu_config(root / f"{strategy}.yaml", root / strategy, repos,
-                                  lifelong={"epochs_per_repo": 1, "ewc_lambda": 0.1, "dataset_strategy": strategy})
-        state = lifelong_retrieval(config_path=str(config), return_state=True)
-        assert state.is_completed(), state.message
-        summaries[strategy] = state.result()
-    return Runs(repos, root / "merge_all.yaml", root / "merge_all", root / "single", summaries["merge_all"],
-                summaries["single"])
+    config = write_cpu_config(root / "merge_all.yaml", root / "merge_all", repos,
+                              lifelong={"epochs_per_repo": 1, "ewc_lambda": 0.1, "dataset_strategy": "merge_all"})
+    state = lifelong_retrieval(config_path=str(config), return_state=True)
+    assert state.is_completed(), state.message
+    # The `single` run beside it is the session's (the same config but for the strategy, on the originals).
+    return Runs(repos, config, root / "merge_all", lifelong_run3.run_dir, state.result(), lifelong_run3.summary)
 
 
 def _results(run_dir: Path) -> dict[str, dict]:
@@ -76,7 +72,7 @@ def test_each_repository_trains_on_the_merge_of_those_before_it(runs: Runs) -> N
     last = f"02-{names[2]}/evaluate-00-01-02"
     assert [Path(e["dataset"]) for e in results[last]["evaluations"]] == [by_name[n] for n in names]
     single = _results(runs.single_dir)
-    assert Path(single[f"01-{names[1]}/train"]["dataset"]) == by_name[names[1]]
+    assert Path(single[f"01-{names[1]}/train"]["dataset"]).name == names[1]  # the repository itself, not a merge
     assert runs.single_summary["order"] == names
     # The first stage merges one repository: the same theorems as `single` trains on.
     assert json.loads((runs.merge_dir / "merged" / f"00-{names[0]}" / "random" / "train.json").read_text()) == \
@@ -84,11 +80,11 @@ def test_each_repository_trains_on_the_merge_of_those_before_it(runs: Runs) -> N
 
 
 def test_rerun_launches_nothing_and_reuses_the_merges(runs: Runs) -> None:
-    before = {part: _files(runs.merge_dir / part) for part in ("jobs", "merged")}
+    before = {part: file_times(runs.merge_dir / part) for part in ("jobs", "merged")}
     stages = read_json(runs.merge_dir / "manifest.json")["repos"]
     state = lifelong_retrieval(config_path=str(runs.merge_config), return_state=True)
     assert state.is_completed(), state.message
-    assert {part: _files(runs.merge_dir / part) for part in ("jobs", "merged")} == before  # nothing launched or
+    assert {part: file_times(runs.merge_dir / part) for part in ("jobs", "merged")} == before  # nothing launched or
     # rewritten
     assert read_json(runs.merge_dir / "manifest.json")["repos"] == stages
     assert state.result()["rows"] == runs.merge_summary["rows"]
@@ -119,7 +115,7 @@ def test_a_changed_repository_refuses_the_rerun_untouched(runs: Runs) -> None:
     edited = next(r for r in runs.repos if r.name == name) / "corpus.jsonl"
     original = edited.read_text()
     # Refused before any job or merge: job folders, merged datasets and recorded stages stay as they were.
-    before = {part: _files(runs.merge_dir / part) for part in ("jobs", "merged")}
+    before = {part: file_times(runs.merge_dir / part) for part in ("jobs", "merged")}
     stages = read_json(runs.merge_dir / "manifest.json")["repos"]
     try:
         edited.write_text(original + "\n")  # a blank line: the same corpus to a reader, other bytes
@@ -127,5 +123,5 @@ def test_a_changed_repository_refuses_the_rerun_untouched(runs: Runs) -> None:
             lifelong_retrieval(config_path=str(runs.merge_config))
     finally:
         edited.write_text(original)
-    assert {part: _files(runs.merge_dir / part) for part in ("jobs", "merged")} == before
+    assert {part: file_times(runs.merge_dir / part) for part in ("jobs", "merged")} == before
     assert read_json(runs.merge_dir / "manifest.json")["repos"] == stages

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from flows.lifelong import lifelong_retrieval
 from leanagent.supervision import descendants, process_table
@@ -23,21 +22,11 @@ from tests.slurm.test_slurm import REPO_ROOT, STARTUP_S, job_ids, wait_for
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.prefect]
 
 
-def flow_config(path: Path, assets, run_dir: Path, launcher: str, repos: list[Path], **lifelong) -> Path:
-    nodes, devices = (2, 1) if launcher == "slurm" else (1, 2)
-    cfg = {
-        "launcher": launcher,
-        "model": {"name_or_path": str(assets.model), "lr": 1e-3, "warmup_steps": 5, "max_seq_len": 256},
-        "data": {"batch_size": 4, "eval_batch_size": 16, "max_seq_len": 256, "num_workers": 0},
-        "trainer": {"accelerator": "cpu", "devices": devices, "num_nodes": nodes, "precision": "bf16-mixed",
-                    "accumulate_grad_batches": 1},
-        "lifelong": {"epochs_per_repo": 1, "ewc_lambda": 0.1, **lifelong},
-        "slurm": {"partition": "debug", "poll_s": 0.5},
-        "run_dir": str(run_dir),
-        "repos": [{"path": str(p)} for p in repos],
-    }
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+def slurm_config(write_cpu_config, path: Path, run_dir: Path, repos: list[Path], **lifelong) -> Path:
+    """The tests' 2-rank CPU config, its ranks on 2 nodes of 1 (one SLURM task each) instead of 2 local ones."""
+    return write_cpu_config(path, run_dir, repos, launcher="slurm", trainer={"devices": 1, "num_nodes": 2},
+                            slurm={"partition": "debug", "poll_s": 0.5},
+                            lifelong={"epochs_per_repo": 1, "ewc_lambda": 0.1, **lifelong})
 
 
 def all_job_ids(run_dir: Path) -> dict[str, list[int]]:
@@ -45,13 +34,11 @@ def all_job_ids(run_dir: Path) -> dict[str, list[int]]:
             for p in sorted(run_dir.glob("jobs/**/slurm/job.json"))}
 
 
-@pytest.mark.usefixtures("prefect_harness")
 def test_the_three_repository_flow_under_slurm_gives_the_local_recall_matrix_and_a_rerun_submits_nothing(
-        cluster: Cluster, demo_assets, tmp_path, monkeypatch):
+        cluster: Cluster, lifelong_run3, write_cpu_config, demo_assets, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun gives 2 local ranks: the same sums, bit for bit
-    local = lifelong_retrieval(config_path=str(flow_config(tmp_path / "local.yaml", demo_assets, tmp_path / "local",
-                                                           "local", demo_assets.repos)))
-    config = flow_config(tmp_path / "slurm.yaml", demo_assets, tmp_path / "slurm", "slurm", demo_assets.repos)
+    local = lifelong_run3.summary  # the session's run of the same config under `launcher: local`
+    config = slurm_config(write_cpu_config, tmp_path / "slurm.yaml", tmp_path / "slurm", demo_assets.repos[:3])
     started = time.monotonic()
     first = lifelong_retrieval(config_path=str(config))
     took = time.monotonic() - started
@@ -89,11 +76,12 @@ def _running_job(cluster: Cluster, job_dir: Path) -> int | None:
     return None
 
 
-def test_a_sigkilled_leanagent_run_is_rerun_and_reattaches_to_its_job(cluster: Cluster, demo_assets, tmp_path):
+def test_a_sigkilled_leanagent_run_is_rerun_and_reattaches_to_its_job(cluster: Cluster, demo_assets,
+                                                                     write_cpu_config, tmp_path):
     run_dir = tmp_path / "run"
     # Long enough that the rerun, which starts its own Prefect server first, finds the job still running.
-    config = flow_config(tmp_path / "cfg.yaml", demo_assets, run_dir, "slurm", demo_assets.repos[:1],
-                         epochs_per_repo=30)
+    config = slurm_config(write_cpu_config, tmp_path / "cfg.yaml", run_dir, demo_assets.repos[:1],
+                          epochs_per_repo=30)
     train = run_dir / "jobs" / "00-repo_0" / "train"
     cli = _cli(tmp_path / "first.log", config, _env(tmp_path))
     try:
@@ -120,15 +108,16 @@ def _tree(pid: int) -> set[int]:
 
 
 @pytest.mark.usefixtures("prefect_harness")
-def test_a_prefect_cancel_of_a_served_run_leaves_no_job_in_the_queue(cluster: Cluster, demo_assets, tmp_path):
+def test_a_prefect_cancel_of_a_served_run_leaves_no_job_in_the_queue(cluster: Cluster, demo_assets,
+                                                                     write_cpu_config, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
     from prefect.settings import PREFECT_API_URL
     from prefect.states import Cancelling
 
     run_dir = tmp_path / "run"
-    config = flow_config(tmp_path / "cfg.yaml", demo_assets, run_dir, "slurm", demo_assets.repos[:1],
-                         epochs_per_repo=50)
+    config = slurm_config(write_cpu_config, tmp_path / "cfg.yaml", run_dir, demo_assets.repos[:1],
+                          epochs_per_repo=50)
     name = f"slurm-cancel-{os.getpid()}"
     env = _env(tmp_path)
     env.update(PREFECT_API_URL=PREFECT_API_URL.value(), PREFECT_RUNNER_POLL_FREQUENCY="1")
