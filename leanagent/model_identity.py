@@ -18,12 +18,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from leanagent.file_digest import sha256_file
+
 # The files of a model folder that decide its embeddings: weights in any of the layouts we load (an HF
 # folder, a DeepSpeed folder consolidated by zero_to_fp32.py) and the architecture. Tokenizer files, model
 # cards and logs are left out, so that rewriting them (an export with --force) does not count as a change.
 WEIGHT_SUFFIXES = (".ckpt", ".safetensors", ".bin", ".pt", ".pth")
 ARCHITECTURE_FILES = ("config.json",)
-_CHUNK = 1 << 20
 
 
 def model_files(path: Path) -> list[tuple[str, Path]]:
@@ -39,21 +40,13 @@ def model_files(path: Path) -> list[tuple[str, Path]]:
     return sorted((str(p.relative_to(path)), p) for p in found)
 
 
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _stamps(path: Path, hashed: bool) -> list[dict[str, Any]]:
     out = []
     for name, file in model_files(path):
         st = file.stat()
         stamp: dict[str, Any] = {"name": name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
         if hashed:
-            stamp["sha256"] = _sha256(file)
+            stamp["sha256"] = sha256_file(file)
         out.append(stamp)
     return out
 

@@ -21,7 +21,6 @@ folder renamed into place, so a crash never leaves half a dataset under the fina
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -32,25 +31,17 @@ from typing import Any
 from leanagent.atomic import write_atomic
 from leanagent.data.errors import DatasetError
 from leanagent.data.theorems import read_split_json, split_source
+from leanagent.file_digest import sha256_file
 
 SPLIT_FILES = ("train.json", "val.json", "test.json")
 MERGE_FILE = "merge.json"
 CORPUS_FILE = "corpus.jsonl"
 LISTED = 10  # conflicting paths named in merge.json
-_CHUNK = 1 << 20
 
 
 def dataset_files(split: str) -> list[str]:
     """The files of a dataset that a merge reads, and writes: relative names, corpus first."""
     return [CORPUS_FILE, *(f"{split}/{name}" for name in SPLIT_FILES)]
-
-
-def sha256_file(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def digests(dataset: Path, split: str) -> dict[str, str]:

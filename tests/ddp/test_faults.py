@@ -26,7 +26,7 @@ from leanagent.config import TrainerConfig
 from leanagent.launch.base import LaunchError
 from leanagent.launch.local import LocalLauncher
 from leanagent.supervision import descendants, is_running, process_table, read_proc
-from tests.prefect.prefect_api import served_deployment
+from tests.prefect.prefect_api import served_deployment, stop_serving
 
 from .conftest import REPO_ROOT, write_config
 
@@ -401,9 +401,4 @@ def test_cancelling_a_served_deployment_run_ends_its_job(tmp_path, ddp_assets, l
         print(f"\n[faults] cancel of a served run: its {len(job)} processes gone {elapsed:.1f} s after the cancel, "
               f"run Cancelled after {shown:.1f} s; train stage {stage['status']} ({stage['reason']})")
     finally:
-        serve.send_signal(signal.SIGINT)
-        try:
-            serve.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            serve.wait(timeout=10)
+        stop_serving(serve)

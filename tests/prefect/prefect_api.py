@@ -6,6 +6,8 @@ user sees in the UI; log records reach it in batches, so reads poll until the ex
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import time
 from collections.abc import Callable
 from uuid import UUID
@@ -59,3 +61,13 @@ def served_deployment(client, name: str, timeout_s: float, server=None):
         if time.monotonic() > deadline:
             raise AssertionError(f"the deployment {name} was not served within {timeout_s:.0f} s")
         time.sleep(0.5)
+
+
+def stop_serving(server: subprocess.Popen) -> None:
+    """End a `deployments/serve.py` process as Ctrl-C does (its runner deregisters), killed if it hangs."""
+    server.send_signal(signal.SIGINT)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait(timeout=10)

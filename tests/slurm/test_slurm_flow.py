@@ -15,7 +15,7 @@ import pytest
 
 from flows.lifelong import lifelong_retrieval
 from leanagent.supervision import descendants, process_table
-from tests.prefect.prefect_api import served_deployment
+from tests.prefect.prefect_api import served_deployment, stop_serving
 from tests.slurm.cluster import Cluster
 from tests.slurm.test_slurm import REPO_ROOT, STARTUP_S, job_ids, wait_for
 
@@ -149,8 +149,4 @@ def test_a_prefect_cancel_of_a_served_run_leaves_no_job_in_the_queue(cluster: Cl
         assert stage["status"] == "interrupted", stage
         print(f"\n[slurm] Prefect cancel of a served run: the queue empty {emptied:.1f} s after the cancel")
     finally:
-        serve.send_signal(signal.SIGINT)
-        try:
-            serve.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            serve.kill()
+        stop_serving(serve)
