@@ -69,6 +69,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/none
 CredType=cred/none
+AuthInfo=cred_expire=20
 SlurmctldPort={ctl_port}
 CommunicationParameters=NoInAddrAny
 StateSaveLocation={root}/spool/slurmctld
