@@ -236,8 +236,9 @@ def test_a_real_time_limit_with_a_signal_lead_is_survived(cluster, ddp_assets, t
     (`scontrol update TimeLimit`) to a minute or two from now, within `signal_lead_s`; SLURM signals the job at
     its next look (about every 30 s), the ranks stop at a step boundary, the job is submitted again (with the
     script's full limit) and finishes."""
-    # Early stopping off (patience longer than the job): it trains all its epochs, longer than the short limit.
-    cfg = write_config(tmp_path / "cfg.yaml", ddp_assets["model"], lifelong={"epochs_per_repo": 30},
+    # Early stopping off (patience longer than the job): it trains all its epochs. 90 of them take several times
+    # the at most ~30 s that SLURM needs to signal (30 could end first on an idle machine).
+    cfg = write_config(tmp_path / "cfg.yaml", ddp_assets["model"], lifelong={"epochs_per_repo": 90},
                        trainer={"early_stopping_patience": 100},
                        slurm={"time": "00:10:00", "signal_lead_s": 120})
     out, log = tmp_path / "job", tmp_path / "train.log"
@@ -252,7 +253,7 @@ def test_a_real_time_limit_with_a_signal_lead_is_survived(cluster, ddp_assets, t
     text = log.read_text()
     assert f"slurm: job {first} has 120 s left: asking the ranks to checkpoint and stop" in text, text[-3000:]
     assert f"slurm: job {first}: its ranks stopped to be resumed; submitting it again" in text
-    assert result["epoch"] == 30 and len(job_ids(out)) == 2 and result["start_global_step"] > 0, job_ids(out)
+    assert result["epoch"] == 90 and len(job_ids(out)) == 2 and result["start_global_step"] > 0, job_ids(out)
     assert not cluster.jobs()
 
 
