@@ -43,7 +43,7 @@ def runs(prefect_harness: None, tmp_path_factory: pytest.TempPathFactory, demo_a
     root = tmp_path_factory.mktemp("merge_all")
     repos = [Path(shutil.copytree(r, root / "data" / r.name)) for r in demo_assets.repos[:3]]
     config = write_cpu_config(root / "merge_all.yaml", root / "merge_all", repos,
-                              lifelong={"epochs_per_repo": 1, "ewc_lambda": 0.1, "dataset_strategy": "merge_all"})
+                              lifelong={"dataset_strategy": "merge_all"})
     state = lifelong_retrieval(config_path=str(config), return_state=True)
     assert state.is_completed(), state.message
     # The `single` run beside it is the session's (the same config but for the strategy, on the originals).

@@ -26,7 +26,7 @@ def slurm_config(write_cpu_config, path: Path, run_dir: Path, repos: list[Path],
     """The tests' 2-rank CPU config, its ranks on 2 nodes of 1 (one SLURM task each) instead of 2 local ones."""
     return write_cpu_config(path, run_dir, repos, launcher="slurm", trainer={"devices": 1, "num_nodes": 2},
                             slurm={"partition": "debug", "poll_s": 0.5},
-                            lifelong={"epochs_per_repo": 1, "ewc_lambda": 0.1, **lifelong})
+                            lifelong=lifelong)
 
 
 def all_job_ids(run_dir: Path) -> dict[str, list[int]]:
