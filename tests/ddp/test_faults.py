@@ -87,9 +87,9 @@ def leftovers() -> dict[int, float]:
             os.kill(pid, signal.SIGKILL)
 
 
-def _cmdline(proc: psutil.Process) -> str:
+def _cmdline(proc: int | psutil.Process) -> str:
     try:
-        return " ".join(proc.cmdline())
+        return " ".join((proc if isinstance(proc, psutil.Process) else psutil.Process(proc)).cmdline())
     except psutil.Error:
         return "?"
 
@@ -260,7 +260,7 @@ def _cli(log: Path, *args: str, env: dict[str, str] | None = None) -> subprocess
     return _spawn([sys.executable, "-m", "leanagent.cli", *args], log, env={**base, **(env or {})})
 
 
-def _pid_records(folder: Path) -> dict[int, int]:
+def _pid_records(folder: Path) -> dict[int, float]:
     """The pid records the real rank programs write into their job folder (JOB/pids/rankN.json)."""
     records = {}
     for path in folder.glob("rank*.json"):
@@ -307,8 +307,8 @@ def _own_prefect_home(tmp_path: Path) -> dict[str, str]:
             **NO_TELEMETRY}
 
 
-def _train_pids(run_dir: Path) -> dict[int, int]:
-    records: dict[int, int] = {}
+def _train_pids(run_dir: Path) -> dict[int, float]:
+    records: dict[int, float] = {}
     for folder in (run_dir / "jobs").glob("*/train/pids"):
         records.update(_pid_records(folder))
     return records
@@ -320,7 +320,7 @@ def _manifest_stage(run_dir: Path, stage: str) -> dict:
     return repo["stages"][stage]
 
 
-def _run_until_training(tmp_path: Path, ddp_assets, leftovers) -> tuple[subprocess.Popen, Path, dict[int, int]]:
+def _run_until_training(tmp_path: Path, ddp_assets, leftovers) -> tuple[subprocess.Popen, Path, dict[int, float]]:
     """`leanagent run` started with its own Prefect home, once both training ranks run: the CLI, the run
     folder, and every process of it (pid -> start time), all registered for clean-up."""
     cfg, run_dir = _run_config(tmp_path, ddp_assets)

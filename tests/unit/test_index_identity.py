@@ -128,7 +128,7 @@ def test_retrieve_refuses_a_stale_index_in_one_line_and_force_warns(built, capsy
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["retrieve", str(built["index"]), "--state", STATE])
     err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and "stale" in err
+    assert exit_info.value.code == 1 and len(err.splitlines()) == 1 and err.startswith("error: ") and "stale" in err
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["retrieve", str(built["index"]), "--state", STATE, "-k", "3", "--force", "--json"])
     captured = capsys.readouterr()
@@ -140,7 +140,7 @@ def test_serve_refuses_a_stale_index_and_serves_it_with_force(built) -> None:
     _retrain(built["model"], built["other"])
     refused = _run("serve", str(built["index"]), "--port", "0")
     err = refused.stderr.strip()
-    assert refused.returncode == 2 and len(err.splitlines()) == 1 and "stale" in err, err
+    assert refused.returncode == 1 and len(err.splitlines()) == 1 and "stale" in err, err
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "leanagent.cli", "serve", str(built["index"]), "--port", "0",
                              "--force"], stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=env)
