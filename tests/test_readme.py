@@ -25,7 +25,7 @@ import pytest
 from markdown.extensions.toc import slugify
 from mkdocs.config import load_config
 
-from tests.slurm.cluster import Cluster, missing_tools
+from tests.slurm.cluster import Cluster, require_slurm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MARKED_BLOCK = re.compile(r"<!-- readme-test(?:: (?P<needs>[a-z]+))? -->\n```bash\n(?P<script>.*?)\n```", re.S)
@@ -182,12 +182,7 @@ def _running_daemons(cluster: Cluster) -> list[str]:
 @pytest.mark.prefect
 @pytest.mark.slurm
 def test_the_slurm_cluster_on_one_machine_runs_as_written(clone, demo):
-    missing = missing_tools()
-    if missing:
-        message = f"SLURM is not installed ({', '.join(missing)} missing): `bash scripts/test.sh` installs it"
-        if os.environ.get("LEANAGENT_REQUIRE_SLURM") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+    require_slurm()
     # docs/slurm.md lays its cluster out as tests/slurm/cluster.py does, so that fixture can stop it too.
     cluster = Cluster(clone / "demo" / "slurm")
     try:
