@@ -1,8 +1,13 @@
-"""README's commands run as written, after its main job, in a fresh copy of the repository.
+"""The commands of README and of the pages under docs/ run as written, after the main job, in a fresh copy of the
+repository; the pages build as a site with `mkdocs build --strict`.
 
-The copy holds the repository's files (what a clone has) and this test's own virtual environment under
-`.venv`, so README's `.venv/bin/...` commands and `bash scripts/demo.sh` run exactly as a user types them.
-Every bash block that README marks with `<!-- readme-test -->` is then run in order, after the demo.
+The copy holds the repository's files (what a clone has) and this test's own virtual environment under `.venv`,
+so the pages' `.venv/bin/...` commands and `bash scripts/demo.sh` run exactly as a user types them. Every bash
+block marked `<!-- readme-test -->` is then run, in reading order: README first, then the pages in the order of
+mkdocs.yml's nav, each page top to bottom. A block marked `<!-- readme-test: slurm -->` needs SLURM's daemons
+(docs/slurm.md starts a two-node cluster on this machine); those run in a test of their own, skipped where
+SLURM is not installed, unless LEANAGENT_REQUIRE_SLURM=1. A command that cannot run here (a real cluster, a
+GPU, a server that runs until stopped) is shown unmarked.
 """
 
 from __future__ import annotations
@@ -10,21 +15,49 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from markdown.extensions.toc import slugify
+from mkdocs.config import load_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.ddp, pytest.mark.prefect]
+from tests.slurm.cluster import Cluster, require_slurm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-MARKED_BLOCK = re.compile(r"<!-- readme-test -->\n```bash\n(.*?)\n```", re.S)
+MARKED_BLOCK = re.compile(r"<!-- readme-test(?:: (?P<needs>[a-z]+))? -->\n```bash\n(?P<script>.*?)\n```", re.S)
 DEMO_LINES = 62  # "at most about 60 lines": what the main job prints, all of it (61 on its first run)
+# Commands that were tested before README became a front page, each still in some marked block.
+STILL_TESTED = ["leanagent report tests/fixtures/leanagent_table4/leanagent.json",
+                "leanagent export \"$CKPT\" demo/export", "leanagent index --model demo/export",
+                "leanagent examples demo/data/repo_2", "leanagent retrieve demo/index-repo_2"]
 
 
-def _readme_blocks() -> list[str]:
-    return MARKED_BLOCK.findall((REPO_ROOT / "README.md").read_text())
+def pages() -> list[Path]:
+    """README, then every page of the site in nav order (a page named twice counts once)."""
+    config = load_config(str(REPO_ROOT / "mkdocs.yml"))
+    docs = Path(config["docs_dir"])
+    order: list[Path] = []
+
+    def walk(entries) -> None:
+        for entry in entries:
+            target = next(iter(entry.values())) if isinstance(entry, dict) else entry
+            if isinstance(target, list):
+                walk(target)
+            elif (docs / target) not in order:
+                order.append(docs / target)
+
+    walk(config["nav"])
+    return [REPO_ROOT / "README.md", *order]
+
+
+def marked_blocks(needs: str | None) -> list[tuple[Path, str]]:
+    """(page, script) of every marked block with that requirement (None: none), in reading order."""
+    return [(page, m["script"]) for page in pages() for m in MARKED_BLOCK.finditer(page.read_text())
+            if m["needs"] == needs]
 
 
 @pytest.fixture(scope="module")
@@ -41,33 +74,124 @@ def clone(tmp_path_factory) -> Path:
     return copy
 
 
-def _bash(clone: Path, script: str, timeout: float) -> subprocess.CompletedProcess:
+def _bash(clone: Path, script: str, timeout: float, **extra_env: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
-                                                           "PREFECT_API_URL", "LEANAGENT_VERBOSE")}
+                                                           "PREFECT_API_URL", "LEANAGENT_VERBOSE", "SLURM_CONF")}
     # The copy's code, not the editable install's; a Prefect home of its own for the temporary server.
-    env.update(PYTHONPATH=str(clone), PREFECT_HOME=str(clone / ".prefect"), DO_NOT_TRACK="1")
+    env.update(PYTHONPATH=str(clone), PREFECT_HOME=str(clone / ".prefect"), DO_NOT_TRACK="1", NO_MKDOCS_2_WARNING="1",
+               **extra_env)
     (clone / ".prefect").mkdir(exist_ok=True)
     return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=clone, capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
-def test_readme_has_its_two_setup_commands_and_marked_blocks():
+def _run_blocks(clone: Path, blocks: list[tuple[Path, str]], **extra_env: str) -> None:
+    for page, block in blocks:
+        ran = _bash(clone, block, timeout=900, **extra_env)
+        where = page.relative_to(REPO_ROOT)
+        assert ran.returncode == 0, \
+            f"{where}:\n{block}\n--- stdout:\n{ran.stdout[-3000:]}\n--- stderr:\n{ran.stderr[-3000:]}"
+        assert "Traceback" not in ran.stderr, f"{where}:\n{block}\n{ran.stderr}"
+
+
+@pytest.fixture(scope="module")
+def demo(clone: Path) -> subprocess.CompletedProcess:
+    """The main job, run once in the copy: every marked block runs after it."""
+    ran = _bash(clone, "bash scripts/demo.sh", timeout=1800)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    return ran
+
+
+def test_readme_has_its_two_setup_commands_and_the_pages_their_marked_blocks():
     readme = (REPO_ROOT / "README.md").read_text()
     setup = re.search(r"## Set up on a fresh machine\n\n```bash\n(.*?)\n```", readme, re.S)
     assert setup is not None
     assert [line.split("#")[0].strip() for line in setup.group(1).splitlines()] == ["bash scripts/demo.sh",
                                                                                      "bash scripts/test.sh"]
     assert "bash scripts/test.sh" in (REPO_ROOT / ".ci" / "run").read_text()
-    assert len(_readme_blocks()) >= 2
+    tested = "\n".join(script for needs in (None, "slurm") for _, script in marked_blocks(needs))
+    for command in STILL_TESTED:
+        assert command in tested, f"{command!r} is no longer in a block marked <!-- readme-test -->"
+    assert marked_blocks("slurm"), "docs/slurm.md's cluster on one machine is no longer tested"
+    # A marker with a requirement this file does not know would never run.
+    known = {None, "slurm"}
+    for page in pages():
+        assert {m["needs"] for m in MARKED_BLOCK.finditer(page.read_text())} <= known, page
 
 
-def test_the_demo_then_every_marked_readme_block_runs_as_written(clone):
-    demo = _bash(clone, "bash scripts/demo.sh", timeout=1800)
-    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+def test_readme_links_reach_a_page_and_a_heading_there():
+    """mkdocs checks the links between pages; README is outside the site, so its own links are checked here."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    links = re.findall(r"\]\((?!https?:)([^)#]+)(?:#([^)]+))?\)", readme)
+    assert links
+    for path, anchor in links:
+        target = REPO_ROOT / path
+        assert target.is_file(), f"README links to {path}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), re.M)
+            assert anchor in {slugify(h, "-") for h in headings}, f"README links to {path}#{anchor}: no such heading"
+
+
+def test_the_docs_build_as_a_site_with_strict_checks(tmp_path):
+    """A broken link, anchor, snippet or nav entry fails `mkdocs build --strict` (mkdocs.yml's validation)."""
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert built.returncode == 0, built.stdout + built.stderr
+    index = (tmp_path / "site" / "index.html").read_text()
+    for heading in ("Set up on a fresh machine", "A short tour", "Command line"):  # README's sections came in
+        assert heading in index
+    assert "8&lt;" not in index
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.prefect
+def test_the_demo_then_every_marked_block_runs_as_written(clone, demo):
     printed = (demo.stdout + demo.stderr).splitlines()
     assert len(printed) <= DEMO_LINES, "\n".join(printed)
     assert "Recall@10 (row: trained through; column: evaluated on)" in demo.stdout
-    for block in _readme_blocks():
-        ran = _bash(clone, block, timeout=900)
-        assert ran.returncode == 0, f"{block}\n--- stdout:\n{ran.stdout[-3000:]}\n--- stderr:\n{ran.stderr[-3000:]}"
-        assert "Traceback" not in ran.stderr, ran.stderr
+    _run_blocks(clone, marked_blocks(None))
+
+
+def _free_port_run(count: int) -> int:
+    """The first of `count` consecutive free ports on 127.0.0.1, above the range SLURM jobs take for torchrun."""
+    for base in range(45000 + os.getpid() % 5000, 60000, 7):
+        sockets = [socket.socket() for _ in range(count)]
+        try:
+            for i, s in enumerate(sockets):
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def _running_daemons(cluster: Cluster) -> list[str]:
+    """The daemons whose pid files the page's cluster wrote and that still run."""
+    return [name for name, pid in cluster.pids().items()
+            if subprocess.run(["ps", "-o", "comm=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+            in ("slurmctld", "slurmd")]
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.prefect
+@pytest.mark.slurm
+def test_the_slurm_cluster_on_one_machine_runs_as_written(clone, demo):
+    require_slurm()
+    # docs/slurm.md lays its cluster out as tests/slurm/cluster.py does, so that fixture can stop it too.
+    cluster = Cluster(clone / "demo" / "slurm")
+    try:
+        # The page's own port unless it is taken (another clone's cluster, a test's): the same blocks otherwise.
+        _run_blocks(clone, marked_blocks("slurm"), SLURM_TRY_PORT=str(_free_port_run(3)))
+        deadline = time.monotonic() + 60
+        while _running_daemons(cluster) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _running_daemons(cluster), "the page's stop left daemons running"
+    finally:  # whatever failed, nothing of this cluster outlives the test
+        if _running_daemons(cluster):
+            cluster.stop()

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 2
 
@@ -37,6 +39,16 @@ def free_ports(n: int) -> list[int]:
 def missing_tools() -> list[str]:
     return [tool for tool in ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
             if shutil.which(tool) is None]
+
+
+def require_slurm() -> None:
+    """Skip the calling test where SLURM is not installed, or fail it under LEANAGENT_REQUIRE_SLURM=1 (`.ci/run`)."""
+    missing = missing_tools()
+    if missing:
+        message = f"SLURM is not installed ({', '.join(missing)} missing): `bash scripts/test.sh` installs it"
+        if os.environ.get("LEANAGENT_REQUIRE_SLURM") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
 
 
 @dataclass

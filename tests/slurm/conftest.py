@@ -12,17 +12,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.slurm.cluster import Cluster, missing_tools
+from tests.slurm.cluster import Cluster, require_slurm
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    missing = missing_tools()
-    if missing:
-        message = f"SLURM is not installed ({', '.join(missing)} missing): `bash scripts/test.sh` installs it"
-        if os.environ.get("LEANAGENT_REQUIRE_SLURM") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+    require_slurm()
     running = Cluster(tmp_path_factory.mktemp("slurm")).start()
     previous = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(running.conf)  # for the launcher, in this process and every process it starts
