@@ -38,11 +38,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    dataset = Path(args.dataset)
+    if not (dataset / "corpus.jsonl").is_file():  # before torch is imported: answered at once
+        raise CommandError(f"{dataset}: no corpus.jsonl (write one with `leanagent demo-data OUT --mathlib-scale`)")
+
     from leanagent.bench import BenchOptions, format_table, run_bench, write_json
 
-    dataset = Path(args.dataset)
-    if not (dataset / "corpus.jsonl").is_file():
-        raise CommandError(f"{dataset}: no corpus.jsonl (write one with `leanagent demo-data OUT --mathlib-scale`)")
     try:
         options = BenchOptions(dataset=dataset, model=args.model, preset=args.preset, device=args.device,
                                split=args.split, min_seconds=args.min_seconds, embed_sample=args.embed_sample,
