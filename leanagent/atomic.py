@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -19,9 +20,8 @@ def write_atomic(path: Path, write: Callable[[IO], None], mode: str = "w", suffi
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    fd, tmp = _new_file(path.parent, f".{path.name}.", suffix)
     try:
-        os.fchmod(fd, file_mode())
         with os.fdopen(fd, mode) as f:
             write(f)
             f.flush()
@@ -36,18 +36,27 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     write_atomic(path, lambda f: f.write(data), mode="wb")
 
 
-def file_mode() -> int:
-    """0666 less the process's umask, read without changing it (Linux); less the usual 022 elsewhere."""
-    umask = 0o022
+def _new_file(folder: Path, prefix: str, suffix: str) -> tuple[int, Path]:
+    """A new file of a unique name in `folder`, opened for writing, created as `open(path, "w")` creates one:
+    the kernel applies the umask (or the folder's default ACL) to 0666, on every POSIX system."""
+    for _ in range(100):
+        candidate = Path(folder) / f"{prefix}{secrets.token_hex(6)}{suffix}"
+        try:
+            return os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{folder}: no free temporary name {prefix}*{suffix}")
+
+
+def file_mode(folder: Path) -> int:
+    """The mode a plain `open(path, "w")` gives a new file in `folder`, found without changing the umask
+    (setting it to read it back would race with other threads creating files)."""
+    fd, probe = _new_file(folder, ".mode.", ".tmp")
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    umask = int(line.split()[1], 8)
-                    break
-    except OSError:
-        pass
-    return 0o666 & ~umask
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

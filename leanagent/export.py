@@ -50,9 +50,10 @@ def export_model(source: str | Path, out: str | Path, force: bool = False, base_
     ByT5Tokenizer().save_pretrained(out)
     # transformers writes the weights through a temporary file of mode 0600: give what it wrote the user's umask,
     # as every other file, so that a team's other users can load the model.
+    mode = file_mode(out)
     for path in out.iterdir():
         if path.is_file() and path.name not in before:
-            os.chmod(path, file_mode())
+            os.chmod(path, mode)
     write_atomic(out / RETRIEVER_FILE, lambda f: json.dump(retriever_meta(loaded), f, indent=2, sort_keys=True))
     write_atomic(out / "README.md", lambda f: f.write(model_card(loaded)))
     return out

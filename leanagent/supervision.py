@@ -5,18 +5,18 @@ every worker with `start_new_session=True`), all in a session apart from the lau
 signal sent to one group reaches them all, and nothing the kernel does when the launcher dies
 reaches any of them. Three mechanisms, each covering what the others cannot:
 
-1. The launcher knows every process of the job by pid AND start time (`ProcInfo.start`, field 22
-   of /proc/PID/stat, in clock ticks since boot): it walks /proc for torchrun's descendants while
-   the job runs, and each rank writes its own record into `JOB/pids/` (`start()`). It signals
-   them one by one (and their process groups), so a rank that is stopped, hung or ignoring
-   SIGTERM is SIGKILLed after the grace period, and a recycled pid is never signalled: a pid
-   whose start time differs is another process (leanagent/launch/local.py, `end_job`).
-2. torchrun is started with the parent-death signal (`prctl(PR_SET_PDEATHSIG, SIGTERM)`, set in
-   the child between fork and exec by `parent_death_signal()`): when the launching thread dies,
-   SIGKILL included, the kernel sends torchrun SIGTERM, and torchrun ends its workers (SIGTERM,
+1. The launcher knows every process of the job by pid AND start time (psutil's `create_time`):
+   it asks psutil for torchrun's descendants (`Process.children(recursive=True)`) while the job
+   runs, and each rank writes its own record into `JOB/pids/` (`start()`). It signals them one
+   by one (and their process groups), so a rank that is stopped, hung or ignoring SIGTERM is
+   SIGKILLed after the grace period, and a recycled pid is never signalled: a pid whose start
+   time differs is another process (leanagent/launch/local.py, `end_job`).
+2. On Linux, torchrun is started with the parent-death signal (`prctl(PR_SET_PDEATHSIG, SIGTERM)`,
+   set in the child between fork and exec by `parent_death_signal()`): when the launching thread
+   dies, SIGKILL included, the kernel sends torchrun SIGTERM, and torchrun ends its workers (SIGTERM,
    and SIGKILL 30 s later). That clean-up can outlive the workers, so torchrun runs under a
    watchdog of ours (leanagent/launch/torchrun.py) that SIGKILLs the job and exits within a second
-   of the launcher's death.
+   of the launcher's death. Elsewhere (macOS) the watchdog alone does it.
 3. Each rank runs a daemon thread (`watch_supervisor()`) that checks, every second, that the
    launcher (pid and start time in LEANAGENT_SUPERVISOR_PID / _START) and its parent torchrun
    are still there. When either is gone, the first rank to notice SIGKILLs the sibling ranks of
@@ -30,7 +30,14 @@ with the command too (flows/temporary_server.py).
 record that a stage was interrupted; `interrupt_on_signals` turns SIGINT, SIGTERM and SIGHUP into
 `Interrupted` in the commands, so that a launcher in the middle of a job ends it.
 
-Linux only (/proc, prctl); this module imports nothing heavy, so the launcher can use it too.
+Why start times are compared with a tolerance: a start time crosses processes as seconds since the
+epoch (an environment variable, a pid record), which psutil derives from the boot time each reading;
+two readings of one process agree to psutil's precision (0.01 s on Linux), while a recycled pid would
+need the pid counter to wrap within `START_TOLERANCE_S`. Once found, a process is held as a
+`psutil.Process`, whose own identity check does not depend on the wall clock.
+
+POSIX (Linux, macOS); the parent-death signal is a Linux-only extra. This module imports nothing
+heavy, so the launcher can use it too.
 """
 
 from __future__ import annotations
@@ -40,13 +47,15 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+
+import psutil
 
 from leanagent.atomic import write_json_atomic
 
@@ -56,80 +65,62 @@ ENV_JOB_DIR = "LEANAGENT_JOB_DIR"
 SUPERVISION_ENV = (ENV_SUPERVISOR_PID, ENV_SUPERVISOR_START, ENV_JOB_DIR)
 PIDS_DIR = "pids"
 WATCH_INTERVAL_S = 1.0
+START_TOLERANCE_S = 1.0  # two readings of one process's start time (see the module docstring)
 EXIT_SUPERVISOR_GONE = 75  # a rank that ended itself because nobody supervises it any more
 PR_SET_PDEATHSIG = 1
+GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)  # ended: a zombie only waits to be reaped
 
 
-@dataclass(frozen=True)
-class ProcInfo:
-    pid: int
-    ppid: int
-    pgid: int
-    start: int  # clock ticks after boot: with the pid, names one process for the machine's uptime
-    state: str  # R, S, D, T (stopped), t (traced), Z (zombie), X (dead), ...
-
-    @property
-    def running(self) -> bool:
-        """Not a zombie: a zombie has ended and only waits to be reaped."""
-        return self.state not in ("Z", "X", "x")
-
-
-def read_proc(pid: int) -> ProcInfo | None:
+def running(proc: psutil.Process) -> bool:
+    """Still the process `proc` was (psutil checks its pid against its start time), and not a zombie."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return proc.is_running() and proc.status() not in GONE
+    except psutil.Error:
+        return False
+
+
+def find_process(pid: int, start: float | None = None) -> psutil.Process | None:
+    """The running process `pid`; with `start`, only if it is the one that started then (not a recycled pid)."""
+    try:
+        proc = psutil.Process(pid)
+        if start is not None and abs(proc.create_time() - start) > START_TOLERANCE_S:
+            return None
+    except psutil.Error:
         return None
-    except OSError:
+    return proc if running(proc) else None
+
+
+def start_time(pid: int) -> float | None:
+    """When `pid` started, in seconds since the epoch (with the pid, names one process); None if there is none."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
         return None
-    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    rest = data[data.rindex(b")") + 2:].split()
-    return ProcInfo(pid=pid, ppid=int(rest[1]), pgid=int(rest[2]), start=int(rest[19]), state=rest[0].decode())
 
 
-def process_table() -> dict[int, ProcInfo]:
-    table: dict[int, ProcInfo] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            info = read_proc(int(entry.name))
-            if info is not None:
-                table[info.pid] = info
-    return table
-
-
-def start_time(pid: int) -> int | None:
-    info = read_proc(pid)
-    return None if info is None else info.start
-
-
-def is_running(pid: int, start: int) -> bool:
+def is_running(pid: int, start: float) -> bool:
     """The very process that had this start time is alive and not a zombie."""
-    info = read_proc(pid)
-    return info is not None and info.start == start and info.running
+    return find_process(pid, start) is not None
 
 
-def descendants(table: dict[int, ProcInfo], roots: set[int]) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for info in table.values():
-        children.setdefault(info.ppid, []).append(info.pid)
-    found: set[int] = set()
-    todo = list(roots)
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
+def descendants(proc: psutil.Process) -> list[psutil.Process]:
+    """Every process below `proc` (children, theirs, ...); none once it has gone."""
+    try:
+        return proc.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def children(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.children()
+    except psutil.Error:
+        return []
 
 
 def machine_identity() -> str:
-    """This boot of this machine and this pid namespace: a pid means nothing outside them (shared job folders)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-    return f"{boot}/{namespace}"
+    """This boot of this machine: a pid means nothing outside it (job folders on a shared filesystem)."""
+    return f"{socket.gethostname()}/{psutil.boot_time():.0f}"
 
 
 def supervisor_environment(job_dir: Path) -> dict[str, str]:
@@ -152,10 +143,10 @@ def record_rank(job_dir: Path) -> Path:
     return path
 
 
-def rank_records(job_dir: Path) -> dict[int, int]:
+def rank_records(job_dir: Path) -> dict[int, float]:
     """pid -> start time of the ranks that recorded themselves on THIS machine (other nodes' pids are not ours)."""
     here = machine_identity()
-    records: dict[int, int] = {}
+    records: dict[int, float] = {}
     folder = pids_dir(job_dir)
     if not folder.is_dir():
         return records
@@ -164,26 +155,27 @@ def rank_records(job_dir: Path) -> dict[int, int]:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if data.get("machine") == here and isinstance(data.get("pid"), int) and isinstance(data.get("start"), int):
-            records[data["pid"]] = data["start"]
+        pid, start = data.get("pid"), data.get("start")
+        if data.get("machine") == here and isinstance(pid, int) and isinstance(start, (int, float)) \
+                and not isinstance(start, bool):
+            records[pid] = float(start)
     return records
 
 
-def signal_verified(pid: int, start: int, sig: int, group: bool = False) -> bool:
-    """Send `sig` to the process `pid` only if it is still the one that started at `start`.
+def signal_verified(proc: psutil.Process, sig: int, group: bool = False) -> bool:
+    """Send `sig` to `proc` only if it is still that process (psutil checks its start time) and has not ended.
 
     With `group`, also to its process group when it leads one (a rank's DataLoader workers), never to
     the caller's own group. Returns whether anything was signalled.
     """
-    info = read_proc(pid)
-    if info is None or info.start != start or not info.running:
+    if not running(proc):
         return False
     try:
-        if group and info.pgid == pid and pid != os.getpgrp():
-            os.killpg(pid, sig)
+        if group and os.getpgid(proc.pid) == proc.pid and proc.pid != os.getpgrp():
+            os.killpg(proc.pid, sig)
         else:
-            os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
+            proc.send_signal(sig)
+    except (ProcessLookupError, PermissionError, psutil.Error):
         return False
     return True
 
@@ -207,8 +199,9 @@ _PRCTL = _resolve_prctl()
 def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     """A `preexec_fn` that makes the kernel send `sig` to the child when the thread that started it dies.
 
+    Linux only (prctl): None elsewhere, where the watchdogs of the module docstring do the work alone.
     The kernel tracks the creating *thread*: call Popen from the thread that waits for the child.
-    If the parent died between fork and prctl, the child signals itself at once. None off Linux.
+    If the parent died between fork and prctl, the child signals itself at once.
     """
     prctl = _PRCTL
     if prctl is None:
@@ -264,24 +257,20 @@ def watch_supervisor(job_dir: Path | None, interval_s: float = WATCH_INTERVAL_S)
     Watches the launcher named by LEANAGENT_SUPERVISOR_PID/_START, and, under torchrun, the parent
     process. Does nothing when neither applies (a rank program run by hand).
     """
-    supervisor: tuple[int, int] | None = None
     try:
-        supervisor = (int(os.environ[ENV_SUPERVISOR_PID]), int(os.environ[ENV_SUPERVISOR_START]))
+        supervisor_pid = int(os.environ[ENV_SUPERVISOR_PID])
+        supervisor: psutil.Process | None = find_process(supervisor_pid, float(os.environ[ENV_SUPERVISOR_START]))
     except (KeyError, ValueError):
-        supervisor = None
-    parent: tuple[int, int] | None = None
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        ppid = os.getppid()
-        parent_start = start_time(ppid)
-        parent = (ppid, parent_start) if parent_start is not None else None
-    if supervisor is None and parent is None:
+        supervisor_pid, supervisor = None, None
+    parent = find_process(os.getppid()) if "TORCHELASTIC_RUN_ID" in os.environ else None
+    if supervisor_pid is None and parent is None:
         return None
 
     def check() -> str | None:
-        if supervisor is not None and not is_running(*supervisor):
-            return f"the launcher (pid {supervisor[0]}) is gone"
-        if parent is not None and os.getppid() != parent[0]:
-            return f"torchrun (pid {parent[0]}) is gone"
+        if supervisor_pid is not None and (supervisor is None or not running(supervisor)):
+            return f"the launcher (pid {supervisor_pid}) is gone"
+        if parent is not None and os.getppid() != parent.pid:
+            return f"torchrun (pid {parent.pid}) is gone"
         return None
 
     def loop() -> None:
@@ -296,7 +285,7 @@ def watch_supervisor(job_dir: Path | None, interval_s: float = WATCH_INTERVAL_S)
     return thread
 
 
-def end_orphaned_job(job_dir: Path | None, reason: str, parent: tuple[int, int] | None) -> None:
+def end_orphaned_job(job_dir: Path | None, reason: str, parent: psutil.Process | None) -> None:
     """SIGKILL the sibling ranks of this machine (a stopped or hung one cannot watch for itself), torchrun
     (whose own clean-up takes 30 s), then this rank with its process group. Nobody collects the job's
     result any more; a rerun resumes from its last checkpoint."""
@@ -308,10 +297,11 @@ def end_orphaned_job(job_dir: Path | None, reason: str, parent: tuple[int, int] 
         pass  # nobody reads our output any more
     if job_dir is not None:
         for pid, start in rank_records(job_dir).items():
-            if pid != me:
-                signal_verified(pid, start, signal.SIGKILL, group=True)
-    if parent is not None and os.getppid() == parent[0]:
-        signal_verified(*parent, signal.SIGKILL)
+            sibling = find_process(pid, start) if pid != me else None
+            if sibling is not None:
+                signal_verified(sibling, signal.SIGKILL, group=True)
+    if parent is not None and os.getppid() == parent.pid:
+        signal_verified(parent, signal.SIGKILL)
     if os.getpgid(0) == me:  # our own session (torchrun's workers): our DataLoader workers go too
         os.killpg(me, signal.SIGKILL)
     os._exit(EXIT_SUPERVISOR_GONE)

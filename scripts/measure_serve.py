@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CLIENTS = (1, 8, 32)
@@ -106,8 +107,8 @@ def bodies(url: str, pool: list[str], fmt: str, count: int) -> list[bytes]:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far: what the server spent, whatever else the machine runs."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def measure(url: str, payloads: list[bytes], clients: int, per_client: int, pid: int) -> dict:

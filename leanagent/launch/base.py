@@ -77,7 +77,7 @@ class RunningJob(ABC):
 
     @abstractmethod
     def refresh(self) -> None:
-        """Bookkeeping between polls (a local job walks /proc for new processes; a SLURM job asks the queue)."""
+        """Bookkeeping between polls (a local job looks for new processes; a SLURM job asks the queue)."""
 
     @abstractmethod
     def wait(self) -> int:

@@ -7,11 +7,14 @@ the elastic environment and starts nothing itself.
 Why we end every process ourselves: torchrun forwards SIGTERM to its workers, but starts each in a
 session of its own, so no signal to torchrun's group reaches them, and a SIGKILL to torchrun alone
 orphans them; Prefect's runner signals a single PID. On interrupt, deadline or a stale heartbeat we
-SIGTERM every rank we know (`JobProcesses`: torchrun's descendants seen in /proc, and the pid records
-the ranks write), wake stopped ones, wait the grace (less on an interrupt, or once a rank has gone),
-then SIGKILL whatever is left, torchrun included, each pid checked against its start time. If the
-launcher itself dies, torchrun's parent-death signal and each rank's watcher end the job
-(`leanagent/supervision.py`).
+SIGTERM every rank we know (`JobProcesses`: torchrun's descendants as psutil sees them, and the pid
+records the ranks write), wake stopped ones, wait the grace (less on an interrupt, or once a rank has
+gone), then SIGKILL whatever is left, torchrun included, each pid checked against its start time. If the
+launcher itself dies, torchrun's watchdog (and on Linux its parent-death signal) and each rank's watcher
+end the job (`leanagent/supervision.py`).
+
+Runs wherever torchrun and psutil do (Linux, macOS): nothing here is Linux-only but the parent-death
+signal, which `parent_death_signal` leaves out elsewhere.
 """
 
 from __future__ import annotations
@@ -25,18 +28,20 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import psutil
+
 from leanagent.config import PipelineConfig, TrainerConfig
 from leanagent.job import PROGRAMS_MODULE
 from leanagent.launch.base import GRACE_SECONDS, Launcher, RunningJob, child_environment
 from leanagent.launch.quiet import quiet_environment
 from leanagent.supervision import (
     HoldSignals,
+    children,
     descendants,
-    is_running,
+    find_process,
     parent_death_signal,
-    process_table,
     rank_records,
-    read_proc,
+    running,
     signal_verified,
     supervisor_environment,
 )
@@ -71,53 +76,55 @@ def torchrun_command(cfg: TrainerConfig, program_args: Sequence[str], log_dir: P
 
 
 class JobProcesses:
-    """Every process of one job that this machine runs, each by pid and start time.
+    """Every process of one job that this machine runs, each held as a `psutil.Process` (pid and start time).
 
     torchrun (our child) is known from the start; its descendants (the ranks, in sessions of their
-    own, and their DataLoader workers) are found by walking /proc, every `REFRESH_SECONDS` while the
-    job runs, and once more before anything is signalled; the ranks' own records in `JOB/pids/`
-    add any that were orphaned before a walk saw them. A pid whose start time changed is another
-    process and is never signalled.
+    own, and their DataLoader workers) are found with `Process.children(recursive=True)`, every
+    `REFRESH_SECONDS` while the job runs, and once more before anything is signalled; the ranks' own
+    records in `JOB/pids/` add any that were orphaned before a look saw them. A pid whose start time
+    changed is another process and is never signalled.
     """
 
     def __init__(self, proc: subprocess.Popen, job_dir: Path) -> None:
         self.proc = proc
         self.job_dir = job_dir
-        self.known: dict[int, int] = {}  # pid -> start time
-        self.ranks: dict[int, int] = {}  # the rank processes among them (torchrun's children, pid records)
-        info = read_proc(proc.pid)  # our unreaped child: this pid is torchrun's until we wait for it
-        self.torchrun = (proc.pid, info.start) if info is not None else None
+        self.known: dict[int, psutil.Process] = {}
+        # The rank processes among them (torchrun's children, pid records); None: a recorded rank found ended.
+        self.ranks: dict[int, psutil.Process | None] = {}
+        self.torchrun = find_process(proc.pid)  # our unreaped child: this pid is torchrun's until we wait for it
         if self.torchrun is not None:
-            self.known[proc.pid] = info.start
+            self.known[proc.pid] = self.torchrun
         self._refreshed = 0.0
 
-    def refresh(self, force: bool = True) -> dict[int, int]:
-        """Look for new processes of the job; return those still running (pid -> start time)."""
+    def refresh(self, force: bool = True) -> dict[int, psutil.Process]:
+        """Look for new processes of the job; return those still running (pid -> process)."""
         now = time.monotonic()
         if not force and now - self._refreshed < REFRESH_SECONDS:
             return self.known
         self._refreshed = now
-        table = process_table()
-        running = {pid: start for pid, start in self.known.items()
-                   if pid in table and table[pid].start == start and table[pid].running}
-        for pid in descendants(table, set(running)):
-            running.setdefault(pid, table[pid].start)
-            if self.torchrun is not None and table[pid].ppid == self.torchrun[0] and self.torchrun[0] in running:
-                self.ranks.setdefault(pid, table[pid].start)
+        alive = {pid: p for pid, p in self.known.items() if running(p)}
+        if self.torchrun is not None and self.torchrun.pid in alive:
+            for rank in children(self.torchrun):
+                self.ranks.setdefault(rank.pid, rank)
+        for root in list(alive.values()):
+            for p in descendants(root):
+                alive.setdefault(p.pid, p)
         for pid, start in rank_records(self.job_dir).items():
-            self.ranks.setdefault(pid, start)
-            if pid in table and table[pid].start == start and table[pid].running:
-                running.setdefault(pid, start)
+            if pid not in self.ranks:
+                self.ranks[pid] = find_process(pid, start)
+            rank = self.ranks[pid]
+            if rank is not None and running(rank):
+                alive.setdefault(pid, rank)
         # Forget the dead: their pids may be reused by anyone.
-        self.known = {pid: start for pid, start in running.items() if table[pid].running}
+        self.known = {pid: p for pid, p in alive.items() if running(p)}
         return self.known
 
-    def alive(self) -> dict[int, int]:
+    def alive(self) -> dict[int, psutil.Process]:
         return self.refresh(force=True)
 
     def ranks_ended(self) -> bool:
         """Some rank has ended while another still runs."""
-        alive = [is_running(pid, start) for pid, start in self.ranks.items()]
+        alive = [rank is not None and running(rank) for rank in self.ranks.values()]
         return any(alive) and not all(alive)
 
     def signal(self, sig: int, torchrun: bool = True) -> int:
@@ -127,9 +134,8 @@ class JobProcesses:
         dies during the grace) can break its own clean-up and leave it waiting forever on its log threads.
         Ended ranks make it end its job and exit by itself.
         """
-        spare = self.torchrun[0] if self.torchrun is not None and not torchrun else None
-        return sum(signal_verified(pid, start, sig, group=True) for pid, start in list(self.known.items())
-                   if pid != spare)
+        spare = self.torchrun.pid if self.torchrun is not None and not torchrun else None
+        return sum(signal_verified(p, sig, group=True) for pid, p in list(self.known.items()) if pid != spare)
 
 
 def end_job(jobs: JobProcesses, grace_s: float = GRACE_SECONDS, emit: Callable[[str], None] | None = None,

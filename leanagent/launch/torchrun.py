@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+
 from leanagent.supervision import (
     ENV_JOB_DIR,
     ENV_SUPERVISOR_PID,
@@ -27,37 +29,39 @@ from leanagent.supervision import (
     EXIT_SUPERVISOR_GONE,
     WATCH_INTERVAL_S,
     descendants,
-    is_running,
-    process_table,
+    find_process,
     rank_records,
+    running,
     signal_verified,
 )
 
 
 def end_the_job() -> None:
     """SIGKILL this agent's workers and their groups (by pid and start time), then exit at once."""
-    me = os.getpid()
-    table = process_table()
-    targets = {pid: table[pid].start for pid in descendants(table, {me})}
+    targets = {p.pid: p for p in descendants(psutil.Process())}
     if ENV_JOB_DIR in os.environ:
-        targets.update(rank_records(Path(os.environ[ENV_JOB_DIR])))
-    for pid, start in targets.items():
-        signal_verified(pid, start, signal.SIGKILL, group=True)
+        for pid, start in rank_records(Path(os.environ[ENV_JOB_DIR])).items():
+            rank = targets.get(pid) or find_process(pid, start)
+            if rank is not None:
+                targets[pid] = rank
+    for proc in targets.values():
+        signal_verified(proc, signal.SIGKILL, group=True)
     os._exit(EXIT_SUPERVISOR_GONE)
 
 
 def watch_launcher(interval_s: float = WATCH_INTERVAL_S) -> threading.Thread | None:
     """End the job when the launcher named by LEANAGENT_SUPERVISOR_PID/_START is gone; None without one."""
     try:
-        launcher = (int(os.environ[ENV_SUPERVISOR_PID]), int(os.environ[ENV_SUPERVISOR_START]))
+        pid = int(os.environ[ENV_SUPERVISOR_PID])
+        launcher = find_process(pid, float(os.environ[ENV_SUPERVISOR_START]))
     except (KeyError, ValueError):
         return None
 
     def loop() -> None:
-        while is_running(*launcher):
+        while launcher is not None and running(launcher):
             time.sleep(interval_s)
         try:
-            print(f"[supervision] torchrun: the launcher (pid {launcher[0]}) is gone; ending the job's processes",
+            print(f"[supervision] torchrun: the launcher (pid {pid}) is gone; ending the job's processes",
                   file=sys.stderr, flush=True)
         except (OSError, ValueError):
             pass  # nobody reads our output any more

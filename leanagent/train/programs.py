@@ -13,9 +13,7 @@ import time
 from pathlib import Path
 
 import pytorch_lightning as pl
-import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
 
 from leanagent import supervision
 from leanagent.atomic import write_json_atomic
@@ -24,7 +22,7 @@ from leanagent.config import PipelineConfig, load_config
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.data.errors import DatasetError
 from leanagent.job import NEEDS_RESUME_FILE, beat, result_filename
-from leanagent.model.fisher import FisherModule, ReferenceFisherModule
+from leanagent.model.fisher import fisher_estimator
 from leanagent.model.loading import load_retriever
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.ranks import global_rank, local_rank, node_rank
@@ -129,51 +127,23 @@ def latest_epoch_checkpoint(callback) -> str:
 
 # ---- fisher ---------------------------------------------------------------------------------
 
-class PaddedForRanks(Dataset):
-    """Pads to a multiple of the world size with flagged items, so the sampler adds no silent duplicates."""
-
-    def __init__(self, base, world_size: int) -> None:
-        self.base = base
-        self.n = len(base)
-        self.total = -(-self.n // world_size) * world_size if self.n else 0
-
-    def __len__(self) -> int:
-        return self.total
-
-    def __getitem__(self, i: int):
-        return self.base[i % self.n], i >= self.n
-
-    def collate(self, items):
-        batch = self.base.collate([item for item, _ in items])
-        batch["is_padding"] = torch.tensor([pad for _, pad in items], dtype=torch.bool)
-        return batch
-
-
 def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path) -> dict:
-    """`lifelong.fisher_estimator`: per_example (FisherModule) or reference (LeanAgent's compute_fisher)."""
-    estimator = cfg.lifelong.fisher_estimator
+    """`lifelong.fisher_estimator` (`leanagent.model.fisher.registry`): per_example (the empirical Fisher) or
+    reference (LeanAgent's compute_fisher), each fitted on its own loader."""
+    estimator = fisher_estimator(cfg.lifelong.fisher_estimator)
     model = load_retriever(cfg, checkpoint)
-    module = ReferenceFisherModule(model) if estimator == "reference" else FisherModule(model)
+    module = estimator(model)
     trainer = build_fisher_trainer(cfg.trainer, job_dir, [Heartbeat(job_dir)])
     trainer.strategy.barrier()  # before loading data
-    datamodule = make_datamodule(cfg, dataset, model)
-    if estimator == "reference":
-        # The very loader training uses (shuffle, drop_last, random negatives); Lightning adds the DistributedSampler.
-        loader = datamodule.train_dataloader()
-    else:
-        padded = PaddedForRanks(datamodule.fisher_dataset(), trainer.world_size)
-        loader = DataLoader(padded, batch_size=cfg.data.batch_size, shuffle=False, collate_fn=padded.collate,
-                            num_workers=cfg.data.num_workers, persistent_workers=cfg.data.num_workers > 0)
+    loader = estimator.train_loader(make_datamodule(cfg, dataset, model), trainer.world_size)
     trainer.strategy.barrier()  # before fit
     started = time.monotonic()
     trainer.fit(module, train_dataloaders=loader)
     trainer.strategy.barrier()  # after fit
     fit_seconds = time.monotonic() - started
     out = job_dir / FISHER_FILE
-    metadata = {"dataset": str(dataset), "checkpoint": str(checkpoint), "num_examples": module.num_examples,
-                "world_size": trainer.world_size, "estimator": estimator}
-    if estimator == "reference":
-        metadata["steps"] = module.num_steps
+    metadata = {"dataset": str(dataset), "checkpoint": str(checkpoint), "world_size": trainer.world_size,
+                **module.metadata()}
     if global_rank() == 0:
         save_fisher(out, module.fisher, metadata)
     return {"fisher": str(out), "fit_seconds": fit_seconds, **metadata}

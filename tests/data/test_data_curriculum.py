@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from data_helpers import shared_data_dir
 
-from leanagent.cli import build_parser
+from leanagent.cli import main
 from leanagent.data.curriculum import (
     Curriculum,
     RepoDifficulty,
@@ -190,8 +190,10 @@ def test_real_leandojo_split_files() -> None:
 # ---- leanagent curriculum --------------------------------------------------------------------
 
 def _cli(*argv: str) -> int:
-    args = build_parser().parse_args(["curriculum", *argv])
-    return args.func(args)
+    """`leanagent curriculum ...` in this process: its exit code (what it printed is captured by capsys)."""
+    with pytest.raises(SystemExit) as stop:
+        main(["curriculum", *argv])
+    return stop.value.code
 
 
 def test_cli_json_is_the_flows_curriculum(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,13 +2,14 @@
 left running.
 
 Each test learns the job's processes by pid AND start time (pid files the ranks write, or the supervisor's
-descendants in /proc just before the fault), so a recycled pid never counts as a survivor, and a zombie
+descendants as psutil sees them just before the fault), so a recycled pid never counts as a survivor, and a zombie
 (ended, waiting for init to reap it) counts as gone. Deadlines are generous (this runs on a busy 2-core
 machine); the measured times are printed (`pytest -s`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,13 +20,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
 from leanagent.config import TrainerConfig
 from leanagent.launch.base import LaunchError
 from leanagent.launch.local import LocalLauncher
-from leanagent.supervision import descendants, is_running, process_table, read_proc
+from leanagent.supervision import descendants, find_process, is_running, start_time
 from tests.prefect.prefect_api import served_deployment, stop_serving
 
 from .conftest import REPO_ROOT, write_config
@@ -76,29 +78,30 @@ def probe(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def leftovers() -> dict[int, int]:
+def leftovers() -> dict[int, float]:
     """Processes a test started (pid -> start time); any still running at teardown are SIGKILLed."""
-    known: dict[int, int] = {}
+    known: dict[int, float] = {}
     yield known
     for pid, start in known.items():
         if is_running(pid, start):
             os.kill(pid, signal.SIGKILL)
 
 
-def _cmdline(pid: int) -> str:
+def _cmdline(proc: int | psutil.Process) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
+        return " ".join((proc if isinstance(proc, psutil.Process) else psutil.Process(proc)).cmdline())
+    except psutil.Error:
         return "?"
 
 
-def _running(procs: dict[int, int]) -> list[str]:
+def _running(procs: dict[int, float]) -> list[str]:
     """Those of `procs` still running (same pid and start time, not a zombie), described."""
     running = []
     for pid, start in procs.items():
-        info = read_proc(pid)
-        if info is not None and info.start == start and info.running:
-            running.append(f"{pid} [{info.state}] {_cmdline(pid)[:160]}")
+        proc = find_process(pid, start)
+        if proc is not None:
+            with contextlib.suppress(psutil.Error):
+                running.append(f"{pid} [{proc.status()}] {_cmdline(proc)[:160]}")
     return running
 
 
@@ -125,7 +128,7 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str, proc: 
         time.sleep(0.2)
 
 
-def _wait_gone(procs: dict[int, int], timeout_s: float = GONE_S) -> float:
+def _wait_gone(procs: dict[int, float], timeout_s: float = GONE_S) -> float:
     """Seconds until none of `procs` runs; fails naming the survivors."""
     started = time.monotonic()
     while _running(procs):
@@ -135,11 +138,11 @@ def _wait_gone(procs: dict[int, int], timeout_s: float = GONE_S) -> float:
     return time.monotonic() - started
 
 
-def _rank_pids(out: Path, n: int = 2) -> dict[int, int]:
+def _rank_pids(out: Path, n: int = 2) -> dict[int, float]:
     procs = {}
     for rank in range(n):
-        pid, start = (int(x) for x in (out / f"pid{rank}").read_text().split())
-        procs[pid] = start
+        pid, start = (out / f"pid{rank}").read_text().split()
+        procs[int(pid)] = float(start)
     return procs
 
 
@@ -147,10 +150,19 @@ def _ranks_ready(out: Path, n: int = 2) -> bool:
     return all((out / f"pid{r}").is_file() and (out / f"pid{r}").read_text().strip() for r in range(n))
 
 
-def _tree(pid: int) -> dict[int, int]:
+def _tree(pid: int) -> dict[int, float]:
     """The live descendants of `pid`, by start time: what must be gone once `pid` is."""
-    table = process_table()
-    return {p: table[p].start for p in descendants(table, {pid}) if table[p].running}
+    return _starts(descendants(psutil.Process(pid)))
+
+
+def _starts(procs: list[psutil.Process]) -> dict[int, float]:
+    """pid -> start time of those of `procs` still running."""
+    found = {}
+    for p in procs:
+        start = start_time(p.pid)
+        if start is not None and is_running(p.pid, start):
+            found[p.pid] = start
+    return found
 
 
 # --- the launcher ends every rank itself -----------------------------------------------------------------
@@ -220,7 +232,7 @@ SUPERVISOR = (
 def test_sigkill_of_the_supervisor_leaves_nothing(tmp_path, probe, leftovers, options, stop_rank_1):
     out = tmp_path / "job"
     sup = _spawn([sys.executable, "-c", SUPERVISOR, str(out), str(probe), options], tmp_path / "supervisor.log")
-    leftovers[sup.pid] = read_proc(sup.pid).start
+    leftovers[sup.pid] = start_time(sup.pid)
     _wait_for(lambda: _ranks_ready(out), STARTUP_S, "both ranks started", sup)
     job = {**_tree(sup.pid), **_rank_pids(out)}
     leftovers.update(job)
@@ -248,7 +260,7 @@ def _cli(log: Path, *args: str, env: dict[str, str] | None = None) -> subprocess
     return _spawn([sys.executable, "-m", "leanagent.cli", *args], log, env={**base, **(env or {})})
 
 
-def _pid_records(folder: Path) -> dict[int, int]:
+def _pid_records(folder: Path) -> dict[int, float]:
     """The pid records the real rank programs write into their job folder (JOB/pids/rankN.json)."""
     records = {}
     for path in folder.glob("rank*.json"):
@@ -262,7 +274,7 @@ def test_sigterm_to_leanagent_train_ends_the_job_and_exits_143(tmp_path, ddp_ass
     out = tmp_path / "job"
     cli = _cli(tmp_path / "cli.log", "train", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]),
                "--out", str(out))
-    leftovers[cli.pid] = read_proc(cli.pid).start
+    leftovers[cli.pid] = start_time(cli.pid)
     _wait_for(lambda: len(_pid_records(out / "pids")) == 2 and (out / "heartbeat" / "rank1.json").is_file(),
               STARTUP_S, "both ranks running", cli)
     time.sleep(2.0)
@@ -295,8 +307,8 @@ def _own_prefect_home(tmp_path: Path) -> dict[str, str]:
             **NO_TELEMETRY}
 
 
-def _train_pids(run_dir: Path) -> dict[int, int]:
-    records: dict[int, int] = {}
+def _train_pids(run_dir: Path) -> dict[int, float]:
+    records: dict[int, float] = {}
     for folder in (run_dir / "jobs").glob("*/train/pids"):
         records.update(_pid_records(folder))
     return records
@@ -308,12 +320,12 @@ def _manifest_stage(run_dir: Path, stage: str) -> dict:
     return repo["stages"][stage]
 
 
-def _run_until_training(tmp_path: Path, ddp_assets, leftovers) -> tuple[subprocess.Popen, Path, dict[int, int]]:
+def _run_until_training(tmp_path: Path, ddp_assets, leftovers) -> tuple[subprocess.Popen, Path, dict[int, float]]:
     """`leanagent run` started with its own Prefect home, once both training ranks run: the CLI, the run
     folder, and every process of it (pid -> start time), all registered for clean-up."""
     cfg, run_dir = _run_config(tmp_path, ddp_assets)
     cli = _cli(tmp_path / "cli.log", "run", "--config", str(cfg), env=_own_prefect_home(tmp_path))
-    leftovers[cli.pid] = read_proc(cli.pid).start
+    leftovers[cli.pid] = start_time(cli.pid)
     _wait_for(lambda: len(_train_pids(run_dir)) == 2, 2 * STARTUP_S, "the training job's ranks running", cli)
     time.sleep(2.0)
     job = {**_tree(cli.pid), **_train_pids(run_dir)}
@@ -354,14 +366,13 @@ def test_sigint_to_leanagent_run_records_the_stage_interrupted(tmp_path, ddp_ass
 # --- a served deployment, cancelled ---------------------------------------------------------------------
 
 
-def _flow_run_tree(runner: int) -> dict[int, int]:
+def _flow_run_tree(runner: int) -> dict[int, float]:
     """The flow-run process (the runner's child above torchrun) and its descendants; not the runner's helpers."""
-    table = process_table()
-    (torchrun,) = [p for p in descendants(table, {runner}) if "leanagent.launch.torchrun" in _cmdline(p)]
+    (torchrun,) = [p for p in descendants(psutil.Process(runner)) if "leanagent.launch.torchrun" in _cmdline(p)]
     flow_run = torchrun
-    while table[flow_run].ppid != runner:
-        flow_run = table[flow_run].ppid
-    return {p: table[p].start for p in {flow_run} | descendants(table, {flow_run}) if table[p].running}
+    while flow_run.ppid() != runner:
+        flow_run = flow_run.parent()
+    return _starts([flow_run, *descendants(flow_run)])
 
 
 @pytest.mark.prefect
@@ -379,7 +390,7 @@ def test_cancelling_a_served_deployment_run_ends_its_job(tmp_path, ddp_assets, l
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(PREFECT_API_URL=PREFECT_API_URL.value(), PREFECT_RUNNER_POLL_FREQUENCY="1", **NO_TELEMETRY)
     serve = _spawn([sys.executable, "deployments/serve.py", "--name", name], tmp_path / "serve.log", env=env)
-    leftovers[serve.pid] = read_proc(serve.pid).start
+    leftovers[serve.pid] = start_time(serve.pid)
     try:
         with get_client(sync_client=True) as client:
             deployment = served_deployment(client, name, STARTUP_S, serve)

@@ -14,6 +14,7 @@ import pytest
 from leanagent.config import TrainerConfig
 from leanagent.launch.base import LaunchError, child_environment
 from leanagent.launch.local import LocalLauncher
+from leanagent.supervision import find_process
 
 from .conftest import SCRIPTS
 
@@ -28,11 +29,7 @@ def _probe(mode: str, out: Path) -> list[str]:
 def _running(pid: int) -> bool:
     """Alive and not a zombie: a killed rank whose parent torchrun died waits for init to reap it, which takes
     seconds on a loaded machine; os.kill(pid, 0) would still succeed on it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZXx"
+    return find_process(pid) is not None
 
 
 def _assert_all_gone(out: Path) -> None:

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -64,16 +65,14 @@ def _config(path: Path, ddp_assets, run_dir: Path) -> Path:
 def _servers_of(prefect_home: Path) -> list[int]:
     """Running processes whose environment names this Prefect home: the temporary server, if left behind."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
             continue
         try:
-            environ = Path(f"/proc/{entry}/environ").read_bytes()
-            state = Path(f"/proc/{entry}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
-        except OSError:
+            if proc.environ().get("PREFECT_HOME") == str(prefect_home) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except psutil.Error:
             continue
-        if f"PREFECT_HOME={prefect_home}".encode() in environ.split(b"\0") and state != b"Z":
-            found.append(int(entry))
     return found
 
 

@@ -11,10 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from flows.lifelong import lifelong_retrieval
-from leanagent.supervision import descendants, process_table
+from leanagent.supervision import descendants, find_process, running
 from tests.prefect.prefect_api import served_deployment, stop_serving
 from tests.slurm.cluster import Cluster
 from tests.slurm.test_slurm import REPO_ROOT, STARTUP_S, job_ids, wait_for
@@ -103,8 +104,14 @@ def test_a_sigkilled_leanagent_run_is_rerun_and_reattaches_to_its_job(cluster: C
 
 
 def _tree(pid: int) -> set[int]:
-    table = process_table()
-    return {pid} | descendants(table, {pid})
+    return {pid} | {p.pid for p in descendants(psutil.Process(pid))}
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
 
 
 @pytest.mark.usefixtures("prefect_harness")
@@ -133,17 +140,15 @@ def test_a_prefect_cancel_of_a_served_run_leaves_no_job_in_the_queue(cluster: Cl
             wait_for(lambda: _running_job(cluster, train) is not None, 2 * STARTUP_S, "the training job running")
             # The flow-run process and what it started; not the resource tracker that the runner's multiprocessing
             # starts with its first run and keeps for the next.
-            flow_processes = {p for p in _tree(serve.pid) - serving
-                              if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()}
+            flow_processes = [p for p in map(find_process, _tree(serve.pid) - serving)
+                              if p is not None and "resource_tracker" not in _cmdline(p)]
             client.set_flow_run_state(run.id, Cancelling(message="cancelled by test_slurm_flow"))
             cancelled = time.monotonic()
             wait_for(lambda: not cluster.jobs(), 120, "the queue empty")
             emptied = time.monotonic() - cancelled
             wait_for(lambda: client.read_flow_run(run.id).state.type == StateType.CANCELLED, 120,
                      "the flow run Cancelled")
-        table = process_table()
-        left = {p: Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in flow_processes
-                if p in table and table[p].running}
+        left = {p.pid: _cmdline(p)[:200] for p in flow_processes if running(p)}
         assert not left, left
         stage = json.loads((run_dir / "manifest.json").read_text())["repos"]["00-repo_0"]["stages"]["train"]
         assert stage["status"] == "interrupted", stage

@@ -8,6 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from leanagent.bench import BenchResult, format_table
+from leanagent.bench.results import (
+    FisherFigures,
+    FixedLengthRow,
+    LaunchFigures,
+    PassFigures,
+    RunInfo,
+    TrainStepFigures,
+    TrainStepRow,
+)
 from leanagent.cli import main as cli_main
 from leanagent.data.synthetic import write_demo_repos
 
@@ -18,6 +28,24 @@ EXPECTED = ("corpus_load_s", "corpus_rss_mb", "train_examples_per_s", "tokenize_
             "train_step_padded_examples_per_s", "train_step_sorted_examples_per_s",
             "train_step_sorted_one_mask_examples_per_s", "train_token_efficiency_padded",
             "train_token_efficiency_sorted", "train_step_loss_rel_diff")
+# Every key `--json` writes on a CPU with --no-launch --no-compile, as the bench wrote them before it was split
+# into typed sections (readers of bench.json, scripts/gpu_run.sh's among them, know these names).
+JSON_KEYS = {"corpus_load_s", "corpus_order_padding_fraction", "corpus_rss_mb", "dataset", "device",
+             "embed_autocast_premises_per_s", "embed_autocast_speedup", "embed_premises_per_s", "embed_sample",
+             "embed_speedup", "embed_unsorted_premises_per_s", "fisher_auto", "fisher_over_train",
+             "fisher_s_per_example", "model", "num_files", "num_premises", "num_train_examples", "params",
+             "retrieval_leanagent_style_ms_per_context", "retrieval_ms_per_context",
+             "retrieval_same_as_leanagent_style", "retrieval_speedup", "retrieval_width", "threads",
+             "tokenize_premises_per_s", "torch", "train_examples_per_s", "train_max_len", "train_model",
+             "train_s_per_example", "train_step_batches", "train_step_examples", "train_step_layers",
+             "train_step_loss_rel_diff", "train_step_max_len", "train_step_padded_examples_per_s",
+             "train_step_padded_tokens_per_s", "train_step_real_tokens_per_example", "train_step_rounds_best_of",
+             "train_step_sorted_examples_per_s", "train_step_sorted_one_mask_examples_per_s",
+             "train_step_sorted_one_mask_speedup", "train_step_sorted_one_mask_tokens_per_s",
+             "train_step_sorted_speedup", "train_step_sorted_tokens_per_s", "train_token_efficiency_padded",
+             "train_token_efficiency_sorted", "train_token_efficiency_sorted_one_mask"}
+COMPILED_KEYS = {"compile_s", "compile_warm_s", "train_step_compiled_examples_per_s", "train_step_compiled_speedup",
+                 "train_step_compiled_tokens_per_s", "train_token_efficiency_compiled"}
 STATES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "minif2f-lean4-ld182" / "random" / "val.json"
 
 
@@ -29,6 +57,7 @@ def test_bench_writes_every_figure(tmp_path, capsys):
                   "--train-batches", "2", "--fisher-examples", "4", "--no-compile", "--json", str(out)])
     assert stop.value.code == 0
     results = json.loads(out.read_text())
+    assert set(results) == JSON_KEYS
     for key in EXPECTED:
         assert isinstance(results[key], float) and math.isfinite(results[key]) and results[key] >= 0, key
     assert results["num_premises"] > 0 and results["device"] == "cpu"
@@ -54,6 +83,7 @@ def test_bench_compiles_and_takes_real_proof_states(tmp_path):
                   "--train-batches", "2", "--fisher-examples", "4", "--states", str(STATES), "--json", str(out)])
     assert stop.value.code == 0
     results = json.loads(out.read_text())
+    assert set(results) == JSON_KEYS | COMPILED_KEYS | {"num_states", "states"}
     assert results["num_states"] == 2949 and results["states"] == [str(STATES)]
     assert results["compile_s"] > 0 and results["compile_warm_s"] > 0
     assert results["train_step_compiled_examples_per_s"] > 0
@@ -75,10 +105,51 @@ def test_bench_refuses_a_folder_without_a_corpus(tmp_path, capsys):
     assert "no corpus.jsonl" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--train-max-len", "--embed-sample", "--train-layers", "--train-batches"])
+@pytest.mark.parametrize("flag", ["--train-max-len", "--embed-sample", "--train-layers", "--train-batches",
+                                  "--fisher-examples"])
 def test_bench_refuses_a_length_or_sample_below_one(tmp_path, capsys, flag):
     repo = write_demo_repos(tmp_path / "data", 1, seed=2)[0]
     with pytest.raises(SystemExit) as stop:
         cli_main(["bench", "--dataset", str(repo), flag, "0"])
-    assert stop.value.code == 2
-    assert f"{flag} 0: must be positive" in capsys.readouterr().err
+    assert stop.value.code == 1
+    assert capsys.readouterr().err.strip() == f"error: {flag}: Input should be greater than 0"
+
+
+def test_bench_refuses_an_unknown_fisher_method(tmp_path, capsys):
+    repo = write_demo_repos(tmp_path / "data", 1, seed=2)[0]
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["bench", "--dataset", str(repo), "--fisher-methods", "loop,vmap"])
+    assert stop.value.code == 1
+    assert capsys.readouterr().err.strip() == "error: --fisher-methods.1: Input should be 'loop' or 'vectorised'"
+
+
+def test_cuda_and_failed_rows_flatten_to_the_keys_readers_know():
+    """The sections only a GPU fills (checked here without one): the CUDA device and its peak (null when the peak
+    table does not know the GPU), the fixed-length rows (an out-of-memory row keeps only its error), a pass or a
+    training row that ran out of memory, and the launch figures."""
+    run = RunInfo(dataset="d", device="cuda", torch="2", threads=1, model="m", params=1, train_model="m, 2 layers",
+                  train_step_max_len=1024, cuda_device="NVIDIA H200", peak_bf16_tflops=None)
+    step = TrainStepFigures(train_step_batches=1, train_step_examples=4, train_step_layers=2,
+                            train_step_real_tokens_per_example=9.0, train_step_loss_rel_diff=0.0,
+                            train_step_rounds_best_of=2, compile_error="no triton",
+                            rows={"padded": TrainStepRow(1.0, 2.0, 0.5, mfu=0.1), "sorted": TrainStepRow(error="oom")})
+    fisher = FisherFigures(train_max_len=1024, fisher_auto="loop",
+                           passes={"train": PassFigures(1.0, peak_memory_gb=3.0), "fisher": PassFigures(2.0, 2.0),
+                                   "fisher_vectorised": PassFigures(error="out of memory: x")})
+    rows = [FixedLengthRow(512, 4, False, 1.0, 2.0, 3.0, None, 4.0), FixedLengthRow(1024, 16, True, error="oom")]
+    result = BenchResult(run, train_step=step, fisher=fisher, cuda_training=rows,
+                         launch=LaunchFigures(launch_overhead_s=1.0, launch_total_s=2.0))
+    flat = json.loads(json.dumps(result.flat()))
+    assert flat["cuda_device"] == "NVIDIA H200" and "peak_bf16_tflops" in flat and flat["peak_bf16_tflops"] is None
+    assert flat["cuda_training"] == [
+        {"length": 512, "batch_size": 4, "compiled": False, "examples_per_s": 1.0, "tokens_per_s": 2.0, "tflops": 3.0,
+         "mfu": None, "peak_memory_gb": 4.0},
+        {"length": 1024, "batch_size": 16, "compiled": True, "error": "oom"}]
+    assert flat["train_step_padded_mfu"] == 0.1 and flat["train_step_sorted_error"] == "oom"
+    assert "train_step_sorted_examples_per_s" not in flat and "train_step_padded_speedup" not in flat
+    assert flat["compile_error"] == "no triton" and "compile_s" not in flat
+    assert (flat["train_peak_memory_gb"], flat["fisher_over_train"], flat["fisher_vectorised_error"]) == (
+        3.0, 2.0, "out of memory: x")
+    assert (flat["launch_overhead_s"], flat["launch_total_s"]) == (1.0, 2.0)
+    assert "fisher vectorised error: out of memory: x" in format_table(result)
+    assert "sorted                         oom" in format_table(result)

@@ -12,8 +12,6 @@ from pytorch_lightning.callbacks import EarlyStopping, LearningRateMonitor, Mode
 from pytorch_lightning.strategies import DDPStrategy
 
 from leanagent.config import ONE_YEAR_SECONDS, ConfigError, PipelineConfig, TrainerConfig, load_config
-from leanagent.launch.base import SCRUBBED_ENV, child_environment
-from leanagent.launch.local import torchrun_command
 from leanagent.model.loading import load_retriever
 from leanagent.train.trainer import build_fisher_trainer, build_training_trainer, ddp_strategy
 
@@ -142,20 +140,3 @@ def test_fisher_trainer_matches_strategy_precision_devices(tmp_path):
     trainer = build_fisher_trainer(cfg, tmp_path)
     assert trainer.max_epochs == 1 and trainer.precision == "bf16-mixed"
     assert trainer.strategy._timeout == timedelta(seconds=ONE_YEAR_SECONDS)
-
-
-def test_torchrun_command_single_and_multi_node():
-    single = torchrun_command(TrainerConfig(devices=4), ["train", "--config", "c.yaml"])
-    assert "--nproc-per-node=4" in single and "--standalone" in single
-    assert single[single.index("-m", 3) + 1] == "leanagent.train.programs"
-    multi = torchrun_command(TrainerConfig(devices=2, num_nodes=2, node_rank=1, rdzv_endpoint="host0:29500"),
-                             ["fisher"])
-    assert {"--nnodes=2", "--node-rank=1", "--rdzv-endpoint=host0:29500", "--nproc-per-node=2"} <= set(multi)
-    assert "--standalone" not in multi
-
-
-def test_child_environment_scrubs_inherited_ranks():
-    env = child_environment({"LOCAL_RANK": "3", "RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "x",
-                             "MASTER_PORT": "1", "NODE_RANK": "1", "PATH": "/bin"})
-    assert not set(SCRUBBED_ENV) & set(env)
-    assert env["PATH"] == "/bin"

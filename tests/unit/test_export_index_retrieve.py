@@ -287,12 +287,12 @@ def test_cli_index_then_retrieve_json(trained, tmp_path):
     (["index", "--model", "{root}/nothing", "--dataset", "{repo}", "--out", "{root}/new"], "nothing"),
     (["export", "{root}/nothing.ckpt", "{root}/new"], "nothing.ckpt: no such"),
 ])
-def test_cli_errors_are_one_line_with_exit_code_2(argv, message, trained, indexes, capsys):
+def test_cli_errors_are_one_line_with_exit_code_1(argv, message, trained, indexes, capsys):
     fill = {"root": trained["root"], "index": indexes["trained"], "repo": trained["repo"],
             "path": trained["corpus"].paths[-1]}
     with pytest.raises(SystemExit) as exit_info:
         cli.main([a.format(**fill) for a in argv])
-    assert exit_info.value.code == 2
+    assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err
 

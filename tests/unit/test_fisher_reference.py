@@ -22,7 +22,6 @@ from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.model.fisher import FisherModule, ReferenceFisherModule
 from leanagent.model.retriever import PremiseRetriever
-from leanagent.train.programs import PaddedForRanks
 
 NUM_EXAMPLES = 22  # batch size 4 with drop_last: 5 batches, 2 examples never seen, yet N = 22
 BATCH_SIZE = 4
@@ -118,8 +117,7 @@ def test_reference_differs_from_the_per_example_fisher(repo: Path) -> None:
 
     model = tiny_t5()
     per = FisherModule(model)
-    padded = PaddedForRanks(datamodule(repo, model).fisher_dataset(), world_size=1)
-    fit(per, DataLoader(padded, batch_size=BATCH_SIZE, collate_fn=padded.collate))
+    fit(per, FisherModule.train_loader(datamodule(repo, model), world_size=1))
     assert per.num_examples == NUM_EXAMPLES
     assert ref.fisher.keys() == per.fisher.keys()
 

@@ -14,7 +14,6 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 from transformers import T5Config
 
 from leanagent.config import DataConfig
@@ -24,7 +23,6 @@ from leanagent.model.fisher.batches import example_groups
 from leanagent.model.fisher.vectorised import accumulate_squared_example_grads, example_major_batch, unsupported_modules
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.model.sub_batches import call_cost_for, plan_sub_batches
-from leanagent.train.programs import PaddedForRanks
 
 BATCH_SIZE = 4
 COLUMNS = 4  # the positive and 3 negatives
@@ -180,8 +178,7 @@ def fit_fisher(model: PremiseRetriever, repo: Path, method: str, world_size: int
     cfg = DataConfig(batch_size=BATCH_SIZE, num_workers=0, max_seq_len=256)
     dm = RetrievalDataModule(repo, model.tokenizer, cfg, premise_max_len=256, seed=5)
     dm.train_examples = dm.train_examples[:examples]
-    padded = PaddedForRanks(dm.fisher_dataset(), world_size)  # as run_fisher builds it: flagged padding items
-    loader = DataLoader(padded, batch_size=BATCH_SIZE, shuffle=False, collate_fn=padded.collate)
+    loader = FisherModule.train_loader(dm, world_size)  # as run_fisher builds it: flagged padding items
     module = FisherModule(model, method=method)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, precision=precision, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

@@ -14,10 +14,10 @@ from leanagent.data.dataset import TrainDataset
 from leanagent.data.examples import build_train_examples
 from leanagent.data.theorems import load_split
 from leanagent.model.fisher import FisherModule
+from leanagent.model.fisher.batches import PaddedForRanks
 from leanagent.model.metrics import aggregate, score_context
 from leanagent.model.retriever import PremiseRetriever, contrastive_mse
 from leanagent.train.plan import plan_training
-from leanagent.train.programs import PaddedForRanks
 
 
 def test_recall_and_mrr_by_hand():

@@ -1,4 +1,4 @@
-"""A Fisher batch's examples: their lengths (read once per batch) and sub-batches of whole examples.
+"""A Fisher batch's examples: padding for the ranks, their lengths (read once per batch) and sub-batches.
 
 Both per-example estimators take a training batch apart by example: item i's context is row i, its
 premise columns are rows i + j * batch size. The lengths come from the host-side lists that
@@ -10,8 +10,29 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils.data import Dataset
 
 from leanagent.model.sub_batches import plan_sub_batches
+
+
+class PaddedForRanks(Dataset):
+    """Pads to a multiple of the world size with flagged items, so the sampler adds no silent duplicates."""
+
+    def __init__(self, base, world_size: int) -> None:
+        self.base = base
+        self.n = len(base)
+        self.total = -(-self.n // world_size) * world_size if self.n else 0
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, i: int):
+        return self.base[i % self.n], i >= self.n
+
+    def collate(self, items):
+        batch = self.base.collate([item for item, _ in items])
+        batch["is_padding"] = torch.tensor([pad for _, pad in items], dtype=torch.bool)
+        return batch
 
 
 def example_lengths(batch: dict[str, Any]) -> tuple[list[bool], list[int], list[list[int]]]:

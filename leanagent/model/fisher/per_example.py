@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
+from torch.utils.data import DataLoader
 
-from leanagent.data.dataset import with_lengths
-from leanagent.model.fisher.batches import example_lengths
+from leanagent.data.datamodule import RetrievalDataModule
+from leanagent.model.fisher.base import FisherEstimator, unflatten
+from leanagent.model.fisher.batches import PaddedForRanks, example_lengths
 from leanagent.model.fisher.vectorised import PerExampleGrads, accumulate_squared_example_grads, unsupported_modules
 from leanagent.model.retriever import PremiseRetriever, contrastive_mse
 
@@ -40,33 +40,35 @@ AUTO_METHOD_BY_DEVICE = {"cpu": "loop", "cuda": "loop"}
 AUTO_METHOD = "loop"  # any other device
 
 
-class FisherModule(pl.LightningModule):
-    """Runs one epoch over the training examples and accumulates squared per-example gradients.
+class FisherModule(FisherEstimator):
+    """`per_example`: runs one epoch over the training examples and accumulates squared per-example gradients.
 
     `method`: "loop" (one `autograd.grad` per example), "vectorised" (two forwards and one backward per
     batch, per-example gradients rebuilt from activations and output gradients; memory-hungry) or
     "auto" (`AUTO_METHOD`). Both give the same sums up to float tolerance (see the module docstring).
     """
 
+    name = "per_example"
+
     def __init__(self, retriever: PremiseRetriever, method: str = "auto") -> None:
-        super().__init__()
+        super().__init__(retriever)
         if method not in METHODS:
             raise ValueError(f"unknown Fisher method {method!r}; choose one of {METHODS}")
-        self.retriever = retriever
         self.method = method
-        self.automatic_optimization = False
-        self.names = [n for n, p in retriever.named_parameters() if p.requires_grad]
         self.unsupported = unsupported_modules(retriever)
         if method == "vectorised" and self.unsupported:
             raise ValueError(f"the vectorised Fisher does not cover {self.unsupported[:5]}; use method='loop'")
-        self.sums: dict[str, torch.Tensor] = {}
         self.count = 0
-        self.fisher: dict[str, torch.Tensor] = {}
-        self.num_examples = 0
         self._hooks: PerExampleGrads | None = None
 
-    def configure_optimizers(self) -> None:
-        return None
+    @classmethod
+    def train_loader(cls, datamodule: RetrievalDataModule, world_size: int) -> DataLoader:
+        """Every training example once, fixed negatives, in order, padded with flagged items to a multiple of
+        the world size so that the sampler adds no silent duplicate."""
+        padded = PaddedForRanks(datamodule.fisher_dataset(), world_size)
+        workers = datamodule.cfg.num_workers
+        return DataLoader(padded, batch_size=datamodule.cfg.batch_size, shuffle=False, collate_fn=padded.collate,
+                          num_workers=workers, persistent_workers=workers > 0)
 
     def resolved_method(self, device: torch.device) -> str:
         if self.method != "auto":
@@ -75,12 +77,8 @@ class FisherModule(pl.LightningModule):
             return "loop"
         return AUTO_METHOD_BY_DEVICE.get(device.type, AUTO_METHOD)
 
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return with_lengths(batch)
-
     def on_train_epoch_start(self) -> None:
-        self.sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.retriever.named_parameters()
-                     if n in self.names}
+        super().on_train_epoch_start()
         self.count = 0
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -120,28 +118,8 @@ class FisherModule(pl.LightningModule):
         return contrastive_mse(context, premises, label)
 
     def on_train_epoch_end(self) -> None:
-        names = sorted(self.sums)
-        flat = torch.cat([self.sums[n].flatten() for n in names])
-        count = torch.tensor([float(self.count)], device=flat.device, dtype=torch.float64)
-        if is_distributed():
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            dist.all_reduce(count, op=dist.ReduceOp.SUM)
-        total = int(count.item())
+        flat, names, total = self.reduced_sums(self.count)
         if total == 0:
             raise RuntimeError("the Fisher pass saw no training example")
         self.fisher = unflatten(flat / total, names, self.sums)
         self.num_examples = total
-
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def unflatten(flat: torch.Tensor, names: list[str], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    offset = 0
-    for name in names:
-        numel = like[name].numel()
-        out[name] = flat[offset : offset + numel].view_as(like[name]).cpu()
-        offset += numel
-    return out

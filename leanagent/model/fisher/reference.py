@@ -13,20 +13,21 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
-from leanagent.data.dataset import with_lengths
-from leanagent.model.fisher.per_example import is_distributed, unflatten
+from leanagent.data.datamodule import RetrievalDataModule
+from leanagent.model.fisher.base import FisherEstimator, is_distributed, unflatten
 from leanagent.model.retriever import PremiseRetriever
 
 NO_BATCH = ("the reference Fisher pass ran no batch (fewer training examples than data.batch_size x world size, "
             "and the training loader drops the last incomplete batch)")
 
 
-class ReferenceFisherModule(pl.LightningModule):
-    """LeanAgent's FisherComputationModule: squared DDP-averaged batch gradients, summed, / (N * world size).
+class ReferenceFisherModule(FisherEstimator):
+    """`reference`, LeanAgent's FisherComputationModule: squared DDP-averaged batch gradients, summed, / (N x world
+    size).
 
     Fit it on the data module's own `train_dataloader()`; N is `len(trainer.train_dataloader.dataset)`,
     the training dataset (not the examples actually seen: drop_last and the sampler's padding are
@@ -34,26 +35,23 @@ class ReferenceFisherModule(pl.LightningModule):
     (a parameter that never gets a gradient keeps 0; the reference would omit it and EWC would refuse).
     """
 
+    name = "reference"
+
     def __init__(self, retriever: PremiseRetriever) -> None:
-        super().__init__()
-        self.retriever = retriever
-        self.automatic_optimization = False
-        self.names = [n for n, p in retriever.named_parameters() if p.requires_grad]
-        self.sums: dict[str, torch.Tensor] = {}
+        super().__init__(retriever)  # the reference's SGD(lr=0) is never stepped: no optimizer either
         self.steps = 0
-        self.fisher: dict[str, torch.Tensor] = {}
-        self.num_examples = 0
         self.num_steps = 0  # DDP-averaged gradients squared (steps of one rank)
 
-    def configure_optimizers(self) -> None:
-        return None  # the reference's SGD(lr=0) is never stepped
+    @classmethod
+    def train_loader(cls, datamodule: RetrievalDataModule, world_size: int) -> DataLoader:
+        """The very loader training uses (shuffle, drop_last, random negatives), as in the reference."""
+        return datamodule.train_dataloader()
 
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return with_lengths(batch)
+    def metadata(self) -> dict[str, Any]:
+        return {**super().metadata(), "steps": self.num_steps}
 
     def on_train_epoch_start(self) -> None:
-        self.sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.retriever.named_parameters()
-                     if n in self.names}
+        super().on_train_epoch_start()
         self.steps = 0
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
@@ -71,20 +69,14 @@ class ReferenceFisherModule(pl.LightningModule):
         return loss.detach()
 
     def on_train_epoch_end(self) -> None:
-        names = sorted(self.sums)
-        flat = torch.cat([self.sums[n].flatten() for n in names])
-        steps = torch.tensor([float(self.steps)], device=flat.device, dtype=torch.float64)
-        world_size = 1
-        if is_distributed():
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            dist.all_reduce(steps, op=dist.ReduceOp.SUM)
-            world_size = dist.get_world_size()
-        if int(steps.item()) == 0:
+        flat, names, steps = self.reduced_sums(self.steps)
+        world_size = dist.get_world_size() if is_distributed() else 1
+        if steps == 0:
             raise RuntimeError(NO_BATCH)
         dataset_size = len(self.trainer.train_dataloader.dataset)
         self.fisher = unflatten(flat / (dataset_size * world_size), names, self.sums)
         self.num_examples = dataset_size
-        self.num_steps = int(steps.item()) // world_size
+        self.num_steps = steps // world_size
 
     def on_fit_end(self) -> None:
         # An empty loader ends fit before any epoch hook runs: never hand back an empty Fisher.

@@ -1,9 +1,6 @@
-"""`leanagent serve`: Lean's premise-selection protocol, on a real server on 127.0.0.1 driven by httpx.
-
-The index is the tiny random encoder's over one demo repository (38 premises in 4 files), built once per
-module. Expected answers are computed from the index's own primitives (state and premise embeddings, a plain
-dot product, a sort), not from the server's code path, and accessibility is checked against
-`leanagent retrieve --file`.
+"""`leanagent serve`'s HTTP protocol, Lean's premise-selection API, on a real uvicorn server on 127.0.0.1 driven by
+httpx: the lists the client caches, both clients' golden bodies, accessibility against `leanagent retrieve --file`,
+new premises, limits and refusals, and bounded concurrent load.
 """
 
 from __future__ import annotations
@@ -11,78 +8,29 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
-import torch
-import uvicorn
 
-from leanagent.cli import build_parser
-from leanagent.data.corpus import serialize_premise
-from leanagent.data.synthetic import write_demo_repos
-from leanagent.index import PremiseIndex, build_index
-from leanagent.model.presets import write_random_encoder
-from leanagent.serve import PremiseServer, RetrieveRequest, ServeLimits, create_app, lean_name, listen, module_name
+from leanagent.index import PremiseIndex
+from leanagent.serve import ServeLimits, create_app, module_name
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-STATE = "x y n m : Nat\n⊢ Eq (HAdd.hAdd (glend 0) (blix (quon x) m)) (HAdd.hAdd 0 (quon (blix x m)))"
-MODULES = ["Core.Basic", "RepoA.Base", "RepoA.Ext", "RepoA.Main"]
-
-# Golden bodies, byte for byte as the Lean clients send them (`Json.compress`, the keys in the client's order).
-# Older clients (<= v4.30): state, local_premises (positions in /indexed-premises), new_premises, k.
-OLD_CLIENT = ('{"state":"x y n m : Nat\\n⊢ Eq (HAdd.hAdd (glend 0) (blix (quon x) m)) (HAdd.hAdd 0 (quon (blix x m)))",'
-              '"local_premises":[0,1,2,3,9,10,11,12,13,14],'
-              '"new_premises":[{"name":"RepoA.glend_zero","decl":"theorem RepoA.glend_zero (x : Nat) : '
-              'Eq (glend x) 0"}],"k":6}')
-# Newer clients: the imported modules by position in /indexed-modules (local_premises empty), and the module
-# system's two fields.
-NEW_CLIENT = ('{"state":"x y n m : Nat\\n⊢ Eq (HAdd.hAdd (glend 0) (blix (quon x) m)) (HAdd.hAdd 0 (quon (blix x m)))",'
-              '"local_premises":[],"imported_modules":[0,1],'
-              '"new_premises":[{"name":"RepoA.glend_zero","decl":"theorem RepoA.glend_zero (x : Nat) : '
-              'Eq (glend x) 0"},{"name":"RepoA.glend_blix","decl":"/-- a new lemma -/\\ntheorem RepoA.glend_blix '
-              '(x y : Nat) : Eq (glend (blix x y)) (blix (glend x) y)"}],'
-              '"k":100,"caller_in_module_system":false,"imported_all_modules":[]}')
-
-
-class LiveServer:
-    """uvicorn in a thread on a socket bound to 127.0.0.1:0 (no port race), stopped as Ctrl-C would stop it."""
-
-    def __init__(self, app) -> None:
-        self.sock = listen("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))  # logs reach caplog
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-        self.sock.close()
-        assert not self.thread.is_alive(), "the server did not stop"
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("serve")
-    repo = write_demo_repos(root / "data", 1)[0]
-    model = write_random_encoder(root / "model", "tiny")
-    build_index(model, repo, root / "index")
-    return {"root": root, "repo": repo, "index": PremiseIndex.load(root / "index")}
+from .conftest import (
+    MODULES,
+    NEW_CLIENT,
+    OLD_CLIENT,
+    REPO_ROOT,
+    STATE,
+    LiveServer,
+    assert_same,
+    expected,
+    post,
+    rows_of,
+)
 
 
 @pytest.fixture(scope="module")
@@ -100,35 +48,6 @@ def strict(built):
         yield server
 
 
-def expected(index: PremiseIndex, state: str, rows: list[int] | None, new: list[tuple[str, str]], k: int) -> list:
-    """The answer from first principles: every accessible indexed premise not replaced by a new one, and the new
-    ones, scored by a dot product with the state's embedding, sorted."""
-    query = index.encode_state(state)
-    scores = (query @ index.embeddings.t())[0].tolist()
-    names = [p["full_name"] for p in index.premises]
-    new_names = {name for name, _ in new}
-    candidates = [(scores[r], names[r]) for r in (range(len(names)) if rows is None else rows)
-                  if names[r] not in new_names]
-    if new:
-        rows_new = index.encode_premises([serialize_premise(name, decl) for name, decl in new])
-        candidates += list(zip((query @ rows_new.t())[0].tolist(), [name for name, _ in new], strict=True))
-    candidates.sort(key=lambda c: -c[0])
-    return [{"name": name, "score": score} for score, name in candidates[:k]]
-
-
-def assert_same(answer: list, wanted: list) -> None:
-    assert [a["name"] for a in answer] == [w["name"] for w in wanted]
-    assert [a["score"] for a in answer] == pytest.approx([w["score"] for w in wanted], abs=1e-6)
-
-
-def rows_of(index: PremiseIndex, modules: list[str]) -> list[int]:
-    return [r for path, info in index.files.items() if module_name(path) in modules for r in range(*info.rows)]
-
-
-def post(url: str, body: str | bytes) -> httpx.Response:
-    return httpx.post(f"{url}/retrieve", content=body, headers={"Content-Type": "application/json"}, timeout=60)
-
-
 # ---- the lists the client caches ----------------------------------------------------------------
 
 def test_indexed_lists_are_stable_and_named_as_lean_names(live, built) -> None:
@@ -143,29 +62,6 @@ def test_indexed_lists_are_stable_and_named_as_lean_names(live, built) -> None:
     assert httpx.get(f"{live.url}/max-new-premises").text == "2048"
     health = httpx.get(f"{live.url}/health").json()
     assert health["status"] == "ok" and health["premises"] == 38 and health["modules"] == 4
-
-
-@pytest.mark.parametrize(("name", "written"), [
-    ("Nat.add_comm", "Nat.add_comm"),
-    ("Finset.sum_α₁", "Finset.sum_α₁"),
-    ("Foo.bar'", "Foo.bar'"),
-    ("_private.Mathlib.Logic.0.foo", "_private.Mathlib.Logic.«0».foo"),
-    ("Foo.«term_+_».bar", "Foo.«term_+_».bar"),
-    ("Foo.a b", "Foo.«a b»"),
-])
-def test_names_are_written_as_lean_reads_them(name: str, written: str) -> None:
-    assert lean_name(name) == written
-
-
-@pytest.mark.parametrize(("path", "module"), [
-    ("RepoA/Base.lean", "RepoA.Base"),
-    (".lake/packages/mathlib/Mathlib/Algebra/Group/Defs.lean", "Mathlib.Algebra.Group.Defs"),
-    (".lake/packages/lean4/src/lean/Init/Prelude.lean", "Init.Prelude"),
-    (".lake/packages/lean4/src/lean/lake/Lake/Build.lean", "Lake.Build"),
-    ("./Lean4Example.lean", "Lean4Example"),
-])
-def test_module_names_of_corpus_paths(path: str, module: str) -> None:
-    assert module_name(path) == module
 
 
 # ---- golden requests of both client formats --------------------------------------------------------
@@ -257,25 +153,6 @@ def test_a_new_premise_replaces_the_indexed_one_of_its_name(live, built) -> None
     indexed = {h.full_name: h.score for h in index.retrieve(STATE, k=38)}
     served = next(hit["score"] for hit in answer if hit["name"] == "RepoA.clig_zero")
     assert abs(served - indexed["RepoA.clig_zero"]) > 1e-3  # the new declaration's score, not the stored one
-
-
-def test_new_premises_are_ranked_with_indexed_ones_and_cached(built) -> None:
-    index = built["index"]
-    # A new premise whose text is an indexed premise's own scores as that premise does: one scale for both.
-    source = index.premises[10]
-    twin = source["text"]  # already tagged with its own name, so the new name leaves it as it is
-    server = PremiseServer(index, ServeLimits(cache_size=2))
-    request = RetrieveRequest(state=STATE, k=100, new_premises=[{"name": "RepoA.twin", "decl": twin}])
-    answer = server.retrieve(request)
-    assert_same(answer, expected(index, STATE, None, [("RepoA.twin", twin)], 100))
-    score = {hit["name"]: hit["score"] for hit in answer}
-    assert len(answer) == 39 and score["RepoA.twin"] == pytest.approx(score[source["full_name"]], abs=1e-2)
-    assert server.retrieve(request) == answer and server._cache.hits == 1  # the second time from the cache
-    # The cache stays within its bound; an evicted premise is simply embedded again, with the same answer.
-    many = [{"name": f"RepoA.n{i}", "decl": f"theorem RepoA.n{i} : Eq (frob {i}) {i}"} for i in range(5)]
-    wide = server.retrieve(RetrieveRequest(state=STATE, k=100, new_premises=many))
-    assert len(server._cache) == 2 and len(wide) == 38 + 5
-    assert server.retrieve(RetrieveRequest(state=STATE, k=100, new_premises=many)) == wide
 
 
 # ---- limits and bad requests --------------------------------------------------------------------------
@@ -396,59 +273,3 @@ def test_bounded_concurrent_load_loses_nothing_and_stops_cleanly(built, caplog) 
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     with pytest.raises(httpx.ConnectError):  # stopped: nothing listens any more
         httpx.get(f"{server.url}/health", timeout=5)
-
-
-# ---- the command --------------------------------------------------------------------------------------
-
-def test_leanagent_serve_answers_and_stops_on_sigterm(built) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "leanagent.cli", "serve", str(built["root"] / "index"),
-                             "--port", "0"], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
-    try:
-        line = proc.stderr.readline()
-        assert line.startswith("serving 38 premises of ") and "set_option premiseSelection.apiBaseUrl" in line, line
-        url = line.split(" at ", 1)[1].split(";", 1)[0]
-        assert url.startswith("http://127.0.0.1:")
-        answer = post(url, OLD_CLIENT).json()
-        body = json.loads(OLD_CLIENT)
-        wanted = expected(built["index"], STATE, body["local_premises"],
-                          [("RepoA.glend_zero", body["new_premises"][0]["decl"])], 6)
-        assert_same(answer, wanted)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=60)
-    rest = proc.stderr.read()
-    assert rc == 0 and "stopped (SIGTERM) after 1 retrieval(s)" in rest and "Traceback" not in rest, rest
-
-
-def test_serve_help_states_the_defaults(capsys) -> None:
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "INDEX", "--help"])
-    text = capsys.readouterr().out
-    limits = ServeLimits()
-    for flag, value in (("--max-k", limits.max_k), ("--max-new-premises", limits.max_new_premises),
-                        ("--cache-size", limits.cache_size)):
-        assert flag in text and f"(default {value})" in " ".join(text.split()), flag
-
-
-def test_state_embedding_is_the_index_s(built) -> None:
-    """The server encodes states with the index's own formatting (a leading `N goals` dropped)."""
-    index = built["index"]
-    server = PremiseServer(index)
-    a = server.retrieve(RetrieveRequest(state="1 goals\n" + STATE, k=5))
-    b = server.retrieve(RetrieveRequest(state=STATE, k=5))
-    assert a == b and torch.equal(index.encode_state(STATE), index.encode_state("1 goals\n" + STATE))
-
-
-def test_the_listening_socket_sends_without_waiting_for_acks() -> None:
-    """A response is two writes (headers, body): without TCP_NODELAY the body waited for the client's delayed ACK
-    (40 ms a request on Linux). asyncio sets it only on sockets whose proto is TCP; `listen` makes them so."""
-    sock = listen("127.0.0.1", 0)
-    try:
-        assert sock.proto == socket.IPPROTO_TCP and sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-        with socket.create_connection(sock.getsockname()[:2]):
-            accepted, _ = sock.accept()
-            with accepted:
-                assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-    finally:
-        sock.close()

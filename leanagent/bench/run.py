@@ -1,0 +1,70 @@
+"""`run_bench`: every section of the bench, in one process, in the order a lifelong run meets them."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from leanagent.bench.cuda import bench_fixed_length
+from leanagent.bench.data import bench_batches, bench_corpus, bench_data, load_states
+from leanagent.bench.fisher import bench_train_vs_fisher
+from leanagent.bench.launch import bench_launch
+from leanagent.bench.options import BenchOptions
+from leanagent.bench.results import BenchResult, RunInfo
+from leanagent.bench.retrieval import bench_embedding, bench_retrieval
+from leanagent.bench.train_step import bench_train_step, keep_layers
+from leanagent.model.presets import write_random_encoder
+from leanagent.model.retriever import PremiseRetriever
+from leanagent.perf import peak_bf16_tflops
+
+PRECISION = torch.bfloat16  # the seed's bf16-mixed
+
+
+def run_bench(options: BenchOptions) -> BenchResult:
+    """Every figure, in one process. With `options.states`, LeanDojo split files whose proof states replace the
+    training contexts (their real lengths; the premises stay the dataset's). The training rows (step, Fisher,
+    and the fixed-length rows on CUDA) use the model cut to `options.layers`."""
+    device = torch.device(options.device)
+    result = BenchResult(RunInfo(dataset=str(options.dataset), device=options.device, torch=torch.__version__,
+                                 threads=torch.get_num_threads()))
+    run = result.run
+    corpus, result.corpus = bench_corpus(options.dataset)
+    result.data, train, evals = bench_data(options.dataset, corpus, options.split, options.min_seconds)
+    state_texts = load_states(list(options.states)) if options.states else None
+    if state_texts:
+        run.states, run.num_states = [str(p) for p in options.states], len(state_texts)
+    peak = None
+    if device.type == "cuda":
+        run.cuda_device = torch.cuda.get_device_name(device)
+        peak = run.peak_bf16_tflops = peak_bf16_tflops(run.cuda_device)
+    with tempfile.TemporaryDirectory(prefix="leanagent-bench-") as tmp:
+        tmp_path = Path(tmp)
+        if options.model is None:
+            model_path = str(write_random_encoder(tmp_path / "model", options.preset))
+            run.model = f"random {options.preset}"
+        else:
+            model_path = run.model = options.model
+        model = PremiseRetriever(model_path).to(device)
+        run.params = sum(p.numel() for p in model.parameters())
+        model.eval()
+        result.embedding = bench_embedding(model, corpus, device, options.sample, PRECISION, options.min_seconds)
+        result.retrieval = bench_retrieval(corpus, evals, model.encoder.config.d_model, device, PRECISION,
+                                           options.min_seconds)
+        run.train_model = f"{run.model}, {keep_layers(model, options.layers)}"
+        run.train_step_max_len = options.max_len
+        batches = bench_batches(corpus, train, model.tokenizer, options.batches, options.max_len, state_texts)
+        result.train_step = bench_train_step(model, batches, device, PRECISION, options.min_seconds,
+                                             compiled=options.compile, work=tmp_path, peak_tflops=peak)
+        result.fisher = bench_train_vs_fisher(model, corpus, train, device, PRECISION, options.fisher_examples,
+                                              options.methods, max_len=options.max_len, states=state_texts,
+                                              min_seconds=options.min_seconds)
+        if device.type == "cuda":
+            result.cuda_training = bench_fixed_length(model, device, PRECISION, peak_tflops=peak)
+            if options.compile:
+                result.cuda_training += bench_fixed_length(model, device, PRECISION, batch_sizes=(16,),
+                                                           peak_tflops=peak, compiled=True)
+        if options.launch:
+            result.launch = bench_launch(tmp_path / "launch")
+    return result

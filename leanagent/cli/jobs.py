@@ -1,0 +1,71 @@
+"""`train`, `fisher`, `evaluate`: one job of the rank programs, launched as the config's launcher says."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from leanagent.cli.common import VERBOSE_HELP, CommandError
+from leanagent.config import ConfigError, dump_config, load_config
+from leanagent.supervision import Interrupted, interrupt_on_signals
+
+PROGRAMS = (("train", "train the retriever on one repository (DDP under torchrun)"),
+            ("fisher", "compute the diagonal Fisher of a checkpoint on a repository"),
+            ("evaluate", "R@1, R@10, MRR of a checkpoint on a repository's test split"))
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    for name, helptext in PROGRAMS:
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--config", required=True)
+        if name == "evaluate":
+            p.add_argument("--dataset", required=True, action="append",
+                           help="repeat to score the model on several datasets in one job (loaded once)")
+        else:
+            p.add_argument("--dataset", required=True)
+        p.add_argument("--out", required=True, help="job folder; result.json is written here")
+        p.add_argument("--checkpoint", required=name == "fisher",
+                       help="start (train) or scored (fisher, evaluate) checkpoint; evaluate without one "
+                            "scores the base model")
+        if name == "train":
+            p.add_argument("--fisher", help="Fisher .safetensors of the previous repository: enables EWC")
+        p.add_argument("--node-rank", type=int, help="override trainer.node_rank (multi-node)")
+        p.add_argument("--rdzv-endpoint", help="override trainer.rdzv_endpoint (multi-node)")
+        p.add_argument("--timeout", type=float, help="end the job after this many seconds")
+        p.add_argument("--heartbeat-timeout", type=float, help="end the job when a rank is silent this long")
+        p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+        p.set_defaults(func=cmd_job, program=name)
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    from leanagent.job import JobFinishedError, JobInputError
+    from leanagent.jobs import run_job
+    from leanagent.launch.base import LaunchError
+
+    try:
+        with interrupt_on_signals():
+            cfg = load_config(args.config)
+            if args.node_rank is not None:
+                cfg.trainer.node_rank = args.node_rank
+            if args.rdzv_endpoint is not None:
+                cfg.trainer.rdzv_endpoint = args.rdzv_endpoint
+            with tempfile.TemporaryDirectory(prefix="leanagent-") as tmp:
+                # Each rank reads the YAML: hand it the config with the overrides, resolved paths included.
+                # It lives only as long as the job, and never in --out, which may be a finished job.
+                config_path = Path(tmp) / "config.yaml"
+                dump_config(cfg, config_path)
+                datasets = args.dataset if isinstance(args.dataset, list) else [args.dataset]
+                result = run_job(cfg, config_path, args.program, [Path(d) for d in datasets], Path(args.out),
+                                 checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+                                 fisher=Path(args.fisher) if getattr(args, "fisher", None) else None,
+                                 timeout_s=args.timeout, heartbeat_timeout_s=args.heartbeat_timeout)
+    except (ConfigError, JobInputError, JobFinishedError, LaunchError) as exc:
+        raise CommandError(str(exc)) from None
+    except Interrupted as exc:
+        print(f"interrupted by {exc}: the job was ended; rerun the same command to resume", file=sys.stderr)
+        return exc.exit_code
+    print(json.dumps(result, indent=2, sort_keys=True))
+    return 0

@@ -1,0 +1,45 @@
+"""`report`: recall matrices and LeanAgent's lifelong metrics of one run, or of several side by side."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from leanagent.cli.common import CommandError
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="recall matrices and LeanAgent's lifelong metrics of runs, side by side")
+    p.add_argument("sources", nargs="+", metavar="SOURCE",
+                   help="a run_dir (with manifest.json) or a JSON file {names, test_recall_at_10 (lower-triangular "
+                        "rows, percent), val_recall_at_10}")
+    p.add_argument("--markdown", action="store_true", help="print markdown instead of plain text")
+    p.add_argument("--json", metavar="OUT", help="write {runs: [{source, WF5, FM, EBWT, WP5, IP, CFR, composite, "
+                                                 "avg, ...}]} here, in the order given")
+    p.add_argument("--png", metavar="OUT", help="draw each run's recall matrix and its average/validation curves")
+    p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from leanagent.atomic import write_json_atomic
+    from leanagent.report import SourceError, comparison_json, comparison_text, load_run, write_png
+    from leanagent.run_state import MANIFEST_NAME
+
+    try:
+        runs = [load_run(source) for source in args.sources]
+    except SourceError as exc:
+        raise CommandError(str(exc)) from None
+    only = runs[0].report if len(runs) == 1 else None
+    if only is not None:  # one run_dir: its full report, as before
+        manifest = Path(runs[0].source) / MANIFEST_NAME
+        print(only.markdown(str(manifest)) if args.markdown else only.text())
+    else:
+        print(comparison_text(runs, markdown=args.markdown))
+    if args.json:
+        write_json_atomic(Path(args.json), comparison_json(runs))
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.png:
+        write_png(runs, Path(args.png))
+        print(f"wrote {args.png}", file=sys.stderr)
+    return 0

@@ -1,0 +1,97 @@
+"""`index` (embed a dataset's corpus once) and `retrieve` (the top-k premises of that index for a proof state)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from leanagent.cli.common import CommandError, add_model_check_arguments, check_device
+from leanagent.cli.model import BASE_MODEL_HELP
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("index", help="embed a dataset's corpus once, for `leanagent retrieve`")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--checkpoint", help="a leanagent or LeanAgent/ReProver .ckpt")
+    group.add_argument("--model", help="a Hugging Face model folder (e.g. from `leanagent export`)")
+    p.add_argument("--dataset", required=True, help="a LeanDojo dataset folder (its corpus.jsonl is embedded)")
+    p.add_argument("--out", required=True, help="the INDEX folder: new or empty")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--batch-tokens", type=int, help="padded tokens per embedding batch (default: the model's "
+                                                    "eval_batch_size x max_seq_len)")
+    p.add_argument("--force", action="store_true", help="replace an index already in --out")
+    p.add_argument("--base-model", help=BASE_MODEL_HELP)
+    p.set_defaults(func=cmd_index)
+
+    p = sub.add_parser("retrieve", help="the top-k premises of an index for a proof state")
+    p.add_argument("index", help="an INDEX folder written by `leanagent index`")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--state", help="the proof state (a leading `N goals` is dropped, as in training)")
+    group.add_argument("--state-file", help="read the proof state from this file")
+    p.add_argument("--file", help="only premises accessible in this file (a corpus path or a unique suffix)...")
+    p.add_argument("--line", type=int, help="...at this line: its imports' premises and its own ending before")
+    p.add_argument("--column", type=int, default=0, help="with --line: the column (default 0, the line's start)")
+    p.add_argument("-k", type=int, default=10)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    add_model_check_arguments(p)
+    p.set_defaults(func=cmd_retrieve)
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from leanagent.checkpoints import BadFileError
+    from leanagent.data.errors import DatasetError
+    from leanagent.index import PremiseIndexError, build_index
+    from leanagent.model.loading import ModelSourceError
+
+    check_device(args.device)
+    if args.batch_tokens is not None and args.batch_tokens < 1:
+        raise CommandError(f"--batch-tokens {args.batch_tokens}: must be positive")
+    try:
+        meta = build_index(Path(args.checkpoint or args.model), Path(args.dataset), Path(args.out),
+                           device=args.device, batch_tokens=args.batch_tokens, force=args.force,
+                           base_model=args.base_model)
+    except (PremiseIndexError, ModelSourceError, BadFileError, DatasetError, FileNotFoundError) as exc:
+        raise CommandError(str(exc)) from None
+    print(f"indexed {meta['num_premises']} premises of {meta['num_files']} files ({meta['embedding_dim']} wide) "
+          f"in {meta['embed_seconds']:.1f}s: {args.out}")
+    return 0
+
+
+def cmd_retrieve(args: argparse.Namespace) -> int:
+    from leanagent.index import FILE_WITHOUT_LINE, PremiseIndex, PremiseIndexError
+
+    check_device(args.device)
+    if (args.file is None) != (args.line is None):  # before the model is loaded
+        raise CommandError(FILE_WITHOUT_LINE)
+    if args.state_file is not None:
+        try:
+            state = Path(args.state_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CommandError(f"--state-file {args.state_file}: cannot be read ({exc.__class__.__name__})") from None
+    else:
+        state = args.state
+    try:
+        loading = time.perf_counter()
+        index = PremiseIndex.load(Path(args.index), device=args.device, model=args.model, force=args.force)
+        for warning in index.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        start = time.perf_counter()
+        hits = index.retrieve(state, k=args.k, file=args.file, line=args.line, column=args.column)
+        seconds = time.perf_counter() - start
+    except PremiseIndexError as exc:
+        raise CommandError(str(exc)) from None
+    if args.json:
+        print(json.dumps({"index": str(args.index), "file": args.file, "line": args.line, "k": args.k,
+                          "seconds": round(seconds, 6), "premises": [h.to_json() for h in hits]}, ensure_ascii=False))
+        return 0
+    for h in hits:
+        print(f"{h.rank:>3}  {h.score:+.4f}  {h.full_name}  ({h.path}:{h.start[0]})")
+    if not hits:
+        print("no accessible premise", file=sys.stderr)
+    # A prover keeps the index loaded (`leanagent.PremiseIndex`); this process paid for imports and loading once.
+    print(f"answered in {1000 * seconds:.1f} ms (index and model loaded in {start - loading:.1f} s)", file=sys.stderr)
+    return 0

@@ -1,0 +1,17 @@
+"""The Fisher estimators by name: what `lifelong.fisher_estimator` picks (and `leanagent.train.programs` fits)."""
+
+from __future__ import annotations
+
+from leanagent.model.fisher.base import FisherEstimator
+from leanagent.model.fisher.per_example import FisherModule
+from leanagent.model.fisher.reference import ReferenceFisherModule
+
+ESTIMATORS: dict[str, type[FisherEstimator]] = {cls.name: cls for cls in (FisherModule, ReferenceFisherModule)}
+
+
+def fisher_estimator(name: str) -> type[FisherEstimator]:
+    """The estimator class `lifelong.fisher_estimator: NAME` names; an unknown name is refused with the list."""
+    try:
+        return ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(f"unknown Fisher estimator {name!r}; choose one of {sorted(ESTIMATORS)}") from None

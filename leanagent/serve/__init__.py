@@ -1,0 +1,43 @@
+"""`leanagent serve`: the trained retriever behind Lean's premise-selection API.
+
+Lean 4's premise-selection API (`Lean.PremiseSelection` from v4.18, `Lean.LibrarySuggestions` from v4.26) has
+a cloud client, the `premise-selection` package LeanHammer uses, that asks whatever HTTP server
+`set_option premiseSelection.apiBaseUrl "http://host:port"` names. `suggest_premises`, `grind +suggestions`
+and `simp? +suggestions` then use it. This module answers that protocol over an index `leanagent index` built,
+with the model and the embeddings loaded once per process:
+
+- `GET /indexed-modules`, `GET /indexed-premises`: module names (a corpus path without `.lean`, `/` -> `.`,
+  a lake package's prefix dropped) and premise names (as Lean writes them, `«»` where needed), each once, in
+  corpus order. The client caches both for its whole process and refers to them by position.
+- `GET /max-new-premises`: a bare integer, the most unindexed premises one request may carry.
+- `POST /retrieve`: `{"state", "local_premises", "imported_modules", "new_premises", "k", ...}`; the reply is
+  `[{"name", "score"}, ...]`, best first, at most `k` long. The indexed premises considered are those of the
+  `imported_modules` and the `local_premises` given (everything when neither is), and the `new_premises`
+  (`{"name", "decl"}`, printed by Lean) are embedded on the fly, ranked with them, and replace an indexed
+  premise of the same name.
+- `GET /health`.
+
+Why errors look as they do: the client gives up on any body that is not the result array, and shows it to the
+user. So every refusal is a JSON object `{"error": "<one line: what is wrong and where>"}` with a 4xx status
+(413 for what is over a limit), never an array, never a traceback; an unexpected failure is a 500 of the same
+shape, its traceback in the server's log only.
+
+Why one encoder lock: concurrent requests are parsed, checked and merged in parallel, but the encoder runs
+one batch at a time. On a CPU, torch already spreads one pass over every core, so parallel passes would only
+compete for them; on a GPU they would queue anyway. The new-premise cache lives under the same lock.
+
+`create_app(index)` returns a FastAPI app, so a user can mount it in their own (`app.mount("/lean", ...)`).
+
+The package, one concern a module: `names.py` (Lean's names for corpus paths and premises), `schemas.py` (what
+a request may hold), `server.py` (`PremiseServer`: the protocol over a loaded index), `app.py` (the HTTP app and
+its refusals) and `process.py` (the socket, uvicorn and the signals that stop it: what `leanagent serve` runs).
+"""
+
+from leanagent.serve.app import create_app
+from leanagent.serve.names import lean_name, module_name
+from leanagent.serve.process import DEFAULT_HOST, DEFAULT_PORT, ServeError, listen, serve_index
+from leanagent.serve.schemas import RequestError, RetrieveRequest, ServeLimits
+from leanagent.serve.server import PremiseServer
+
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "PremiseServer", "RequestError", "RetrieveRequest", "ServeError",
+           "ServeLimits", "create_app", "lean_name", "listen", "module_name", "serve_index"]

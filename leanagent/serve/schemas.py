@@ -1,0 +1,50 @@
+"""What one `/retrieve` request may hold, and the limits a server puts on it."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+
+class ServeLimits(BaseModel):
+    """What one request may ask; the defaults fit the Lean client's own (it sends up to 2048 new premises)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_k: int = Field(1024, gt=0, description="a larger k is answered with this many premises")
+    max_new_premises: int = Field(2048, ge=0, description="also what GET /max-new-premises returns")
+    max_state_chars: int = Field(1_000_000, gt=0, description="the model reads the first 1024 bytes of it anyway")
+    max_decl_chars: int = Field(100_000, gt=0, description="per new premise; the model reads its first 512 bytes")
+    max_body_bytes: int = Field(64 << 20, gt=0, description="a request body beyond this is refused unread")
+    cache_size: int = Field(16_384, ge=0, description="new-premise embeddings kept (least recently used go first)")
+
+
+class NewPremise(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr
+    decl: StrictStr
+
+
+class RetrieveRequest(BaseModel):
+    """A `/retrieve` body. Unknown keys are ignored, so a newer client's additions do not break it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    state: StrictStr
+    local_premises: list[StrictInt] | None = None  # indices into GET /indexed-premises
+    imported_modules: list[StrictInt] | None = None  # indices into GET /indexed-modules
+    new_premises: list[NewPremise] | None = None
+    k: StrictInt = 32  # the reference server's default; the Lean client always sends it
+    # Sent by clients of Lean's module system; its modules are accessible like `imported_modules`' (an index does
+    # not tell private declarations apart), and whether the caller is a module changes nothing here.
+    caller_in_module_system: StrictBool | None = None
+    imported_all_modules: list[StrictInt] | None = None
+
+
+class RequestError(Exception):
+    """A request refused: its HTTP status and the one line the client shows."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message

@@ -1,0 +1,207 @@
+"""`PremiseServer`: the premise-selection protocol over one loaded `PremiseIndex`, without HTTP.
+
+It builds, once, the tables a request is answered from (names and modules by position, as the client caches
+them) and answers a validated request: the accessible indexed premises and the uploaded new ones, ranked
+together by the same encoder. One encoder lock: see the package docstring.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from leanagent.data.corpus import serialize_premise
+from leanagent.index import PremiseIndex
+from leanagent.model.topk import top_k_accessible
+from leanagent.serve.names import lean_name, module_name, name_key
+from leanagent.serve.schemas import RequestError, RetrieveRequest, ServeLimits
+
+
+class _Groups:
+    """Items (premise rows) grouped under ids (names, modules) in CSR form: `rows(ids)` in one vectorised step."""
+
+    def __init__(self, members: list[list[int]]) -> None:
+        self.count = len(members)
+        self.offsets = np.zeros(len(members) + 1, dtype=np.int64)
+        np.cumsum([len(m) for m in members], out=self.offsets[1:])
+        self.flat = np.fromiter((r for m in members for r in m), dtype=np.int64, count=int(self.offsets[-1]))
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        starts, lengths = self.offsets[ids], self.offsets[ids + 1] - self.offsets[ids]
+        if not len(ids) or not lengths.sum():
+            return np.empty(0, dtype=np.int64)
+        shift = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+        return self.flat[shift + np.arange(int(lengths.sum()))]
+
+
+class _EmbeddingCache:
+    """New-premise embeddings by serialized text, least recently used dropped beyond `capacity`."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._rows: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def lookup(self, texts: Sequence[str]) -> tuple[dict[str, torch.Tensor], list[str]]:
+        found, missing = {}, []
+        for text in dict.fromkeys(texts):
+            row = self._rows.get(text)
+            if row is None:
+                missing.append(text)
+            else:
+                self._rows.move_to_end(text)
+                found[text] = row
+        self.hits += len(found)
+        self.misses += len(missing)
+        return found, missing
+
+    def store(self, texts: Sequence[str], rows: torch.Tensor) -> None:
+        if not self.capacity:
+            return
+        for text, row in zip(texts, rows, strict=True):
+            self._rows[text] = row
+            self._rows.move_to_end(text)
+        while len(self._rows) > self.capacity:
+            self._rows.popitem(last=False)
+
+
+class PremiseServer:
+    """The protocol over one loaded `PremiseIndex`; `retrieve` is safe to call from many threads at once."""
+
+    def __init__(self, index: PremiseIndex, limits: ServeLimits | None = None) -> None:
+        self.index = index
+        self.limits = limits or ServeLimits()
+        self._encoder = threading.Lock()
+        self._cache = _EmbeddingCache(self.limits.cache_size)
+        premises = index.premises
+        self.row_names = [lean_name(p["full_name"]) for p in premises]
+        # Premise names, each once (the client maps name -> position), with every row that bears it.
+        by_name: dict[str, list[int]] = {}
+        for row, name in enumerate(self.row_names):
+            by_name.setdefault(name, []).append(row)
+        self.premise_names = list(by_name)
+        self._names = _Groups(list(by_name.values()))
+        self._key_rows = {name_key(name): rows for name, rows in by_name.items()}
+        self._duplicates = len(premises) - len(by_name)
+        by_module: dict[str, list[int]] = {}
+        for path, info in index.files.items():
+            by_module.setdefault(module_name(path), []).extend(range(*info.rows))
+        self.module_names = list(by_module)
+        self._modules = _Groups(list(by_module.values()))
+        self.indexed_premises_json = _json_bytes(self.premise_names)
+        self.indexed_modules_json = _json_bytes(self.module_names)
+        self.requests = 0
+
+    # -- one request --
+    def retrieve(self, request: RetrieveRequest) -> list[dict[str, Any]]:
+        """The reply to a validated `/retrieve` body; raises RequestError for what the limits or tables refuse."""
+        limits = self.limits
+        if request.k <= 0:
+            return []
+        k = min(request.k, limits.max_k)
+        if len(request.state) > limits.max_state_chars:
+            raise RequestError(413, f"state: {len(request.state):,} characters, more than this server's "
+                                    f"{limits.max_state_chars:,}")
+        new = request.new_premises or []
+        if len(new) > limits.max_new_premises:
+            raise RequestError(413, f"new_premises: {len(new):,} premises, more than this server's "
+                                    f"{limits.max_new_premises:,} (GET /max-new-premises); set "
+                                    f"premiseSelection.maxUnindexedPremises to at most that, or restart the "
+                                    f"server with a larger --max-new-premises")
+        for i, p in enumerate(new):
+            if len(p.decl) > limits.max_decl_chars:
+                raise RequestError(413, f"new_premises[{i}] ({p.name}): decl of {len(p.decl):,} characters, more "
+                                        f"than this server's {limits.max_decl_chars:,}")
+        mask = self._accessible(request)
+        latest = {name_key(p.name): p for p in new}  # a name sent twice: its last decl counts
+        uploaded = list(latest.values())
+        replaced = [row for key in latest for row in self._key_rows.get(key, ())]
+        if replaced:
+            if mask is None:
+                mask = np.ones(len(self.row_names), dtype=bool)
+            mask[replaced] = False
+        texts = [serialize_premise(p.name, p.decl) for p in uploaded]
+        with self._encoder:
+            self.requests += 1
+            state = self.index.encode_state(request.state)
+            new_rows = self._embed(texts)
+            indexed = self._top_indexed(state, mask, k)
+            new_scores = (state.to(new_rows.dtype) @ new_rows.t())[0].tolist() if uploaded else []
+        ranked = indexed + [(score, p.name) for score, p in zip(new_scores, uploaded, strict=True)]
+        ranked.sort(key=lambda hit: -hit[0])  # stable: on a tie an indexed premise stays first
+        return [{"name": name, "score": score} for score, name in ranked[:k]]
+
+    def _accessible(self, request: RetrieveRequest) -> np.ndarray | None:
+        """The indexed premises the request may see, as a mask over rows; None when it names neither list."""
+        module_lists = [m for m in (request.imported_modules, request.imported_all_modules) if m is not None]
+        if request.local_premises is None and not module_lists:
+            return None
+        mask = np.zeros(len(self.row_names), dtype=bool)
+        for field_name, ids in (("imported_modules", request.imported_modules),
+                                ("imported_all_modules", request.imported_all_modules)):
+            if ids:
+                mask[self._modules.rows(_indices(ids, self._modules.count, field_name, "/indexed-modules"))] = True
+        if request.local_premises:
+            ids = _indices(request.local_premises, self._names.count, "local_premises", "/indexed-premises")
+            mask[self._names.rows(ids)] = True
+        return mask
+
+    def _embed(self, texts: list[str]) -> torch.Tensor:
+        """Rows for `texts`, from the cache or encoded now (then cached); the caller holds the encoder lock."""
+        emb = self.index.embeddings
+        if not texts:
+            return emb.new_empty((0, emb.shape[1]))
+        found, missing = self._cache.lookup(texts)
+        if missing:
+            rows = self.index.encode_premises(missing)
+            self._cache.store(missing, rows)
+            found.update(zip(missing, rows, strict=True))
+        return torch.stack([found[t] for t in texts])
+
+    def _top_indexed(self, state: torch.Tensor, mask: np.ndarray | None, k: int) -> list[tuple[float, str]]:
+        """The k best accessible indexed premises as (score, name), each name once (its best row)."""
+        n = len(self.row_names)
+        if not n:
+            return []
+        accessible = torch.ones(1, n, dtype=torch.bool) if mask is None else torch.from_numpy(mask)[None]
+        scores, rows = top_k_accessible(state, self.index.embeddings, accessible, min(n, k + self._duplicates))
+        out, seen = [], set()
+        for score, row in zip(scores[0].tolist(), rows[0].tolist(), strict=True):
+            name = self.row_names[row]
+            if score == float("-inf") or len(out) == k:
+                break
+            if name not in seen:
+                seen.add(name)
+                out.append((float(score), name))
+        return out
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "index": str(self.index.folder), "premises": len(self.premise_names),
+                "modules": len(self.module_names), "max_new_premises": self.limits.max_new_premises,
+                "requests": self.requests, "cached_new_premises": len(self._cache), "warnings": self.index.warnings}
+
+
+def _indices(values: list[int], count: int, field_name: str, endpoint: str) -> np.ndarray:
+    ids = np.asarray(values, dtype=np.int64)
+    bad = np.flatnonzero((ids < 0) | (ids >= count))
+    if len(bad):
+        i = int(bad[0])
+        known = f"0-{count - 1}" if count else "none: it is empty"
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise RequestError(422, f"{field_name}[{i}]: {values[i]} is not a position in GET {endpoint} "
+                                f"({known}){more}; a client caches that list, so restart Lean after the server's "
+                                f"index changed")
+    return ids
+
+
+def _json_bytes(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

@@ -1,0 +1,102 @@
+"""Shared by the `leanagent serve` tests: one index (the tiny random encoder's over one demo repository, 38
+premises in 4 files, built once for the session), Lean clients' golden bodies, a real uvicorn server on
+127.0.0.1 (`LiveServer`), and the expected answers computed from the index's own primitives (state and premise
+embeddings, a plain dot product, a sort), not from the server's code path.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from leanagent.data.corpus import serialize_premise
+from leanagent.data.synthetic import write_demo_repos
+from leanagent.index import PremiseIndex, build_index
+from leanagent.model.presets import write_random_encoder
+from leanagent.serve import listen, module_name
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STATE = "x y n m : Nat\n⊢ Eq (HAdd.hAdd (glend 0) (blix (quon x) m)) (HAdd.hAdd 0 (quon (blix x m)))"
+MODULES = ["Core.Basic", "RepoA.Base", "RepoA.Ext", "RepoA.Main"]
+
+# Golden bodies, byte for byte as the Lean clients send them (`Json.compress`, the keys in the client's order).
+# Older clients (<= v4.30): state, local_premises (positions in /indexed-premises), new_premises, k.
+OLD_CLIENT = ('{"state":"x y n m : Nat\\n⊢ Eq (HAdd.hAdd (glend 0) (blix (quon x) m)) (HAdd.hAdd 0 (quon (blix x m)))",'
+              '"local_premises":[0,1,2,3,9,10,11,12,13,14],'
+              '"new_premises":[{"name":"RepoA.glend_zero","decl":"theorem RepoA.glend_zero (x : Nat) : '
+              'Eq (glend x) 0"}],"k":6}')
+# Newer clients: the imported modules by position in /indexed-modules (local_premises empty), and the module
+# system's two fields.
+NEW_CLIENT = ('{"state":"x y n m : Nat\\n⊢ Eq (HAdd.hAdd (glend 0) (blix (quon x) m)) (HAdd.hAdd 0 (quon (blix x m)))",'
+              '"local_premises":[],"imported_modules":[0,1],'
+              '"new_premises":[{"name":"RepoA.glend_zero","decl":"theorem RepoA.glend_zero (x : Nat) : '
+              'Eq (glend x) 0"},{"name":"RepoA.glend_blix","decl":"/-- a new lemma -/\\ntheorem RepoA.glend_blix '
+              '(x y : Nat) : Eq (glend (blix x y)) (blix (glend x) y)"}],'
+              '"k":100,"caller_in_module_system":false,"imported_all_modules":[]}')
+
+
+class LiveServer:
+    """uvicorn in a thread on a socket bound to 127.0.0.1:0 (no port race), stopped as Ctrl-C would stop it."""
+
+    def __init__(self, app) -> None:
+        self.sock = listen("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))  # logs reach caplog
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+        self.sock.close()
+        assert not self.thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("serve")
+    repo = write_demo_repos(root / "data", 1)[0]
+    model = write_random_encoder(root / "model", "tiny")
+    build_index(model, repo, root / "index")
+    return {"root": root, "repo": repo, "index": PremiseIndex.load(root / "index")}
+
+
+def expected(index: PremiseIndex, state: str, rows: list[int] | None, new: list[tuple[str, str]], k: int) -> list:
+    """The answer from first principles: every accessible indexed premise not replaced by a new one, and the new
+    ones, scored by a dot product with the state's embedding, sorted."""
+    query = index.encode_state(state)
+    scores = (query @ index.embeddings.t())[0].tolist()
+    names = [p["full_name"] for p in index.premises]
+    new_names = {name for name, _ in new}
+    candidates = [(scores[r], names[r]) for r in (range(len(names)) if rows is None else rows)
+                  if names[r] not in new_names]
+    if new:
+        rows_new = index.encode_premises([serialize_premise(name, decl) for name, decl in new])
+        candidates += list(zip((query @ rows_new.t())[0].tolist(), [name for name, _ in new], strict=True))
+    candidates.sort(key=lambda c: -c[0])
+    return [{"name": name, "score": score} for score, name in candidates[:k]]
+
+
+def assert_same(answer: list, wanted: list) -> None:
+    assert [a["name"] for a in answer] == [w["name"] for w in wanted]
+    assert [a["score"] for a in answer] == pytest.approx([w["score"] for w in wanted], abs=1e-6)
+
+
+def rows_of(index: PremiseIndex, modules: list[str]) -> list[int]:
+    return [r for path, info in index.files.items() if module_name(path) in modules for r in range(*info.rows)]
+
+
+def post(url: str, body: str | bytes) -> httpx.Response:
+    return httpx.post(f"{url}/retrieve", content=body, headers={"Content-Type": "application/json"}, timeout=60)
