@@ -19,7 +19,7 @@ from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.validate import validate_dataset
 from leanagent.dataset_strategy import MERGE, training_datasets
 from leanagent.preflight import PreflightError
-from leanagent.run_state import ManifestMismatchError, RunState, stage_name
+from leanagent.run_state import ManifestMismatchError, RepoEntry, RunState, stage_name
 
 CORE = ".lake/packages/core/Core/Basic.lean"
 
@@ -86,7 +86,8 @@ def _state(tmp_path: Path, repos: list[Path], strategy: str) -> tuple[PipelineCo
     cfg = PipelineConfig(run_dir=tmp_path / "run", repos=[RepoConfig(path=r) for r in repos],
                          lifelong=LifelongConfig(dataset_strategy=strategy))
     state = RunState(cfg.run_dir, cfg)
-    state.set_order([r.name for r in repos], repos)
+    entries = [RepoEntry(r.name, r) for r in repos]
+    state.extend(entries, entries)
     return cfg, state
 
 
