@@ -122,6 +122,23 @@ def test_merge_all_is_written_once_recorded_and_reused(repos: list[Path], tmp_pa
     assert _mtimes(cfg.run_dir / "merged") == before and all("reused" in line for line in again)
 
 
+def test_a_continued_run_merges_its_new_repository_with_every_earlier_one(repos: list[Path], tmp_path: Path) -> None:
+    """A run of two repositories continued with a third: the two merges are reused, the third merges all three."""
+    cfg, state = _state(tmp_path, repos[:2], "merge_all")
+    names = [r.name for r in repos]
+    first = training_datasets(cfg, names[:2], repos[:2], state, log=lambda _: None)
+    before = _mtimes(cfg.run_dir / "merged")
+    entries = [RepoEntry(r.name, r) for r in repos]
+    rerun = RunState(cfg.run_dir, cfg)
+    rerun.extend(entries, entries)
+    lines: list[str] = []
+    datasets = training_datasets(cfg, names, repos, rerun, log=lines.append)
+    assert datasets[:2] == first and {k: v for k, v in _mtimes(cfg.run_dir / "merged").items() if k in before} == before
+    assert json.loads((datasets[2] / MERGE_FILE).read_text())["sources"] == [str(r) for r in repos]
+    assert [("reused" in line, "merged 3 repositories" in line) for line in lines] == [(True, False), (True, False),
+                                                                                       (False, True)]
+
+
 def test_a_changed_input_refuses_the_rerun(repos: list[Path], tmp_path: Path) -> None:
     cfg, state = _state(tmp_path, repos, "merge_all")
     names = [r.name for r in repos]

@@ -99,3 +99,18 @@ def test_a_hub_model_out_of_reach_is_said_once(tmp_path: Path, offline: bool) ->
     expected = "the hub is offline (HF_HUB_OFFLINE)" if offline else "cannot be fetched from the hub"
     assert done.stdout.count(expected) == 1, done.stdout
     assert "Retrying" not in done.stderr and done.stderr.strip() == "", done.stderr
+
+
+def test_the_documented_upload_rule_hides_a_copy_until_it_is_renamed(demo_assets, tmp_path: Path) -> None:
+    """docs/continuing.md's upload command, run as written: the copy is invisible under its dot-name, then ready."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "continuing.md").read_text()
+    command = docs.split("<!-- upload-rule -->", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].strip()
+    shutil.copytree(demo_assets.repos[2], tmp_path / "demo" / "more" / "repo_3")
+    incoming = tmp_path / "demo" / "incoming"
+    cfg = _cfg(demo_assets, tmp_path, [], repos_dir=incoming)
+    incoming.mkdir(parents=True)
+    shutil.copytree(demo_assets.repos[2], incoming / ".repo_3")  # what the command's copy leaves before its rename
+    assert plan_run(cfg).repos == []
+    shutil.rmtree(incoming / ".repo_3")
+    subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=tmp_path, check=True, timeout=60)
+    assert [r.display_name for r in plan_run(cfg).repos] == ["repo_3"]
