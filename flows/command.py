@@ -36,10 +36,10 @@ def run_from_cli(config_path: str) -> int:
     except BAD_INPUT as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    for item in plan.not_ready:
-        print(f"warning: {item.line()}", file=sys.stderr)
     nothing_new = plan.nothing_new()
     if nothing_new is not None:
+        for item in plan.not_ready:  # a run that goes on logs them itself
+            print(f"warning: {item.line()}", file=sys.stderr)
         print(nothing_new)
         if plan.manifest is not None:
             print(report_from_manifest(plan.manifest).text())

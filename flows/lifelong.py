@@ -83,9 +83,12 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
         logger.warning(item.line())
     not_ready = [item.line() for item in plan.not_ready]
     with lock:
-        state = RunState(cfg.run_dir, cfg)
-        if ordered:
-            state.extend([plan.entries[r.display_name] for r in ordered], plan.given)
+        try:  # checked again under the lock: another run may have grown the sequence since `plan_run` read it
+            state = RunState(cfg.run_dir, cfg)
+            if ordered:
+                state.extend([plan.entries[r.display_name] for r in ordered], plan.given)
+        except BAD_INPUT as exc:
+            return refused(exc)
         waiting = state.waiting()
         line = progress_line(len(ordered) - len(waiting), len(waiting), len(not_ready))
         if not waiting:

@@ -223,17 +223,14 @@ class RunState:
             self.data = {"version": MANIFEST_VERSION, "fingerprint": fingerprint, "config": fields, "order": None,
                          "repos": {}, "created_at": _now()}
 
-    @property
-    def sequence(self) -> list[RepoEntry]:
-        return recorded_sequence(self.data)
-
     def extend(self, ordered: list[RepoEntry], given: list[RepoEntry]) -> None:
         """Record the run's sequence: the recorded repositories (checked against `given` again, under the lock),
         then the new ones of `ordered`. The manifest is written only when something changed."""
         recorded = check_sequence(self.path, self.data, given)
         if [e.name for e in ordered[: len(recorded)]] != [e.name for e in recorded]:
-            raise ValueError(f"the order {[e.name for e in ordered]} does not begin with the recorded sequence "
-                             f"{[e.name for e in recorded]}")
+            raise ManifestMismatchError(
+                f"{self.path}: another run recorded the repositories {[e.name for e in recorded]} while this one was "
+                f"being checked (it ordered {[e.name for e in ordered]}); nothing was written: run it again")
         for i, entry in enumerate(ordered):
             repo = self.data["repos"].setdefault(repo_key(i, entry.name), {"index": i, "name": entry.name,
                                                                            "stages": {}})

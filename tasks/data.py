@@ -34,7 +34,7 @@ def order_curriculum(repos: list[RepoConfig], curriculum: bool, split: str = "ra
     kept = list(kept or [])
     by_name = {r.display_name: r for r in repos}
     if not curriculum:
-        ordered = [by_name[name] for name in kept] + [r for r in repos if r.display_name not in set(kept)]
+        ordered = [by_name[name] for name in kept] + [r for r in repos if r.display_name not in kept]
         logger.info("curriculum off: repositories in the given order, new ones after those of the run: "
                     + ", ".join(r.display_name for r in ordered))
         return ordered

@@ -143,7 +143,8 @@ def build_curriculum(repos: Mapping[str, Sequence[Theorem]], kept: Sequence[str]
         e, m, h = _distribute(tally[TO_DISTRIBUTE])
         counts[name] = RepoDifficulty(name, tally[EASY] + e, tally[MEDIUM] + m, tally[HARD] + h, tally[HARD_NO_PROOF])
     # sorted() is stable: repositories with equal Easy counts keep the given order.
-    new = sorted((name for name in repos if name not in set(kept)), key=lambda name: counts[name].easy, reverse=True)
+    known = set(kept)
+    new = sorted((name for name in repos if name not in known), key=lambda name: counts[name].easy, reverse=True)
     return Curriculum([*kept, *new], counts, percentiles, len(kept))
 
 

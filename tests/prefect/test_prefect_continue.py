@@ -10,6 +10,7 @@ run_dir, which each leaves as it was.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.artifacts import SUMMARY_KEY
+from flows.artifacts import SUMMARY_KEY, TABLE_KEY
 from flows.lifelong import lifelong_retrieval
 from leanagent.atomic import read_json
 from leanagent.run_state import ManifestMismatchError
@@ -99,8 +100,13 @@ def test_a_folder_that_does_not_validate_is_skipped_by_name(continued) -> None:
     for summary in (continued["two"], continued["three"]):
         [line] = summary["not_ready"]
         assert line.startswith("half_copied: not ready, skipped this run (") and "test.json" in line, line
-    published = [a for a in flow_run_artifacts(continued["three_id"]) if a.key == SUMMARY_KEY]
-    assert "Not ready" in str(published[-1].data) and "half_copied" in str(published[-1].data)
+    artifacts = sorted(flow_run_artifacts(continued["three_id"]), key=lambda a: a.created)
+    summary = [a for a in artifacts if a.key == SUMMARY_KEY][-1]
+    assert "Not ready" in str(summary.data) and "half_copied" in str(summary.data)
+    # The continued run's table covers the whole sequence, the first run's repositories included.
+    table = [a for a in artifacts if a.key == TABLE_KEY][-1].data
+    rows = json.loads(table) if isinstance(table, str) else table
+    assert [r["repository"] for r in rows] == ["repo_0", "second", "repo_2"]
 
 
 def test_a_rerun_with_nothing_new_launches_nothing(continued) -> None:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
 
@@ -88,3 +89,19 @@ def _release(pipe: Path) -> None:
         os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
     except OSError:  # no reader: nothing is held
         pass
+
+
+def test_the_shipped_deployments_schedule_a_repos_dir_config_one_run_at_a_time() -> None:
+    """deployments/prefect.yaml as `prefect deploy` reads it: a weekly schedule, off by default, on a config whose
+    runs learn what arrived in its repos_dir, and one flow run at a time per deployment."""
+    from prefect.cli.deploy._models import PrefectYamlModel
+
+    spec = PrefectYamlModel.model_validate(yaml.safe_load((REPO_ROOT / "deployments" / "prefect.yaml").read_text()))
+    assert len(spec.deployments) == 2
+    for deployment in spec.deployments:
+        limit = deployment.concurrency_limit
+        assert (limit.limit, limit.collision_strategy) == (1, "ENQUEUE"), deployment.name
+        [schedule] = deployment.schedules
+        assert schedule.active is False
+        config = load_config(REPO_ROOT / schedule.parameters["config_path"])
+        assert config.repos_dir is not None, deployment.name
