@@ -3,6 +3,11 @@
 For a single machine where a long-lived `python deployments/serve.py` is simpler than a work
 pool. Runs are triggered from the UI or `prefect deployment run 'lifelong-retrieval/<name>'`,
 or by the optional cron schedule, and execute as subprocesses of this one.
+
+A scheduled run learns the repositories that arrived since the last one (a config with `repos_dir`, e.g.
+configs/scheduled.yaml), and ends in seconds when there is none. The deployment runs one flow run at a time
+(a concurrency limit of 1, ENQUEUE): a run triggered while another holds the run_dir waits for it
+("AwaitingConcurrencySlot") instead of failing on the run_dir's lock. Serve one deployment per run_dir.
 """
 
 from __future__ import annotations
@@ -15,10 +20,14 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # `python deployments/serve.py` puts deployments/, not the root, on the path
 
+from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy  # noqa: E402
 from prefect.schedules import Cron  # noqa: E402
 
 from flows.lifelong import lifelong_retrieval  # noqa: E402
 from leanagent.config import ConfigError, load_config  # noqa: E402
+
+# Two runs of one run_dir never overlap: the second waits for the first (the lock would refuse it).
+ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             schedules.append(Cron(args.cron, parameters={"config_path": str(config_path)}))
     # The runner records the flow's entrypoint relative to the working directory; start runs from the root.
     os.chdir(REPO_ROOT)
-    lifelong_retrieval.serve(name=args.name, schedules=schedules, tags=["leanagent"])
+    lifelong_retrieval.serve(name=args.name, schedules=schedules, tags=["leanagent"], global_limit=ONE_AT_A_TIME)
     return 0
 
 

@@ -1,8 +1,13 @@
 """`leanagent run`: the lifelong flow in this process, as a command. The one seam between the CLI and the flows.
 
 The library (`leanagent/`) knows nothing of Prefect; `leanagent/cli.py` reaches the app layer only here,
-for the one command that runs a flow. It adds what a terminal needs around the flow: Prefect's temporary
-server when no server is configured (`temporary_server.py`), one message per refused input, an exit code.
+for the one command that runs a flow. It adds what a terminal needs around the flow:
+
+- a fast first answer: the run's checks (`leanagent.run_plan.plan_run`: config, repositories, model, disk, the
+  run_dir's manifest and lock) run before Prefect is imported or its temporary server started, so a bad input
+  is one line within a second or two, and a run with nothing new says so and prints its report, without Prefect;
+- Prefect's temporary server when no server is configured (`temporary_server.py`), one message per refused
+  input, an exit code.
 """
 
 import logging
@@ -11,25 +16,50 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from prefect.exceptions import ExternalSignal
-
-from flows.lifelong import BAD_INPUT, REFUSALS, describe_interrupt, lifelong_retrieval
-from flows.temporary_server import TemporaryServerError, send_queued, temporary_server
 from leanagent.config import load_config
-from leanagent.launch.base import LaunchError
-from leanagent.report import RunReport
+from leanagent.report import RunReport, report_from_manifest
+from leanagent.run_plan import BAD_INPUT, plan_run
+from leanagent.run_state import RunLock
 
 
 def run_from_cli(config_path: str) -> int:
-    """`leanagent run --config FILE`: the flow in this process, then a plain-text summary.
+    """`leanagent run --config FILE`: the checks, then the flow in this process, then a plain-text summary.
 
     1 on bad input (one message, as `leanagent train` prints it), 2 when a job failed after its retries,
     128 + signal (130 Ctrl-C, 143 SIGTERM) when interrupted: every job has been ended by then and the
     running stage is recorded `interrupted`.
     """
     try:
-        load_config(config_path)  # fail in milliseconds, before Prefect starts a temporary server
-        with temporary_server(), _NotTwice.on_the_console():
+        cfg = load_config(config_path)
+        plan = plan_run(cfg)
+        RunLock(cfg.run_dir).probe()
+    except BAD_INPUT as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    nothing_new = plan.nothing_new()
+    if nothing_new is not None:
+        for item in plan.not_ready:  # a run that goes on logs them itself
+            print(f"warning: {item.line()}", file=sys.stderr)
+        print(nothing_new)
+        if plan.manifest is not None:
+            print(report_from_manifest(plan.manifest).text())
+            print(f"\nmanifest: {cfg.run_dir / 'manifest.json'}")
+        return 0
+    return _run_flow(config_path)
+
+
+def _run_flow(config_path: str) -> int:
+    # Imported here, once the checks have passed: Prefect and the flow's modules take seconds to import, which a
+    # refused input or a run with nothing new must not wait for.
+    from prefect.exceptions import ExternalSignal
+
+    from flows.lifelong import REFUSED, lifelong_retrieval
+    from flows.stages import describe_interrupt
+    from flows.temporary_server import TemporaryServerError, send_queued, temporary_server
+    from leanagent.launch.base import LaunchError
+
+    try:
+        with temporary_server(), _NotTwice.on_the_console(REFUSED):
             try:
                 summary = lifelong_retrieval(config_path=config_path)
             finally:
@@ -53,18 +83,20 @@ def run_from_cli(config_path: str) -> int:
 
 class _NotTwice(logging.Filter):
     """Keeps Prefect's console from repeating a refusal that `leanagent run` prints itself: the flow run's
-    "Finished in state Failed('<the reason>')" line. Prefect's API logs (the UI) keep it."""
+    "Finished in state Refused('<the reason>', type=FAILED)" line. Prefect's API logs (the UI) keep it."""
+
+    def __init__(self, state_name: str) -> None:
+        super().__init__()
+        self.line = f"Finished in state {state_name}("
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (message.startswith("Finished in state Failed(") and any(r in message or repr(r)[1:-1] in message
-                                                                           for r in REFUSALS))
+        return not record.getMessage().startswith(self.line)
 
     @classmethod
     @contextmanager
-    def on_the_console(cls) -> Iterator[None]:
+    def on_the_console(cls, state_name: str) -> Iterator[None]:
         handlers = [h for h in logging.getLogger().handlers if type(h).__name__ == "PrefectConsoleHandler"]
-        quiet = cls()
+        quiet = cls(state_name)
         for handler in handlers:
             handler.addFilter(quiet)
         try:

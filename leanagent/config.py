@@ -10,8 +10,10 @@ cannot silently fall back to a default.
 
 from __future__ import annotations
 
+import difflib
+import typing
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -168,6 +170,12 @@ class PipelineConfig(_Section):
     slurm: SlurmConfig = SlurmConfig()
     run_dir: Path = Path("runs/leanagent")
     repos: list[RepoConfig] = []
+    repos_dir: Path | None = Field(
+        None, description="a folder whose every immediate subfolder holding a LeanDojo dataset is one more "
+                          "repository, named by its folder, taken after those of `repos`; a run picks up the "
+                          "folders added since the last one. Folders whose name starts with '.' are not read "
+                          "(copy a dataset in under a dot-name, then rename it), and one that does not validate "
+                          "is skipped for this run")
 
     @model_validator(mode="after")
     def _nodes_and_rendezvous(self) -> PipelineConfig:
@@ -202,7 +210,7 @@ def load_config(path: str | Path) -> PipelineConfig:
     try:
         config = PipelineConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(f"{path}: {format_validation_error(exc)}") from exc
+        raise ConfigError(f"{path}: {format_validation_error(exc, PipelineConfig)}") from exc
     return resolve_paths(config, path.parent)
 
 
@@ -211,6 +219,8 @@ def resolve_paths(config: PipelineConfig, base: Path) -> PipelineConfig:
     base = base.resolve()
     update: dict = {"run_dir": _absolute(config.run_dir, base)}
     update["repos"] = [r.model_copy(update={"path": _absolute(r.path, base)}) for r in config.repos]
+    if config.repos_dir is not None:
+        update["repos_dir"] = _absolute(config.repos_dir, base)
     if config.lifelong.start_checkpoint is not None:
         start = _absolute(config.lifelong.start_checkpoint, base)
         update["lifelong"] = config.lifelong.model_copy(update={"start_checkpoint": start})
@@ -225,12 +235,40 @@ def _absolute(p: Path, base: Path) -> Path:
     return p if p.is_absolute() else (base / p).resolve()
 
 
-def format_validation_error(exc: ValidationError) -> str:
+def format_validation_error(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """`key: problem; ...`; with the validated `model`, an unknown key names the nearest known one."""
     parts = []
     for err in exc.errors():
         key = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        parts.append(f"{key}: {err['msg']}")
+        message = err["msg"]
+        if err["type"] == "extra_forbidden" and model is not None:
+            known = _known_keys(model, err["loc"][:-1])
+            close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+            message = "unknown key" + (f" (did you mean {close[0]!r}?)" if close else
+                                        f"; known here: {', '.join(known)}" if known else "")
+        parts.append(f"{key}: {message}")
     return "; ".join(parts)
+
+
+def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the (nested) section at `loc` of `model`: list indices step into the item type."""
+    node: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = node.model_fields.get(part) if isinstance(node, type) and issubclass(node, BaseModel) else None
+        if field is None:
+            return []
+        node = _section_type(field.annotation)
+    return list(node.model_fields) if isinstance(node, type) and issubclass(node, BaseModel) else []
+
+
+def _section_type(annotation: Any) -> Any:
+    """`ModelConfig` from `ModelConfig`, `list[RepoConfig]` or `RepoConfig | None`; else the annotation itself."""
+    for arg in typing.get_args(annotation):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return annotation
 
 
 def dump_config(config: PipelineConfig, path: str | Path) -> None:

@@ -25,9 +25,8 @@ from leanagent.data.errors import DatasetError
 from leanagent.data.merge import MERGE_FILE, dataset_files, digests, merge_datasets
 from leanagent.data.validate import validate_dataset
 from leanagent.preflight import PreflightError, format_bytes, free_space
-from leanagent.run_state import ManifestMismatchError, RunState, repo_key, stage_name
+from leanagent.run_state import MERGE, ManifestMismatchError, RunState, repo_key, stage_name
 
-MERGE = "merge"
 MERGED_DIR = "merged"
 LISTED = 20
 

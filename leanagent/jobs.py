@@ -43,12 +43,15 @@ def run_job(
     heartbeat_timeout_s: float | None = None,
     reuse_finished: bool = False,
     validate: bool = True,
+    label: str | None = None,
 ) -> dict:
     """Check, launch, return `result.json`.
 
     `config_path` must hold `cfg` as YAML: each rank reads it. A job folder with a result is
     returned as is when `reuse_finished`, refused otherwise. A folder with checkpoints but no
-    result is an interrupted training job: the train program resumes it from its newest checkpoint.
+    result is an interrupted training job: the train program resumes it from its newest checkpoint. `label` is
+    what progress lines call the job (the flow gives the repositories' configured names; default: the program
+    and the dataset folders' names).
     """
     out = Path(out)
     result_file = out / result_filename(cfg.trainer.node_rank)
@@ -60,4 +63,4 @@ def run_job(
     check_job(cfg, program, dataset, checkpoint, fisher, validate=validate, out=out)
     argv = program_argv(program, config_path, dataset, out, checkpoint, fisher)
     return launcher_for(cfg).launch(argv, out, on_line=on_line, timeout_s=timeout_s,
-                                    heartbeat_timeout_s=heartbeat_timeout_s)
+                                    heartbeat_timeout_s=heartbeat_timeout_s, label=label)

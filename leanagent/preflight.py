@@ -26,11 +26,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from leanagent.checkpoints import BadFileError, check_fisher
 from leanagent.config import PipelineConfig, RepoConfig, TrainerConfig
 from leanagent.data.validate import validate_dataset
 from leanagent.job import JobInputError, Program
-from leanagent.model.loading import checkpoint_encoder_config
 
 # A checkpoint holds the fp32 weights (4 bytes per parameter) and AdamW's two moments (8 bytes), plus
 # loop/callback state, hparams and zip records (measured: 32 KB over 12 bytes per parameter on the tiny model).
@@ -88,14 +86,6 @@ def check_unique_names(named: Sequence[tuple[str, Path]], remedy: str) -> list[s
     return problems
 
 
-def check_repositories(repos: Sequence[RepoConfig], split: str) -> list[str]:
-    """A lifelong run's repositories: at least one, distinct names, every dataset valid."""
-    if not repos:
-        return ["the config lists no repository (`repos` is empty)"]
-    return (check_unique_names([(r.display_name, r.path) for r in repos], "give one a distinct `name`")
-            + check_datasets([r.path for r in repos], split))
-
-
 # ---- model --------------------------------------------------------------------------------------
 
 def _offline() -> bool:
@@ -139,9 +129,12 @@ def resolve_model(name_or_path: str) -> tuple[dict[str, Any] | None, str | None]
     if _offline():
         return None, (f"{key} {name_or_path!r} is not a local folder and not in the Hugging Face cache "
                       f"({constants.HF_HUB_CACHE}), and the hub is offline (HF_HUB_OFFLINE); {how}")
-    try:
-        from huggingface_hub import hf_hub_download
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
 
+    try:
+        # One request, no retries: an unreachable hub answers in one line, not after huggingface_hub's five
+        # retries and their twelve log lines. Only a file the hub has is then downloaded.
+        get_hf_file_metadata(hf_hub_url(name_or_path, "config.json"), retry_on_errors=False)
         return _read_model_config(Path(hf_hub_download(name_or_path, "config.json")), key)
     except Exception as exc:  # network, unknown repository, gated model: all end the same way
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
@@ -307,9 +300,10 @@ def checkpoints_per_training(cfg: PipelineConfig) -> int:
     return kept + 1
 
 
-def estimate_run(cfg: PipelineConfig, parameters: int) -> DiskEstimate:
-    """The peak of a whole run: earlier repositories' kept checkpoints, the current one's all, a Fisher each."""
-    repos = len(cfg.repos)
+def estimate_run(cfg: PipelineConfig, parameters: int, repos: int | None = None) -> DiskEstimate:
+    """The peak of a whole run of `repos` repositories (default: those `cfg.repos` lists): earlier repositories'
+    kept checkpoints, the current one's all, a Fisher each."""
+    repos = len(cfg.repos) if repos is None else repos
     during = checkpoints_per_training(cfg)
     after = during if cfg.lifelong.keep_checkpoints == "all" else min(BEST_AND_LAST, during)
     checkpoints = (repos - 1) * after + during if repos else 0
@@ -373,6 +367,11 @@ def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path
                   checkpoint: Path | None = None, fisher: Path | None = None, validate: bool = True,
                   free_bytes: int | None = None, device_count: int | None = None) -> None:
     """Everything one job needs, checked before it is launched; raises PreflightError listing each problem."""
+    # Reading a checkpoint needs torch and transformers (seconds to import): only a job's checks pay for them, not
+    # `leanagent run`'s, which answer a bad input before Prefect starts.
+    from leanagent.checkpoints import BadFileError, check_fisher
+    from leanagent.model.loading import checkpoint_encoder_config
+
     problems = check_launcher(cfg, device_count)
     checkpoint_config: dict[str, Any] | None = None
     unknown = False  # a bad input file: what it would have told us (architecture, size) is unknown
@@ -411,9 +410,15 @@ def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path
     _raise_if(problems)
 
 
-def preflight_run(cfg: PipelineConfig, validate: bool = True, free_bytes: int | None = None,
+def preflight_run(cfg: PipelineConfig, repos: Sequence[RepoConfig] | None = None,
+                  validate: Sequence[RepoConfig] | None = None, free_bytes: int | None = None,
                   device_count: int | None = None) -> None:
-    """Everything a lifelong run needs, checked before its first job; nothing is written into run_dir."""
+    """Everything a lifelong run needs, checked before its first job; nothing is written into run_dir.
+
+    `repos`: every repository of the run (default `cfg.repos`); `validate`: those whose datasets are read here
+    (default all; a continued run skips those it recorded with the same digests).
+    """
+    repos = list(cfg.repos if repos is None else repos)
     problems = check_launcher(cfg, device_count)
     start = cfg.lifelong.start_checkpoint
     if start is not None and not start.exists():
@@ -427,7 +432,9 @@ def preflight_run(cfg: PipelineConfig, validate: bool = True, free_bytes: int | 
         if cfg.lifelong.keep_checkpoints == "all" and checkpoints_per_training(cfg) > BEST_AND_LAST:
             remedy = (f", or set lifelong.keep_checkpoints: best_and_last (keeps {BEST_AND_LAST} checkpoints per "
                       f"finished repository instead of {checkpoints_per_training(cfg)})")
-        problems += check_disk(estimate_run(cfg, parameters), cfg.run_dir, free_bytes, remedy)
-    if validate:
-        problems += check_repositories(cfg.repos, cfg.data.split)
+        problems += check_disk(estimate_run(cfg, parameters, len(repos)), cfg.run_dir, free_bytes, remedy)
+    if not repos and cfg.repos_dir is None:
+        problems.append("the config lists no repository (`repos` is empty)")
+    problems += check_unique_names([(r.display_name, r.path) for r in repos], "give one a distinct `name`")
+    problems += check_datasets([r.path for r in (repos if validate is None else validate)], cfg.data.split)
     _raise_if(problems)

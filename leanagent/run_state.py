@@ -10,6 +10,12 @@ checkpoints trained under the old one and silently mix two experiments. Keys tha
 a result (where the run lives, logging cadence, dataloader workers, multi-node addressing) are
 left out of the fingerprint, so moving such a knob does not lock the user out of their run.
 
+Why the repositories are not in the fingerprint: a lifelong run learns repositories that arrive
+later. The fingerprint guards the experiment (model, data, trainer, lifelong settings); the
+sequence of repositories is data that only grows at its end (`check_sequence`). Each recorded
+repository keeps its position, name and dataset (the SHA-256 of every file the run reads), so a
+removed, renamed, reordered or edited one is refused by name before anything is written.
+
 Why a lock: two flows writing one run_dir would race on the same job folders. The lock is an
 fcntl.flock, so the kernel releases it when the holder dies and a stale lock file never blocks.
 This module knows nothing of Prefect: the flow is one caller among others.
@@ -22,6 +28,7 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -31,7 +38,10 @@ from leanagent.config import PipelineConfig
 
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = ".lock"
-MANIFEST_VERSION = 1
+# 2: the repositories left the fingerprint, each recorded with its dataset's digests; version 1 manifests load.
+MANIFEST_VERSION = 2
+# Where the run's repositories come from: the sequence, which may grow, not the experiment.
+SEQUENCE_KEYS = ("repos", "repos_dir")
 # Dotted keys that do not change what a run computes; see the module docstring. Not model.sort_by_length,
 # model.token_budget or model.compile: beyond float rounding they change which dropout masks training draws.
 RUN_IRRELEVANT_KEYS = (
@@ -50,12 +60,26 @@ class RunLockedError(RuntimeError):
 
 
 class ManifestMismatchError(ValueError):
-    """The run_dir holds a run of a different config or repository order; nothing was written."""
+    """The run_dir holds another experiment, or a sequence of repositories the config does not extend; nothing
+    was written."""
+
+
+@dataclass(frozen=True)
+class RepoEntry:
+    """A repository as the sequence knows it: its display name, its folder, and {file: SHA-256} of its dataset
+    (`leanagent.data.merge.digests`; None when its folder is missing, which the preflight reports)."""
+
+    name: str
+    path: Path
+    dataset: dict[str, str] | None = None
 
 
 def fingerprint_fields(cfg: PipelineConfig) -> dict[str, Any]:
-    """The config as JSON, minus RUN_IRRELEVANT_KEYS: what two runs must agree on to share a run_dir."""
+    """The config as JSON, minus RUN_IRRELEVANT_KEYS and the repositories: what two runs must agree on to share a
+    run_dir."""
     data = cfg.model_dump(mode="json")
+    for key in SEQUENCE_KEYS:
+        data.pop(key, None)
     for dotted in RUN_IRRELEVANT_KEYS:
         *parents, leaf = dotted.split(".")
         node = data
@@ -75,7 +99,7 @@ def repo_key(index: int, name: str) -> str:
     return f"{index:02d}-{name}"
 
 
-TRAIN, FISHER, EVAL_UNTRAINED = "train", "fisher", "eval-untrained"
+TRAIN, FISHER, EVAL_UNTRAINED, MERGE = "train", "fisher", "eval-untrained", "merge"
 
 
 def eval_stage(target_index: int, target_name: str) -> str:
@@ -86,6 +110,15 @@ def eval_stage(target_index: int, target_name: str) -> str:
 def stage_name(index: int, name: str, stage: str) -> str:
     """`00-name/train`, `00-name/fisher`, `00-name/eval-01-other`: also the job folder under run_dir/jobs."""
     return f"{repo_key(index, name)}/{stage}"
+
+
+def repo_stages(index: int, names: list[str], merged: bool = False) -> list[str]:
+    """Every stage of repository `index` of the sequence `names`: its untrained evaluation, (its merge,) its
+    training, its Fisher, and the evaluations of its model on repositories 0..index."""
+    name = names[index]
+    stages = [EVAL_UNTRAINED, *([MERGE] if merged else []), TRAIN, FISHER,
+              *(eval_stage(j, names[j]) for j in range(index + 1))]
+    return [stage_name(index, name, stage) for stage in stages]
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -128,17 +161,30 @@ class RunLock:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock_or_refuse(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def probe(self) -> None:
+        """Refuse now, writing nothing, when another process holds the lock (`leanagent run` asks before it starts
+        Prefect). A shared lock, taken and let go at once: no lock file means nobody holds it."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        self._lock_or_refuse(fd, fcntl.LOCK_SH)
+        os.close(fd)
+
+    def _lock_or_refuse(self, fd: int, kind: int) -> None:
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise RunLockedError(f"{self.path.parent} is in use by another run (pid {holder}); wait for it to end, "
                                  f"or choose another run_dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
-        return self
 
     def release(self) -> None:
         if self._fd is None:
@@ -165,37 +211,43 @@ class RunState:
         self.path = self.run_dir / MANIFEST_NAME
         fields = fingerprint_fields(cfg)
         fingerprint = config_fingerprint(cfg)
+        self._stored: str | None = None  # the manifest as read: `extend` writes only what differs from it
         if self.path.is_file():
             self.data: dict[str, Any] = read_json(self.path)
+            self._stored = json.dumps(self.data, sort_keys=True)
             _check_config(self.path, self.data, fields)
+            self.data["given"] = _given_before(self.data)  # a version 1 manifest has it in the config replaced next
             # Only knobs added since, at their defaults (or none): the same experiment, in today's terms.
             self.data["fingerprint"], self.data["config"] = fingerprint, fields
         else:
             self.data = {"version": MANIFEST_VERSION, "fingerprint": fingerprint, "config": fields, "order": None,
                          "repos": {}, "created_at": _now()}
 
-    @staticmethod
-    def check(run_dir: Path, cfg: PipelineConfig, order: list[str]) -> None:
-        """Refuse, reading only, a run_dir that holds another experiment: before anything is written there."""
-        path = Path(run_dir) / MANIFEST_NAME
-        if path.is_file():
-            data = read_json(path)
-            _check_config(path, data, fingerprint_fields(cfg))
-            _check_order(path, data, order)
+    def extend(self, ordered: list[RepoEntry], given: list[RepoEntry]) -> None:
+        """Record the run's sequence: the recorded repositories (checked against `given` again, under the lock),
+        then the new ones of `ordered`. The manifest is written only when something changed."""
+        recorded = check_sequence(self.path, self.data, given)
+        if [e.name for e in ordered[: len(recorded)]] != [e.name for e in recorded]:
+            raise ManifestMismatchError(
+                f"{self.path}: another run recorded the repositories {[e.name for e in recorded]} while this one was "
+                f"being checked (it ordered {[e.name for e in ordered]}); nothing was written: run it again")
+        for i, entry in enumerate(ordered):
+            repo = self.data["repos"].setdefault(repo_key(i, entry.name), {"index": i, "name": entry.name,
+                                                                           "stages": {}})
+            repo["path"] = str(entry.path)  # a folder moved with its data unchanged is the same repository
+            if entry.dataset is not None:
+                repo["dataset"] = dict(entry.dataset)
+        self.data["order"] = [e.name for e in ordered]
+        self.data["given"] = [e.name for e in given]
+        if json.dumps(self.data, sort_keys=True) != self._stored:
+            self._write()
 
-    def set_order(self, order: list[str], paths: list[Path]) -> None:
-        """Record the curriculum order, or refuse when the run_dir was started with another one."""
-        _check_order(self.path, self.data, order)
-        self.data["order"] = list(order)
-        for i, (name, path) in enumerate(zip(order, paths, strict=True)):
-            self.data["repos"].setdefault(repo_key(i, name), {"index": i, "name": name, "path": str(path),
-                                                              "stages": {}})
-        self._write()
+    def waiting(self) -> list[str]:
+        """The repositories of the recorded sequence with a stage still to run."""
+        return waiting_repositories(self.data)
 
     def _stage(self, name: str) -> dict[str, Any] | None:
-        key, _, stage = name.partition("/")
-        repo = self.data["repos"].get(key)
-        return None if repo is None else repo["stages"].get(stage)
+        return _entry(self.data, name)
 
     def stage_done(self, name: str) -> dict | None:
         """The result of a finished stage, or None when it still has to run."""
@@ -225,33 +277,110 @@ class RunState:
         self._write()
 
     def _write(self) -> None:
+        self.data["version"] = MANIFEST_VERSION
         self.data["updated_at"] = _now()
         write_json_atomic(self.path, self.data)
+        self._stored = json.dumps(self.data, sort_keys=True)
+
+
+def check_experiment(path: Path, manifest: dict[str, Any], cfg: PipelineConfig) -> None:
+    """Refuse a manifest of another experiment (`path` names it in the message); reads nothing itself."""
+    _check_config(path, manifest, fingerprint_fields(cfg))
 
 
 def _check_config(path: Path, manifest: dict[str, Any], fields: dict[str, Any]) -> None:
-    old = manifest.get("config", {})
+    # A version 1 manifest's config holds the repositories: they are the sequence, checked on their own.
+    old = {k: v for k, v in manifest.get("config", {}).items() if k not in SEQUENCE_KEYS}
     if config_changes(old, fields):
         raise ManifestMismatchError(
             f"{path} belongs to a run of a different config ({describe_differences(old, fields)}); resuming it would "
             f"mix two experiments. Restore the config or choose another run_dir.")
 
 
-def _check_order(path: Path, manifest: dict[str, Any], order: list[str]) -> None:
-    known = manifest.get("order")
-    if known is not None and list(known) != list(order):
+def recorded_sequence(manifest: dict[str, Any]) -> list[RepoEntry]:
+    """The repositories a manifest has recorded, in their order (a version 1 manifest's have no digests)."""
+    repos = manifest.get("repos", {})
+    out = []
+    for i, name in enumerate(manifest.get("order") or []):
+        repo = repos.get(repo_key(i, name), {})
+        out.append(RepoEntry(name, Path(repo.get("path", "")), repo.get("dataset")))
+    return out
+
+
+def _given_before(manifest: dict[str, Any]) -> list[str]:
+    """The names in the order the run's config gave them (a version 1 manifest has them in its config)."""
+    if manifest.get("given") is not None:
+        return list(manifest["given"])
+    listed = manifest.get("config", {}).get("repos") or []
+    return [r.get("name") or Path(r.get("path", "")).name for r in listed if isinstance(r, dict)]
+
+
+def check_sequence(path: Path, manifest: dict[str, Any], given: list[RepoEntry]) -> list[RepoEntry]:
+    """The recorded sequence, once every repository of it is found in `given` under its name, with the same dataset
+    and in the same relative order as before; raises ManifestMismatchError naming the first one that is not.
+
+    A run only grows at its end: its checkpoints, Fisher files and results were trained in this order on these
+    datasets, so a repository removed, renamed, reordered or edited would make the run a mix of two experiments.
+    """
+    recorded = recorded_sequence(manifest)
+    known = {e.name for e in recorded}
+    by_name = {e.name: e for e in given}
+    for i, old in enumerate(recorded):
+        new = by_name.get(old.name)
+        where = f"repository {old.name!r} (#{i + 1} of this run's sequence, {old.path})"
+        if new is None:
+            renamed = next((e for e in given if e.name not in known and (
+                e.path == old.path or (old.dataset is not None and e.dataset == old.dataset))), None)
+            if renamed is not None:
+                raise ManifestMismatchError(
+                    f"{path}: {where} is now named {renamed.name!r}; its job folders and results are kept under its "
+                    f"name, so restore the name {old.name!r} (or choose another run_dir)")
+            raise ManifestMismatchError(
+                f"{path}: {where} is not in the config any more; a run only grows at its end, so put it back "
+                f"(or choose another run_dir)")
+        if old.dataset is not None and new.dataset is not None and new.dataset != old.dataset:
+            file = next(f for f in sorted(old.dataset.keys() | new.dataset.keys())
+                        if old.dataset.get(f) != new.dataset.get(f))
+            raise ManifestMismatchError(
+                f"{path}: the dataset of {where} changed since the run recorded it ({new.path / file}: sha256 "
+                f"{_short(old.dataset.get(file))}, now {_short(new.dataset.get(file))}); restore it, give the new "
+                f"data another name (a new repository), or choose another run_dir")
+    old_given = _given_before(manifest)
+    now = [e.name for e in given if e.name in known and e.name in old_given]
+    before = [n for n in old_given if n in now]
+    if now != before:
+        k = next(k for k, (a, b) in enumerate(zip(before, now, strict=True)) if a != b)
         raise ManifestMismatchError(
-            f"{path} was started with the repository order {known}, but this run orders them {order} "
-            f"(did a dataset change?); resuming would mix two experiments. Choose another run_dir.")
+            f"{path}: the config lists repository {now[k]!r} before {before[k]!r}, but this run was given "
+            f"{before[k]!r} first; restore the order (new repositories go after the recorded ones either way), "
+            f"or choose another run_dir")
+    return recorded
+
+
+def _short(digest: str | None) -> str:
+    return "missing" if digest in (None, "missing") else str(digest)[:12]
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
+def waiting_repositories(manifest: dict[str, Any]) -> list[str]:
+    """The repositories of a manifest's sequence with a stage still to run (not finished, failed or interrupted)."""
+    names = list(manifest.get("order") or [])
+    merged = manifest.get("config", {}).get("lifelong", {}).get("dataset_strategy") == "merge_all"
+    return [names[i] for i in range(len(names))
+            if any(_finished_result(_entry(manifest, stage)) is None for stage in repo_stages(i, names, merged))]
+
+
+def _entry(manifest: dict[str, Any], stage: str) -> dict[str, Any] | None:
+    key, _, name = stage.partition("/")
+    return manifest.get("repos", {}).get(key, {}).get("stages", {}).get(name)
+
+
 def stage_result(manifest: dict[str, Any], index: int, name: str, stage: str) -> dict | None:
     """A finished stage's result from a manifest read from disk; None if it has not finished."""
-    return _finished_result(manifest.get("repos", {}).get(repo_key(index, name), {}).get("stages", {}).get(stage))
+    return _finished_result(_entry(manifest, stage_name(index, name, stage)))
 
 
 def _finished_result(entry: dict[str, Any] | None) -> dict | None:

@@ -50,12 +50,12 @@ def forward_to_run_logger() -> Callable[[str], None]:
 
 def _run(program: Program, cfg: PipelineConfig, config_path: Path, dataset: Path | list[Path], out: Path,
          checkpoint: Path | None, fisher: Path | None, timeout_s: float | None,
-         heartbeat_timeout_s: float | None, validate: bool) -> dict:
+         heartbeat_timeout_s: float | None, validate: bool, label: str | None) -> dict:
     # reuse_finished: a job whose result.json landed just before a crash (and before the manifest
     # recorded it) is taken as it is, not refused and not rerun.
     return run_job(cfg, Path(config_path), program, dataset, Path(out), checkpoint=checkpoint, fisher=fisher,
                    on_line=forward_to_run_logger(), timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
-                   reuse_finished=True, validate=validate)
+                   reuse_finished=True, validate=validate, label=label)
 
 
 _TASK_OPTIONS: dict[str, Any] = {
@@ -70,24 +70,65 @@ _TASK_OPTIONS: dict[str, Any] = {
 @task(name="train-retriever", **_TASK_OPTIONS)
 def train_retriever(cfg: PipelineConfig, config_path: Path, dataset: Path, out: Path,
                     checkpoint: Path | None = None, fisher: Path | None = None, timeout_s: float | None = None,
-                    heartbeat_timeout_s: float | None = None, validate: bool = True) -> dict:
-    """Train on one repository from `checkpoint` (or the pretrained model), with EWC when `fisher` is given."""
-    return _run("train", cfg, config_path, dataset, out, checkpoint, fisher, timeout_s, heartbeat_timeout_s, validate)
+                    heartbeat_timeout_s: float | None = None, validate: bool = True, label: str | None = None) -> dict:
+    """Train on one repository from `checkpoint` (or the pretrained model), with EWC when `fisher` is given.
+
+    Args:
+        cfg: The run's config.
+        config_path: The same config as YAML, which every rank reads.
+        dataset: The repository's dataset folder (under merge_all: its merge with the earlier ones).
+        out: The job folder; a rerun with the same folder resumes the training or returns its result.
+        checkpoint: Where training starts; None: model.name_or_path.
+        fisher: The previous repository's Fisher file, for EWC.
+        timeout_s: Deadline of one attempt, in seconds.
+        heartbeat_timeout_s: End a job whose ranks have not reported progress for this long.
+        validate: Validate the dataset first (the flow has already).
+        label: What the job's progress lines call it, e.g. `train repo_new` (default: the program and the dataset
+            folder's name).
+    """
+    return _run("train", cfg, config_path, dataset, out, checkpoint, fisher, timeout_s, heartbeat_timeout_s, validate,
+                label)
 
 
 @task(name="compute-fisher", **_TASK_OPTIONS)
 def compute_fisher(cfg: PipelineConfig, config_path: Path, dataset: Path, out: Path, checkpoint: Path,
                    timeout_s: float | None = None, heartbeat_timeout_s: float | None = None,
-                   validate: bool = True) -> dict:
-    """The diagonal Fisher of `checkpoint` on a repository, which anchors the next repository's EWC."""
-    return _run("fisher", cfg, config_path, dataset, out, checkpoint, None, timeout_s, heartbeat_timeout_s, validate)
+                   validate: bool = True, label: str | None = None) -> dict:
+    """The diagonal Fisher of `checkpoint` on a repository, which anchors the next repository's EWC.
+
+    Args:
+        cfg: The run's config.
+        config_path: The same config as YAML, which every rank reads.
+        dataset: The dataset the checkpoint was trained on.
+        out: The job folder.
+        checkpoint: The trained checkpoint.
+        timeout_s: Deadline of one attempt, in seconds.
+        heartbeat_timeout_s: End a job whose ranks have not reported progress for this long.
+        validate: Validate the dataset first (the flow has already).
+        label: What the job's progress lines call it (default: the program and the dataset folder's name).
+    """
+    return _run("fisher", cfg, config_path, dataset, out, checkpoint, None, timeout_s, heartbeat_timeout_s, validate,
+                label)
 
 
 @task(name="evaluate-retriever", **_TASK_OPTIONS)
 def evaluate_retriever(cfg: PipelineConfig, config_path: Path, datasets: list[Path], out: Path,
                        checkpoint: Path | None, timeout_s: float | None = None,
-                       heartbeat_timeout_s: float | None = None, validate: bool = True) -> dict:
-    """R@1, R@10 and MRR of `checkpoint` (None: the untrained `model.name_or_path`) on the test split of each of
-    `datasets`, in one job that loads the model once; the result's `evaluations` lists them in order."""
+                       heartbeat_timeout_s: float | None = None, validate: bool = True,
+                       label: str | None = None) -> dict:
+    """R@1, R@10 and MRR of `checkpoint` on the test split of each of `datasets`, in one job that loads the model
+    once; the result's `evaluations` lists them in order.
+
+    Args:
+        cfg: The run's config.
+        config_path: The same config as YAML, which every rank reads.
+        datasets: The repositories' dataset folders.
+        out: The job folder.
+        checkpoint: The model to score; None: the untrained model.name_or_path.
+        timeout_s: Deadline of one attempt, in seconds.
+        heartbeat_timeout_s: End a job whose ranks have not reported progress for this long.
+        validate: Validate the datasets first (the flow has already).
+        label: What the job's progress lines call it (default: the program and the dataset folders' names).
+    """
     return _run("evaluate", cfg, config_path, list(datasets), out, checkpoint, None, timeout_s,
-                heartbeat_timeout_s, validate)
+                heartbeat_timeout_s, validate, label)

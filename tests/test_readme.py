@@ -152,6 +152,9 @@ def test_the_demo_then_every_marked_block_runs_as_written(clone, demo):
     assert len(printed) <= DEMO_LINES, "\n".join(printed)
     assert "Recall@10 (row: trained through; column: evaluated on)" in demo.stdout
     _run_blocks(clone, marked_blocks(None))
+    # docs/continuing.md continued the demo's run with a fourth repository: appended after the three, a row each.
+    report = _bash(clone, ".venv/bin/leanagent report demo/run", timeout=120).stdout.splitlines()
+    assert [line.split()[0] for line in report[1:5]] == ["repo_0", "repo_1", "repo_2", "repo_3"], report[:6]
 
 
 def _free_port_run(count: int) -> int:

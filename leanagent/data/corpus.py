@@ -13,10 +13,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from leanagent.data.errors import DatasetError
 from leanagent.data.imports import bits_to_mask, import_closures
@@ -28,6 +27,9 @@ IMPORTED_CACHE_SIZE = 64
 IMPORTED_RANGES_BUDGET = 1 << 20  # ranges held by the imported-ranges cache (24 bytes each), in every process
 
 LAKE_PREFIX = ".lake/packages/"
+
+if TYPE_CHECKING:  # torch is imported where a mask is made: validating a dataset (`leanagent run`'s checks) needs none
+    import torch
 
 
 @dataclass(frozen=True)
@@ -331,4 +333,6 @@ class Corpus:
         for lo, hi in zip(union.starts.tolist(), union.stops.tolist(), strict=True):
             mask[lo:hi] = True
         mask[np.asarray(self.in_file_indices(path, start), dtype=np.int64)] = True
+        import torch
+
         return torch.from_numpy(mask)

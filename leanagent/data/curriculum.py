@@ -17,6 +17,11 @@ This is LeanAgent's `calculate_difficulty` / `categorize_difficulty` /
 * Repositories are sorted by their Easy count, descending; the sort is stable, so ties keep the
   given order.
 
+A run that continues (repositories that arrive later) keeps the repositories it already has in their
+positions (`kept`) and appends the new ones, ordered among themselves by the same rule. The percentiles are
+taken over every repository the run knows, kept and new, so that "easy" keeps one meaning within a run;
+the counts of a kept repository can then move, its position does not.
+
 Where the reference would crash, we do not:
 
 * More than 709 tactics: `math.exp` raises OverflowError (the reference crashes). We rate such a
@@ -97,6 +102,7 @@ class Curriculum:
     counts: dict[str, RepoDifficulty]
     # (p33, p67) over all rated difficulties; None when no theorem of any repository is rated.
     percentiles: tuple[float, float] | None
+    kept: int = 0  # the first `kept` names of `order` were in the run already, in that order
 
     def to_json(self) -> dict:
         return {
@@ -121,8 +127,11 @@ def _distribute(n: int) -> tuple[int, int, int]:
     return chunk, chunk, n - 2 * chunk
 
 
-def build_curriculum(repos: Mapping[str, Sequence[Theorem]]) -> Curriculum:
-    """The one implementation behind the flow's order-curriculum task and `leanagent curriculum`."""
+def build_curriculum(repos: Mapping[str, Sequence[Theorem]], kept: Sequence[str] = ()) -> Curriculum:
+    """The one implementation behind the flow's order-curriculum task and `leanagent curriculum`.
+
+    `kept`: names of `repos` already in the run's sequence, in its order; they stay first, the others follow.
+    """
     ratings = {name: [difficulty(t) for t in theorems] for name, theorems in repos.items()}
     rated = [r for rs in ratings.values() for r in rs if r is not None]
     percentiles = rate_percentiles(rated)
@@ -134,8 +143,9 @@ def build_curriculum(repos: Mapping[str, Sequence[Theorem]]) -> Curriculum:
         e, m, h = _distribute(tally[TO_DISTRIBUTE])
         counts[name] = RepoDifficulty(name, tally[EASY] + e, tally[MEDIUM] + m, tally[HARD] + h, tally[HARD_NO_PROOF])
     # sorted() is stable: repositories with equal Easy counts keep the given order.
-    order = sorted(repos, key=lambda name: counts[name].easy, reverse=True)
-    return Curriculum(order, counts, percentiles)
+    known = set(kept)
+    new = sorted((name for name in repos if name not in known), key=lambda name: counts[name].easy, reverse=True)
+    return Curriculum([*kept, *new], counts, percentiles, len(kept))
 
 
 def load_repo_theorems(dataset_dir: Path, split: str = "random") -> list[Theorem]:
@@ -149,9 +159,10 @@ def load_repo_theorems(dataset_dir: Path, split: str = "random") -> list[Theorem
     return theorems
 
 
-def curriculum_of_datasets(datasets: Mapping[str, Path], split: str = "random") -> Curriculum:
+def curriculum_of_datasets(datasets: Mapping[str, Path], split: str = "random", kept: Sequence[str] = ()
+                           ) -> Curriculum:
     """The curriculum of dataset folders, keyed by the names given (display names, folder names)."""
-    return build_curriculum({name: load_repo_theorems(path, split=split) for name, path in datasets.items()})
+    return build_curriculum({name: load_repo_theorems(path, split=split) for name, path in datasets.items()}, kept)
 
 
 def describe(curriculum: Curriculum) -> list[str]:
@@ -161,7 +172,8 @@ def describe(curriculum: Curriculum) -> list[str]:
              else "percentiles: none (no theorem has traced tactics)"]
     for k, name in enumerate(curriculum.order, 1):
         c = curriculum.counts[name]
-        lines.append(f"{k}. {name}: easy {c.easy}, medium {c.medium}, hard {c.hard}, "
+        where = " (in the run already: keeps its place)" if k <= curriculum.kept else ""
+        lines.append(f"{k}. {name}{where}: easy {c.easy}, medium {c.medium}, hard {c.hard}, "
                      f"hard (no proof) {c.hard_no_proof}")
     lines.append("order: " + ", ".join(curriculum.order))
     return lines

@@ -100,14 +100,18 @@ class Launcher(ABC):
 
     def launch(self, program_args: Sequence[str], job_dir: Path, on_line: Callable[[str], None] | None = None,
                timeout_s: float | None = None, heartbeat_timeout_s: float | None = None,
-               grace_s: float = GRACE_SECONDS, progress_interval_s: float | None = None) -> dict:
-        """Run one rank program to completion and return its `result.json` (see the module docstring)."""
+               grace_s: float = GRACE_SECONDS, progress_interval_s: float | None = None,
+               label: str | None = None) -> dict:
+        """Run one rank program to completion and return its `result.json` (see the module docstring).
+
+        `label` names the job in its progress lines (`train repo_new`); default: `job_label(program_args)`.
+        """
         job_dir = Path(job_dir)
         job_dir.mkdir(parents=True, exist_ok=True)
         # A retry reuses the job folder: the failed attempt's heartbeats are stale by now and must not count.
         shutil.rmtree(heartbeat_dir(job_dir), ignore_errors=True)
         shutil.rmtree(pids_dir(job_dir), ignore_errors=True)
-        output = JobOutput(job_label(program_args), on_line, progress_interval_s)
+        output = JobOutput(label or job_label(program_args), on_line, progress_interval_s)
         log_dir = job_dir / "logs" / f"attempt-{time.strftime('%Y%m%d-%H%M%S')}"
         label = program_args[0] if program_args else "torchrun"
         started = time.monotonic()

@@ -104,6 +104,18 @@ def test_ties_keep_the_given_order() -> None:
     assert build_curriculum({"a": a, "b": b, "c": c}).counts["c"].easy == 1
 
 
+def test_kept_repositories_keep_their_places_and_the_percentiles_count_every_repository() -> None:
+    """A continued run: `a` and `b` are in it; `c` (1 Easy) and `d` (3 Easy) are new, ordered among themselves."""
+    a, b, c, d = repo(5, 5, 5), repo(1, 5, 5), repo(1, 5, 5), repo(1, 1, 1)
+    fresh = build_curriculum({"a": a, "b": b, "c": c, "d": d})
+    assert fresh.order == ["d", "b", "c", "a"] and fresh.kept == 0
+    kept = build_curriculum({"a": a, "b": b, "c": c, "d": d}, kept=["a", "b"])
+    assert kept.order == ["a", "b", "d", "c"] and kept.kept == 2
+    # One meaning of "easy" within the run: the percentiles of all four, kept and new.
+    assert kept.percentiles == fresh.percentiles and kept.counts == fresh.counts
+    assert build_curriculum({"a": a, "b": b}).percentiles != fresh.percentiles
+
+
 def test_percentile_between_two_infinities_is_nan_as_in_the_reference() -> None:
     # Sorted: e, inf, inf. numpy interpolates inf - inf = nan: nothing compares <= nan, so e is Hard.
     result = build_curriculum({"r": repo(1, sorry=2)})

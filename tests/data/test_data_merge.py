@@ -19,7 +19,7 @@ from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.validate import validate_dataset
 from leanagent.dataset_strategy import MERGE, training_datasets
 from leanagent.preflight import PreflightError
-from leanagent.run_state import ManifestMismatchError, RunState, stage_name
+from leanagent.run_state import ManifestMismatchError, RepoEntry, RunState, stage_name
 
 CORE = ".lake/packages/core/Core/Basic.lean"
 
@@ -86,7 +86,8 @@ def _state(tmp_path: Path, repos: list[Path], strategy: str) -> tuple[PipelineCo
     cfg = PipelineConfig(run_dir=tmp_path / "run", repos=[RepoConfig(path=r) for r in repos],
                          lifelong=LifelongConfig(dataset_strategy=strategy))
     state = RunState(cfg.run_dir, cfg)
-    state.set_order([r.name for r in repos], repos)
+    entries = [RepoEntry(r.name, r) for r in repos]
+    state.extend(entries, entries)
     return cfg, state
 
 
@@ -119,6 +120,23 @@ def test_merge_all_is_written_once_recorded_and_reused(repos: list[Path], tmp_pa
     rerun = RunState(cfg.run_dir, cfg)
     assert training_datasets(cfg, names, repos, rerun, log=again.append) == datasets
     assert _mtimes(cfg.run_dir / "merged") == before and all("reused" in line for line in again)
+
+
+def test_a_continued_run_merges_its_new_repository_with_every_earlier_one(repos: list[Path], tmp_path: Path) -> None:
+    """A run of two repositories continued with a third: the two merges are reused, the third merges all three."""
+    cfg, state = _state(tmp_path, repos[:2], "merge_all")
+    names = [r.name for r in repos]
+    first = training_datasets(cfg, names[:2], repos[:2], state, log=lambda _: None)
+    before = _mtimes(cfg.run_dir / "merged")
+    entries = [RepoEntry(r.name, r) for r in repos]
+    rerun = RunState(cfg.run_dir, cfg)
+    rerun.extend(entries, entries)
+    lines: list[str] = []
+    datasets = training_datasets(cfg, names, repos, rerun, log=lines.append)
+    assert datasets[:2] == first and {k: v for k, v in _mtimes(cfg.run_dir / "merged").items() if k in before} == before
+    assert json.loads((datasets[2] / MERGE_FILE).read_text())["sources"] == [str(r) for r in repos]
+    assert [("reused" in line, "merged 3 repositories" in line) for line in lines] == [(True, False), (True, False),
+                                                                                       (False, True)]
 
 
 def test_a_changed_input_refuses_the_rerun(repos: list[Path], tmp_path: Path) -> None:

@@ -1,9 +1,9 @@
 """Each mistake a new user makes gets one clear message from `leanagent run`, the one `leanagent train` prints.
 
-Real commands in subprocesses: `leanagent run` against the session's Prefect server (PREFECT_API_URL, so no
-temporary server is started per case), `leanagent train` for the same mistake. Each case checks the exit code,
-that the message is printed once and no traceback at all, that nothing was written, and that the flow run in
-Prefect ended Failed with the same message.
+Real commands in subprocesses: `leanagent run` (pointed at the session's Prefect server, PREFECT_API_URL, which
+it must not even call: the checks come before Prefect), `leanagent train` for the same mistake. Each case checks
+the exit code, that the message is printed once and no traceback at all, that nothing was written and no flow
+run was created, and that the flow itself (a deployment's or the UI's run) ends Failed with the same message.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.sorting import FlowRunSort
 from prefect.settings import PREFECT_API_URL
 
+from flows.lifelong import REFUSED, lifelong_retrieval
 from leanagent.run_state import RunLock
 
 pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect_harness")]
@@ -33,10 +34,9 @@ def _command(*args: str) -> subprocess.CompletedProcess:
                           timeout=300, env=env, cwd=REPO_ROOT)
 
 
-def _latest_flow_run_state():
+def _flow_runs() -> int:
     with get_client(sync_client=True) as client:
-        [run] = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)
-        return run.state
+        return len(client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC))
 
 
 @pytest.fixture
@@ -66,15 +66,17 @@ def test_one_clear_message_per_mistake(mistake, demo_assets, write_cpu_config, t
     run_dir = tmp_path / "run"
     config = write_cpu_config(tmp_path / "config.yaml", run_dir, [demo_assets.repos[0], dataset], **overrides)
 
+    runs = _flow_runs()
     run = _command("run", "--config", str(config))
     assert run.returncode == 1, run.stderr
     assert run.stderr.count(expected) == 1, run.stderr
     assert "Traceback" not in run.stderr + run.stdout and "Error logging to API" not in run.stderr, run.stderr
-    error_lines = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
-    assert len(error_lines) == 1, run.stderr
+    assert run.stderr.startswith("error: ") and run.stdout == "", run.stderr
     assert not run_dir.exists()  # a refused run leaves the run_dir as it found it: no lock, no config
-    state = _latest_flow_run_state()
-    assert state.is_failed() and expected in state.message  # what the Prefect UI shows
+    assert _flow_runs() == runs  # answered before Prefect
+    state = lifelong_retrieval(config_path=str(config), return_state=True)
+    assert state.is_failed() and state.name == REFUSED and expected in state.message  # what the Prefect UI shows
+    assert not run_dir.exists()
 
     train = _command("train", "--config", str(config), "--dataset", str(dataset), "--out", str(tmp_path / "job"))
     assert train.returncode == 1 and train.stderr.count(expected) == 1, train.stderr
@@ -88,6 +90,7 @@ def test_one_clear_message_per_mistake(mistake, demo_assets, write_cpu_config, t
 def test_a_run_dir_in_use_is_refused_in_one_line_naming_the_holder(demo_assets, write_cpu_config, tmp_path):
     run_dir = tmp_path / "run"
     config = write_cpu_config(tmp_path / "config.yaml", run_dir, demo_assets.repos[:1])
+    runs = _flow_runs()
     with RunLock(run_dir):
         before = sorted(p.name for p in run_dir.iterdir())
         run = _command("run", "--config", str(config))
@@ -95,4 +98,22 @@ def test_a_run_dir_in_use_is_refused_in_one_line_naming_the_holder(demo_assets, 
     assert run.returncode == 1
     expected = f"is in use by another run (pid {os.getpid()})"
     assert run.stderr.count(expected) == 1 and "Traceback" not in run.stderr, run.stderr
-    assert _latest_flow_run_state().is_failed()
+    assert run.stderr.count("\n") == 1 and _flow_runs() == runs
+
+
+def test_bad_input_answers_before_prefect_starts(demo_assets, write_cpu_config, tmp_path):
+    """No server configured: the temporary server would be the slow part, and a bad input must not start it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    config = write_cpu_config(tmp_path / "config.yaml", tmp_path / "run", [demo_assets.repos[0], tmp_path / "nope"])
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(config.read_text().replace("epochs_per_repo", "epochs_per_rep"))
+    for path, expected in ((config, f"dataset folder {tmp_path / 'nope'} does not exist"),
+                           (typo, "lifelong.epochs_per_rep: unknown key (did you mean 'epochs_per_repo'?)")):
+        run = subprocess.run([sys.executable, "-m", "leanagent.cli", "run", "--config", str(path)],
+                             capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+        assert run.returncode == 1 and expected in run.stderr, run.stderr
+        # One message, nothing around it: no Prefect banner, no EventsWorker warning.
+        assert run.stderr.startswith("error: ") and run.stderr.count("error: ") == 1 and run.stdout == "", run.stderr
+        assert "prefect" not in run.stderr.lower() and "Worker" not in run.stderr, run.stderr
+    assert not (tmp_path / "prefect").exists()  # no temporary server was started, no database written

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.lifelong import PROGRESS_KEY, SUMMARY_KEY, TABLE_KEY, lifelong_retrieval
+from flows.artifacts import PROGRESS_KEY, SUMMARY_KEY, TABLE_KEY
+from flows.lifelong import lifelong_retrieval
 from leanagent.atomic import read_json
 from leanagent.report import RunReport
 from leanagent.run_state import ManifestMismatchError
@@ -121,16 +122,17 @@ def test_rank_lines_reach_the_flow_run_logs(run3: FinishedRun) -> None:
     assert both_ranks(messages), f"{len(messages)} log lines, none from one of the ranks"
 
 
-def test_rerun_skips_every_finished_stage(run3: FinishedRun) -> None:
+def test_rerun_with_nothing_new_launches_nothing(run3: FinishedRun) -> None:
     before = file_times(run3.run_dir / "jobs")
     stages_before = read_json(run3.run_dir / "manifest.json")["repos"]
     state = lifelong_retrieval(config_path=str(run3.config_path), return_state=True)
     assert state.is_completed(), state.message
     assert file_times(run3.run_dir / "jobs") == before  # no job launched, no file touched
     assert read_json(run3.run_dir / "manifest.json")["repos"] == stages_before
-    assert state.result()["rows"] == run3.summary["rows"]
-    messages = wait_for_logs(state.state_details.flow_run_id, lambda m: sum("skipped" in x for x in m) >= 15)
-    assert sum("finished in an earlier run; skipped" in m for m in messages) == 15  # 3 x (train, fisher) + 3 + 6
+    assert state.result()["rows"] == run3.summary["rows"] and state.result()["nothing_new"]
+    line = "nothing new: 3 repositories trained, 0 waiting"
+    messages = wait_for_logs(state.state_details.flow_run_id, lambda m: line in m)
+    assert line in messages
     assert not any(m.startswith("[rank ") for m in messages)
 
 

@@ -79,7 +79,7 @@ def test_each_repository_trains_on_the_merge_of_those_before_it(runs: Runs) -> N
         json.loads((by_name[names[0]] / "random" / "train.json").read_text())
 
 
-def test_rerun_launches_nothing_and_reuses_the_merges(runs: Runs) -> None:
+def test_rerun_with_nothing_new_launches_nothing_and_leaves_the_merges(runs: Runs) -> None:
     before = {part: file_times(runs.merge_dir / part) for part in ("jobs", "merged")}
     stages = read_json(runs.merge_dir / "manifest.json")["repos"]
     state = lifelong_retrieval(config_path=str(runs.merge_config), return_state=True)
@@ -88,9 +88,9 @@ def test_rerun_launches_nothing_and_reuses_the_merges(runs: Runs) -> None:
     # rewritten
     assert read_json(runs.merge_dir / "manifest.json")["repos"] == stages
     assert state.result()["rows"] == runs.merge_summary["rows"]
-    messages = wait_for_logs(state.state_details.flow_run_id, lambda m: sum("reused" in x for x in m) >= 3)
-    assert sum("recorded in an earlier run; reused" in m for m in messages) == 3
-    assert not any(m.startswith("[rank ") for m in messages)
+    line = "nothing new: 3 repositories trained, 0 waiting"
+    messages = wait_for_logs(state.state_details.flow_run_id, lambda m: line in m)
+    assert line in messages and not any(m.startswith("[rank ") for m in messages)
 
 
 def test_report_prints_merge_all_beside_single_with_the_composite(runs: Runs, tmp_path: Path) -> None:
@@ -119,7 +119,9 @@ def test_a_changed_repository_refuses_the_rerun_untouched(runs: Runs) -> None:
     stages = read_json(runs.merge_dir / "manifest.json")["repos"]
     try:
         edited.write_text(original + "\n")  # a blank line: the same corpus to a reader, other bytes
-        with pytest.raises(ManifestMismatchError, match=rf"01-{name}/merge merged {edited} .*which is now"):
+        # The sequence's own record of the dataset refuses it first, naming the repository and the file.
+        with pytest.raises(ManifestMismatchError, match=rf"the dataset of repository '{name}' \(#2 .*\) changed since "
+                                                        rf"the run recorded it \({edited}: sha256 "):
             lifelong_retrieval(config_path=str(runs.merge_config))
     finally:
         edited.write_text(original)

@@ -13,9 +13,11 @@ import pytest
 from leanagent.config import PipelineConfig, RepoConfig
 from leanagent.run_state import (
     ManifestMismatchError,
+    RepoEntry,
     RunLock,
     RunLockedError,
     RunState,
+    check_sequence,
     config_fingerprint,
     stage_name,
 )
@@ -29,9 +31,15 @@ def _cfg(tmp_path: Path, **lifelong: float) -> PipelineConfig:
     return cfg
 
 
+def _entry(tmp_path: Path, name: str, data: str = "", folder: str | None = None) -> RepoEntry:
+    """A repository with made-up digests: `data` stands for the content of its files."""
+    return RepoEntry(name, tmp_path / (folder or name), {"corpus.jsonl": f"c-{name}{data}", "random/test.json": "t"})
+
+
 def _started(cfg: PipelineConfig) -> RunState:
     state = RunState(cfg.run_dir, cfg)
-    state.set_order(["a", "b"], [r.path for r in cfg.repos])
+    entries = [_entry(cfg.run_dir.parent, "a"), _entry(cfg.run_dir.parent, "b")]
+    state.extend(entries, entries)
     return state
 
 
@@ -93,11 +101,87 @@ def test_run_irrelevant_keys_do_not_change_the_fingerprint(tmp_path: Path) -> No
     assert config_fingerprint(other) != config_fingerprint(cfg)
 
 
-def test_changed_order_is_refused(tmp_path: Path) -> None:
+def test_the_repositories_are_the_sequence_not_the_experiment(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)
-    _started(cfg)
-    with pytest.raises(ManifestMismatchError, match="order"):
-        RunState(cfg.run_dir, cfg).set_order(["b", "a"], [r.path for r in reversed(cfg.repos)])
+    more = cfg.model_copy(update={"repos": [*cfg.repos, RepoConfig(path=tmp_path / "c")], "repos_dir": tmp_path})
+    assert config_fingerprint(more) == config_fingerprint(cfg)
+
+
+def test_a_sequence_grows_at_its_end_and_writes_only_what_changed(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    state = _started(cfg)
+    a, b, c = (_entry(tmp_path, n) for n in "abc")
+    written = state.path.stat().st_mtime_ns
+    state.extend([a, b], [a, b])  # the same again: nothing to write
+    assert state.path.stat().st_mtime_ns == written
+    reopened = RunState(cfg.run_dir, cfg)
+    # c is listed first, yet appended: a new repository goes after those of the run.
+    reopened.extend([a, b, c], [c, a, b])
+    data = json.loads(state.path.read_text())
+    assert data["order"] == ["a", "b", "c"] and data["version"] == 2
+    assert data["repos"]["02-c"]["dataset"] == c.dataset
+    moved = RepoEntry("a", tmp_path / "elsewhere" / "a", a.dataset)  # the same files in another folder
+    assert [e.name for e in check_sequence(state.path, data, [c, moved, b])] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("change, expected", [
+    ("removed", r"repository 'b' \(#2 of this run's sequence, .*\) is not in the config any more"),
+    ("renamed", r"repository 'b' \(#2 .*\) is now named 'bee'; .* restore the name 'b'"),
+    ("reordered", r"the config lists repository 'b' before 'a', but this run was given 'a' first"),
+    ("changed", r"the dataset of repository 'b' .* changed since the run recorded it \(.*corpus.jsonl: sha256 c-b, "
+                r"now c-bX\)"),
+])
+def test_a_sequence_that_does_not_extend_the_run_is_refused_by_name(tmp_path: Path, change: str,
+                                                                     expected: str) -> None:
+    cfg = _cfg(tmp_path)
+    state = _started(cfg)
+    before = state.path.read_text()
+    a, b, c = (_entry(tmp_path, n) for n in "abc")
+    given = {"removed": [a, c], "renamed": [a, _entry(tmp_path, "bee", folder="b"), c], "reordered": [b, a, c],
+             "changed": [a, _entry(tmp_path, "b", "X"), c]}[change]
+    with pytest.raises(ManifestMismatchError, match=expected):
+        RunState(cfg.run_dir, cfg).extend([a, b, c], given)
+    assert state.path.read_text() == before
+
+
+def test_a_version_1_manifest_continues(tmp_path: Path) -> None:
+    """A run started before the repositories left the fingerprint: its config holds them, its entries no digest."""
+    cfg = _cfg(tmp_path)
+    state = _started(cfg)
+    state.record("00-a/train", {"checkpoint": "a.ckpt"})
+    data = json.loads(state.path.read_text())
+    data["version"] = 1
+    data.pop("given")
+    data["config"]["repos"] = [{"path": str(tmp_path / "a"), "name": None}, {"path": str(tmp_path / "b"), "name": None}]
+    for repo in data["repos"].values():
+        repo.pop("dataset")
+    state.path.write_text(json.dumps(data))
+    a, b, c = (_entry(tmp_path, n) for n in "abc")
+    reopened = RunState(cfg.run_dir, cfg)
+    with pytest.raises(ManifestMismatchError, match="lists repository 'b' before 'a'"):
+        reopened.extend([a, b, c], [b, a, c])  # the order of its config's list is kept as the given one
+    reopened.extend([a, b, c], [a, b, c])
+    upgraded = json.loads(state.path.read_text())
+    assert upgraded["version"] == 2 and "repos" not in upgraded["config"]
+    assert upgraded["repos"]["00-a"]["dataset"] == a.dataset and reopened.stage_done("00-a/train")
+
+
+def test_waiting_lists_the_repositories_with_a_stage_to_run(tmp_path: Path) -> None:
+    state = _started(_cfg(tmp_path))
+    for stage in ("00-a/eval-untrained", "00-a/train", "00-a/fisher", "00-a/eval-00-a", "01-b/eval-untrained"):
+        state.record(stage, {})
+    assert state.waiting() == ["b"]
+    state.fail("00-a/fisher", "boom")
+    assert state.waiting() == ["a", "b"]
+
+
+def test_a_probe_of_the_lock_writes_nothing(tmp_path: Path) -> None:
+    RunLock(tmp_path / "fresh").probe()  # no lock file: free, and nothing created
+    assert not (tmp_path / "fresh").exists()
+    with RunLock(tmp_path):
+        with pytest.raises(RunLockedError, match=rf"pid {os.getpid()}"):
+            RunLock(tmp_path).probe()
+    RunLock(tmp_path).probe()
 
 
 def test_lock_names_the_holder_in_another_process(tmp_path: Path) -> None:

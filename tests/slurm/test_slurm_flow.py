@@ -1,10 +1,12 @@
-"""The lifelong flow under `launcher: slurm`: the same recall matrix as under `local`, reruns that submit nothing,
-a SIGKILLed `leanagent run` whose rerun reattaches, and a Prefect cancel that leaves nothing in the queue."""
+"""The lifelong flow under `launcher: slurm`: a run continued with a third repository after its SLURM jobs are long
+gone, which submits only the new repository's jobs and ends with the local recall matrix; reruns that submit
+nothing; a SIGKILLed `leanagent run` whose rerun reattaches; and a Prefect cancel that leaves nothing in the queue."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,23 +37,41 @@ def all_job_ids(run_dir: Path) -> dict[str, list[int]]:
             for p in sorted(run_dir.glob("jobs/**/slurm/job.json"))}
 
 
-def test_the_three_repository_flow_under_slurm_gives_the_local_recall_matrix_and_a_rerun_submits_nothing(
+def _forget_every_job(cluster: Cluster) -> None:
+    """The first run's jobs long gone: a controller restarted on fresh state knows none of them (and numbers its
+    jobs from 1 again, so a stale id would even name another job)."""
+    cluster.stop()
+    shutil.rmtree(cluster.root / "spool")
+    cluster.start()
+
+
+def test_a_slurm_run_continued_after_its_jobs_are_gone_submits_only_the_new_repository_and_gives_the_local_matrix(
         cluster: Cluster, lifelong_run3, write_cpu_config, demo_assets, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun gives 2 local ranks: the same sums, bit for bit
-    local = lifelong_run3.summary  # the session's run of the same config under `launcher: local`
-    config = slurm_config(write_cpu_config, tmp_path / "slurm.yaml", tmp_path / "slurm", demo_assets.repos[:3])
+    local = lifelong_run3.summary  # the session's fresh run of the three repositories under `launcher: local`
+    run_dir = tmp_path / "slurm"
+    two = slurm_config(write_cpu_config, tmp_path / "two.yaml", run_dir, demo_assets.repos[:2])
     started = time.monotonic()
-    first = lifelong_retrieval(config_path=str(config))
+    first = lifelong_retrieval(config_path=str(two))
     took = time.monotonic() - started
-    assert first["order"] == local["order"]
-    assert first["matrix"] == local["matrix"] and first["baseline"] == local["baseline"]
-    submitted = all_job_ids(tmp_path / "slurm")
-    # One SLURM job per train, Fisher and evaluation job of the flow: 3 x (train, fisher, evaluate) + untrained.
-    assert len(submitted) == 10 and all(len(ids) == 1 for ids in submitted.values()), submitted
-    print(f"\n[slurm] 3-repository flow: {took:.0f} s under slurm for {len(submitted)} jobs")
-    again = lifelong_retrieval(config_path=str(config))
-    assert again["matrix"] == first["matrix"]
-    assert all_job_ids(tmp_path / "slurm") == submitted  # nothing was submitted again
+    assert first["order"] == local["order"][:2]
+    submitted = all_job_ids(run_dir)
+    # One SLURM job per train, Fisher and evaluation job of the flow: 2 x (train, fisher, evaluate) + untrained.
+    assert len(submitted) == 7 and all(len(ids) == 1 for ids in submitted.values()), submitted
+    _forget_every_job(cluster)
+    three = slurm_config(write_cpu_config, tmp_path / "three.yaml", run_dir, demo_assets.repos[:3])
+    continued = lifelong_retrieval(config_path=str(three))
+    assert continued["order"] == local["order"]
+    assert continued["matrix"] == local["matrix"] and continued["baseline"] == local["baseline"]
+    assert continued["lifelong"] == local["lifelong"]
+    now = all_job_ids(run_dir)
+    assert {k: v for k, v in now.items() if k in submitted} == submitted  # the first run's jobs, untouched
+    assert sorted(set(now) - set(submitted)) == ["jobs/02-repo_2/evaluate-00-01-02", "jobs/02-repo_2/fisher",
+                                                 "jobs/02-repo_2/train", "jobs/untrained/evaluate-02"], now
+    print(f"\n[slurm] 2-repository flow: {took:.0f} s under slurm for {len(submitted)} jobs; continued with 1 more")
+    again = lifelong_retrieval(config_path=str(three))
+    assert again["nothing_new"] and again["matrix"] == continued["matrix"]
+    assert all_job_ids(run_dir) == now  # nothing was submitted again
     assert not cluster.jobs()
 
 

@@ -56,7 +56,7 @@ def refusal(call, *args, **kwargs) -> str:
 def test_a_good_job_and_run_pass(assets, tmp_path):
     cfg = cpu_config(assets, tmp_path)
     preflight_job(cfg, "train", [assets["repo"]], tmp_path / "job", free_bytes=BIG)
-    preflight_run(cfg, validate=True, free_bytes=BIG)
+    preflight_run(cfg, free_bytes=BIG)
     assert not (tmp_path / "job").exists() and not (tmp_path / "run").exists()  # nothing written
 
 

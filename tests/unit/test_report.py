@@ -11,7 +11,7 @@ import pytest
 from leanagent.cli import main
 from leanagent.config import PipelineConfig, RepoConfig
 from leanagent.report import UNTRAINED, RunReport, load_run, report_from_manifest
-from leanagent.run_state import EVAL_UNTRAINED, TRAIN, RunState, eval_stage, stage_name
+from leanagent.run_state import EVAL_UNTRAINED, TRAIN, RepoEntry, RunState, eval_stage, stage_name
 
 
 def _eval(r10: float) -> dict:
@@ -186,7 +186,8 @@ def _run_dir(tmp_path: Path) -> Path:
     cfg = PipelineConfig(run_dir=tmp_path / "run", repos=[RepoConfig(path=tmp_path / "a"),
                                                           RepoConfig(path=tmp_path / "b")])
     state = RunState(cfg.run_dir, cfg)
-    state.set_order(["a", "b"], [r.path for r in cfg.repos])
+    entries = [RepoEntry(r.display_name, r.path) for r in cfg.repos]
+    state.extend(entries, entries)
     for j, name in enumerate(["a", "b"]):
         state.record(stage_name(j, name, EVAL_UNTRAINED), _eval([20.0, 30.0][j]))
     state.record(stage_name(0, "a", TRAIN), _train(1, 70.0))

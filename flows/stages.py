@@ -1,0 +1,113 @@
+"""A stage of the lifelong flow: skipped when the manifest has it finished, otherwise run and recorded either way.
+
+One context, `recording`, says how a stage's outcome reaches the manifest: `running` when it starts, then `done`
+with its result, `failed` with the error, or `interrupted` when it was stopped from outside (it reruns). Every
+stage goes through it: one training or Fisher job (`run_stage`), or one evaluation job that scores a model on
+several repositories, each its own stage (`run_evaluations`).
+"""
+
+# No `from __future__ import annotations`: see flows/lifelong.py (Prefect resolves the flow module's annotations).
+import asyncio
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from prefect import Task, get_run_logger
+from prefect.exceptions import Abort, ExternalSignal
+
+from flows.artifacts import RunArtifacts
+from leanagent.run_state import RunState
+from leanagent.supervision import HoldSignals
+from tasks.jobs import evaluate_retriever
+from tasks.options import JobOptions
+
+# A stage stopped from outside, not failed: Ctrl-C or SIGTERM (the CLI's handlers raise KeyboardInterrupt
+# subclasses), Prefect's TerminationSignal (a runner's cancel or any SIGTERM to a flow-run process), an
+# orchestrator's Abort, a cancelled coroutine, sys.exit. The launcher has ended the job by then.
+INTERRUPTS = (KeyboardInterrupt, SystemExit, ExternalSignal, Abort, asyncio.CancelledError)
+
+
+def describe_interrupt(exc: BaseException) -> str:
+    """`SIGTERM (TerminationSignal)`, `SIGINT (Interrupted)`, `KeyboardInterrupt`, `Abort: ...`."""
+    signum = getattr(exc, "signum", None) or getattr(exc, "signal", None)
+    if isinstance(signum, int):
+        try:
+            return f"{signal.Signals(signum).name} ({type(exc).__name__})"
+        except ValueError:
+            pass
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+@contextmanager
+def recording(state: RunState, names: list[str], artifacts: RunArtifacts | None) -> Iterator[None]:
+    """Marks the stages `names` running for the duration of the block; an exception out of it records each as
+    interrupted or failed, with signals held so that a second one cannot leave a stage "running", and goes on.
+    The caller records the results (`state.record`) once the block has returned them."""
+    for name in names:
+        state.start(name)
+    if artifacts is not None:
+        artifacts.stages_running(names)
+    try:
+        yield
+    except INTERRUPTS as exc:
+        with HoldSignals():
+            for name in names:
+                state.interrupt(name, describe_interrupt(exc))
+        raise
+    except BaseException as exc:
+        with HoldSignals():
+            for name in names:
+                state.fail(name, f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _finished(state: RunState, name: str, artifacts: RunArtifacts | None) -> dict | None:
+    done = state.stage_done(name)
+    if done is not None:
+        get_run_logger().info(f"{name}: finished in an earlier run; skipped")
+        if artifacts is not None:
+            artifacts.stages_done([name], publish=False)
+    return done
+
+
+def run_stage(state: RunState, name: str, task: Task[..., dict], options: JobOptions,
+              artifacts: RunArtifacts | None = None, **kwargs: Any) -> dict:
+    """Skip a stage the manifest has finished; otherwise run its task and record the outcome either way."""
+    done = _finished(state, name, artifacts)
+    if done is not None:
+        return done
+    with recording(state, [name], artifacts):
+        result = task.with_options(task_run_name=name, retries=options.retries,
+                                   retry_delay_seconds=options.retry_delay_s)(**kwargs)
+    state.record(name, result)
+    if artifacts is not None:
+        artifacts.stages_done([name])
+    return result
+
+
+def run_evaluations(state: RunState, stages: list[tuple[str, str, Path]], out: Path, checkpoint: Path | None,
+                    options: JobOptions, artifacts: RunArtifacts | None = None, **kwargs: Any) -> list[dict]:
+    """Evaluate one model on several repositories in ONE job, each recorded as its own stage.
+
+    `stages`: (stage name, repository name, dataset) each. One torchrun start and one model load per repository
+    stage, so a run of T repositories launches T + 1 evaluation jobs, not T(T+1)/2 + T. Finished stages are
+    skipped; the job folder is named by the stages it runs, so a rerun after a partial record never mixes two sets.
+    """
+    pending = [(k, name, repo, dataset) for k, (name, repo, dataset) in enumerate(stages)
+               if _finished(state, name, artifacts) is None]
+    if pending:
+        suffix = "-".join(f"{k:02d}" for k, _, _, _ in pending)
+        names = [name for _, name, _, _ in pending]
+        with recording(state, names, artifacts):
+            result = evaluate_retriever.with_options(
+                task_run_name=f"{out.parent.name}/{out.name}-{suffix}", retries=options.retries,
+                retry_delay_seconds=options.retry_delay_s,
+            )(datasets=[d for _, _, _, d in pending], out=out.with_name(f"{out.name}-{suffix}"),
+              checkpoint=checkpoint, label=f"evaluate {','.join(repo for _, _, repo, _ in pending)}", **kwargs)
+        for name, evaluation in zip(names, result["evaluations"], strict=True):
+            state.record(name, {**evaluation, "checkpoint": result["checkpoint"], "world_size": result["world_size"]})
+        if artifacts is not None:
+            artifacts.stages_done(names)
+    return [state.stage_done(name) for name, _, _ in stages]

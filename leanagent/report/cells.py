@@ -1,0 +1,33 @@
+"""How the report prints a number: recalls in percent (2 decimals), MRR a fraction (3), metrics as the paper."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def mean_of(values: Any) -> float | None:
+    """The mean of the values, or None when one is missing (an average over part of the seen repositories misleads)."""
+    vals = list(values)
+    return None if not vals or any(v is None for v in vals) else sum(vals) / len(vals)
+
+
+def pct(value: float | None) -> str:
+    """A recall in percent (or a difference of recalls), 2 decimals."""
+    return "-" if value is None else f"{value:.2f}"
+
+
+def mrr(value: float | None) -> str:
+    """An MRR, a fraction as in LeanAgent, 3 decimals."""
+    return "-" if value is None else f"{value:.3f}"
+
+
+def metric(name: str, value: float | None) -> str:
+    """A lifelong metric as the paper prints it (2 decimals); CFR, a ratio, with 3."""
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if name == "CFR" else f"{value:.2f}"

@@ -1,0 +1,67 @@
+"""`leanagent report --png`: each run's recall matrix as a heat map beside its average recall curves."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from leanagent.atomic import write_atomic
+from leanagent.report.compare import LifelongRun
+from leanagent.report.run import MATRIX_METRIC
+
+
+def write_png(runs: Sequence[LifelongRun], out: str | Path) -> None:
+    """Each run's recall matrix as a heat map, beside its average test and validation R@10 curves (Agg, no display)."""
+    import numpy as np
+    from matplotlib.figure import Figure  # a Figure without pyplot renders with Agg and touches no global state
+
+    n = max(1, len(runs))
+    fig = Figure(figsize=(13, 4.8 * n), layout="constrained")
+    axes = fig.subplots(n, 2, squeeze=False)
+    for k, run in enumerate(runs):
+        heat, curve = axes[k]
+        T = len(run.test_r10)
+        heat.set_title(f"{run.label}: test {MATRIX_METRIC} (%)", fontsize=10)
+        curve.set_title(f"average test {MATRIX_METRIC}" + (" and best validation" if run.val_r10 else ""), fontsize=10)
+        if T == 0:
+            heat.text(0.5, 0.5, "no repository finished", ha="center", va="center")
+            continue
+        # The untrained model's row first, where the run has one: what training gained is read against it.
+        baseline = run.report.baseline if run.report is not None and run.report.baseline else None
+        rows = ([baseline] if baseline else []) + [list(row) for row in run.test_r10]
+        labels = (["(untrained)"] if baseline else []) + [name[:14] for name in run.names[:T]]
+        grid = np.full((len(rows), T), np.nan)
+        for i, row in enumerate(rows):
+            values = [np.nan if v is None else v for v in row[:T]]
+            grid[i, : len(values)] = values
+        image = heat.imshow(np.ma.masked_invalid(grid), cmap="viridis", aspect="auto")
+        fig.colorbar(image, ax=heat, label=f"{MATRIX_METRIC} (%)")
+        short = [name[:14] for name in run.names]
+        heat.set_xticks(list(range(T)), short, rotation=60, ha="right", fontsize=9)
+        heat.set_yticks(list(range(len(rows))), labels, fontsize=9)
+        heat.set_xlabel("evaluated on")
+        heat.set_ylabel("trained through")
+        if T <= 16:  # the numbers, large enough to read at a glance: bigger for fewer cells
+            size = max(7.0, min(14.0, 96.0 / T))
+            lo, hi = np.nanmin(grid), np.nanmax(grid)
+            for i in range(len(rows)):
+                for j in range(T):
+                    if np.isnan(grid[i, j]):
+                        continue
+                    dark = hi > lo and (grid[i, j] - lo) / (hi - lo) < 0.5
+                    heat.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", fontsize=size,
+                              fontweight="bold", color="white" if dark else "black")
+        m = run.metrics()
+        x = list(range(1, T + 1))
+        curve.plot(x, m["avg"], marker="o", label="average test R@10 over the repositories seen")
+        if run.val_r10 is not None:
+            vx = [i + 1 for i, v in enumerate(run.val_r10) if v is not None]
+            curve.plot(vx, [v for v in run.val_r10 if v is not None], marker="s", label="best validation R@10")
+        curve.set_xticks(x, short, rotation=60, ha="right", fontsize=9)
+        curve.set_xlabel("after training through")
+        curve.set_ylabel(f"{MATRIX_METRIC} (%)")
+        curve.grid(True, alpha=0.3)
+        curve.legend(fontsize=8)
+    write_atomic(Path(out), lambda f: fig.savefig(f, format="png", dpi=130), mode="wb", suffix=".png")
+
+

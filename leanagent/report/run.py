@@ -1,0 +1,177 @@
+"""One run's report: a row per repository, the recall matrix and LeanAgent's lifelong metrics, from its manifest.
+
+Kept in the library (no Prefect) so that the CLI's plain-text table, the Prefect artifacts and the tests all read
+one representation. The matrix is the point of lifelong learning: row i is the model after training on
+repository i, column j the repository it is evaluated on, so the column under an early repository shows what
+later training forgot. The untrained model's row (the baseline) shows what training gained at all. The metrics
+(WF5, FM, EBWT, WP5, IP, CFR; see `leanagent.lifelong_metrics`) are LeanAgent's summary of that matrix and of the
+validation recall curve, and are recomputed after every repository, so a run can be judged while it is still going.
+A continued run (repositories that arrive later) grows by rows and columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from leanagent.lifelong_metrics import check_matrix, lifelong_metrics
+from leanagent.report.cells import mean, mean_of, metric, mrr, pct
+from leanagent.run_state import EVAL_UNTRAINED, TRAIN, eval_stage, stage_result
+
+MATRIX_METRIC = "Recall@10"
+VAL_METRIC = "Recall@10_val"  # the train stage's best validation Recall@10, percent
+UNTRAINED = "(untrained)"
+METRIC_COLUMNS = ("WF5", "FM", "EBWT", "WP5", "IP", "CFR")
+GLOSSARY = ("WF5: windowed forgetting over 5 repositories; FM: forgetting measure (both lower is better); "
+            "EBWT: expanded backward transfer; WP5: windowed plasticity; IP: incremental plasticity (validation "
+            "R@10); CFR: min/max average R@10 (higher is better). LeanAgent, ICLR 2025, Table 3.")
+
+
+@dataclass
+class RunReport:
+    names: list[str]
+    # One dict per finished repository: own-split recalls, validation R@10, averages over the repositories
+    # seen so far, and the lifelong metrics after it (what the flow's table artifact shows).
+    rows: list[dict] = field(default_factory=list)
+    # matrix[i][j]: MATRIX_METRIC of the model trained through repository i, on repository j's test split.
+    matrix: list[list[float | None]] = field(default_factory=list)
+    # baseline[j]: MATRIX_METRIC of the untrained model (model.name_or_path) on repository j.
+    baseline: list[float | None] = field(default_factory=list)
+
+    def set_baseline(self, evaluations: list[dict]) -> None:
+        self.baseline = [e["metrics"][MATRIX_METRIC] for e in evaluations]
+
+    def add_repository(self, index: int, train: dict, evaluations: list[dict]) -> None:
+        """Record repository `index` after its training and its evaluations on repositories 0..index."""
+        own = evaluations[index]["metrics"]
+        seen = [e["metrics"] for e in evaluations]
+        self.matrix.append([m[MATRIX_METRIC] for m in seen] + [None] * (len(self.names) - len(seen)))
+        val = (train.get("metrics") or {}).get(VAL_METRIC)
+        row = {
+            "repository": self.names[index],
+            "R@1": own.get("Recall@1"),
+            "R@10": own.get("Recall@10"),
+            "MRR": own.get("MRR"),
+            "val R@10": val,
+            "avg R@1 (seen)": mean_of(m.get("Recall@1") for m in seen),
+            "avg R@10 (seen)": mean_of(m.get(MATRIX_METRIC) for m in seen),
+            "avg MRR (seen)": mean_of(m.get("MRR") for m in seen),
+        }
+        metrics = lifelong_metrics(self._triangle(), [*self.val_r10, val])
+        row.update({m: metrics[m] for m in METRIC_COLUMNS})
+        # Epochs trained so far, counted from 1 (the checkpoint's own name holds the 0-based index of its epoch).
+        row.update({"epochs": train.get("epoch"), "checkpoint": train.get("checkpoint")})
+        self.rows.append(row)
+
+    @property
+    def val_r10(self) -> list[float | None]:
+        """val[i]: the best validation Recall@10 while training on repository i (None when not recorded)."""
+        return [r.get("val R@10") for r in self.rows]
+
+    def metrics_after_each(self) -> list[dict[str, Any]]:
+        """The lifelong metrics over repositories 0..i, for each finished repository i."""
+        triangle, val = self._triangle(), self.val_r10
+        return [lifelong_metrics(triangle[: i + 1], val[: i + 1] if len(val) > i else None)
+                for i in range(len(triangle))]
+
+    def lifelong_metrics(self) -> dict[str, Any]:
+        """LeanAgent's metrics after the last finished repository (None where they need more repositories),
+        the final model's mean R@1 / R@10 / MRR over the repositories seen, and its mean R@10 gain over the
+        untrained model on them."""
+        triangle = self._triangle()
+        val = self.val_r10
+        out: dict[str, Any] = dict(lifelong_metrics(triangle, val if len(val) == len(triangle) else None))
+        last = self.rows[-1] if self.rows and len(self.rows) == len(triangle) else {}
+        out["final_R@1"] = last.get("avg R@1 (seen)")
+        out["final_R@10"] = out["avg"][-1] if out["avg"] else None
+        out["final_MRR"] = last.get("avg MRR (seen)")
+        k = len(triangle)
+        base = self.baseline if len(self.baseline) == len(self.names) else [None] * len(self.names)
+        gain = [triangle[-1][j] - base[j] for j in range(k) if base[j] is not None] if k else []
+        out["gain_over_untrained"] = mean(gain)
+        return out
+
+    def markdown(self, manifest: str) -> str:
+        header = "| repository | R@1 | R@10 | MRR | val R@10 | epochs | checkpoint |\n|---|---|---|---|---|---|---|\n"
+        body = "".join(f"| {r['repository']} | {pct(r.get('R@1'))} | {pct(r.get('R@10'))} | {mrr(r.get('MRR'))} | "
+                       f"{pct(r.get('val R@10'))} | {r.get('epochs')} | `{r.get('checkpoint')}` |\n"
+                       for r in self.rows)
+        cols = " | ".join(self.names)
+        matrix = f"| trained through \\ evaluated on | {cols} |\n|---|" + "---|" * len(self.names) + "\n"
+        matrix += "".join(f"| {label} | " + " | ".join(pct(v) for v in row) + " |\n"
+                          for label, row in self._matrix_rows())
+        return (f"# Lifelong retrieval: {len(self.rows)} of {len(self.names)} repositories\n\n"
+                f"## Per repository (on its own test split)\n\n{header}{body}\n"
+                f"## Lifelong metrics after each repository\n\nOver the repositories seen so far; recall in percent. "
+                f"{GLOSSARY}\n\n{self._metrics_markdown()}\n"
+                f"## {MATRIX_METRIC} matrix\n\nRow i: the model after training on repository i; column j: the "
+                f"repository evaluated. Read a column downwards to see forgetting.\n\n{matrix}\n"
+                f"{self._summary_lines()}\n\nManifest: `{manifest}`\n")
+
+    def text(self) -> str:
+        """Plain text for a terminal: the per-repository table, the metrics after each repository, the matrix."""
+        lines = [f"{'repository':<24} {'R@1':>7} {'R@10':>7} {'MRR':>7} {'val R@10':>8} {'epochs':>6}  checkpoint"]
+        lines += [f"{r['repository'][:24]:<24} {pct(r.get('R@1')):>7} {pct(r.get('R@10')):>7} "
+                  f"{mrr(r.get('MRR')):>7} {pct(r.get('val R@10')):>8} {r.get('epochs')!s:>6}  {r.get('checkpoint')}"
+                  for r in self.rows]
+        lines += ["", "Lifelong metrics after each repository (over the repositories seen so far)",
+                  self._metrics_text(), "", f"{MATRIX_METRIC} (row: trained through; column: evaluated on)",
+                  f"{'':<24} " + " ".join(f"{n[:10]:>10}" for n in self.names)]
+        lines += [f"{label[:24]:<24} " + " ".join(f"{pct(v):>10}" for v in row) for label, row in self._matrix_rows()]
+        lines += ["", self._summary_lines(), GLOSSARY]
+        return "\n".join(lines)
+
+    def _triangle(self) -> list[list[float]]:
+        """The finished rows of the matrix, each cut to the repositories seen (the metrics' input)."""
+        return check_matrix(self.matrix)
+
+    def _metric_rows(self) -> list[tuple[str, list[str]]]:
+        out = []
+        for i, m in enumerate(self.metrics_after_each()):
+            row = self.rows[i] if i < len(self.rows) else {}
+            cells = [pct(row.get("avg R@1 (seen)")), pct(m["avg"][-1]), mrr(row.get("avg MRR (seen)"))]
+            out.append((self.names[i], cells + [metric(c, m[c]) for c in METRIC_COLUMNS]))
+        return out
+
+    def _metrics_markdown(self) -> str:
+        head = ["after repository", "avg R@1", "avg R@10", "avg MRR", *METRIC_COLUMNS]
+        text = "| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n"
+        return text + "".join(f"| {name} | " + " | ".join(cells) + " |\n" for name, cells in self._metric_rows())
+
+    def _metrics_text(self) -> str:
+        head = ["avg R@1", "avg R@10", "avg MRR", *METRIC_COLUMNS]
+        lines = [f"{'after':<24} " + " ".join(f"{h:>8}" for h in head)]
+        lines += [f"{name[:24]:<24} " + " ".join(f"{c:>8}" for c in cells) for name, cells in self._metric_rows()]
+        return "\n".join(lines)
+
+    def _matrix_rows(self) -> list[tuple[str, list[float | None]]]:
+        rows = [(UNTRAINED, list(self.baseline))] if self.baseline else []
+        return rows + [(self.names[i], row) for i, row in enumerate(self.matrix)]
+
+    def _summary_lines(self) -> str:
+        lm = self.lifelong_metrics()
+        k = len(self.matrix)
+        return (f"Final model over the {k} repositories seen: R@1 {pct(lm['final_R@1'])}, R@10 "
+                f"{pct(lm['final_R@10'])}, MRR {mrr(lm['final_MRR'])}; R@10 gain over untrained: "
+                f"{pct(lm['gain_over_untrained'])}\n"
+                f"WF5 {metric('WF5', lm['WF5'])}, FM {metric('FM', lm['FM'])}, EBWT (expanded backward transfer) "
+                f"{metric('EBWT', lm['EBWT'])}, WP5 {metric('WP5', lm['WP5'])}, IP {metric('IP', lm['IP'])}, "
+                f"CFR {metric('CFR', lm['CFR'])}")
+
+
+def report_from_manifest(manifest: dict) -> RunReport:
+    """Rebuild the report of a run (finished or not) from its manifest, as `leanagent report` prints it."""
+    names = list(manifest.get("order") or [])
+    report = RunReport(names)
+    baseline = [stage_result(manifest, j, name, EVAL_UNTRAINED) for j, name in enumerate(names)]
+    if names and all(b is not None for b in baseline):
+        report.set_baseline(baseline)
+    for i, name in enumerate(names):
+        train = stage_result(manifest, i, name, TRAIN)
+        evaluations = [stage_result(manifest, i, name, eval_stage(j, names[j])) for j in range(i + 1)]
+        if train is None or any(e is None for e in evaluations):
+            break  # the run stopped here; later repositories have nothing to report yet
+        report.add_repository(i, train, evaluations)
+    return report
+
+

@@ -1,0 +1,116 @@
+"""The checks of a run before anything is written (`leanagent.run_plan`), on real dataset folders, without Prefect:
+which repositories a config gives (`repos`, then `repos_dir`), what a continued run adds, and the first answers
+`leanagent run` gives (a key typo, an unreachable hub) without their noise."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from leanagent.config import ConfigError, PipelineConfig, RepoConfig, TrainerConfig, load_config
+from leanagent.data.merge import digests
+from leanagent.run_plan import plan_run
+from leanagent.run_state import RepoEntry, RunState
+
+
+def _cfg(demo_assets, tmp_path: Path, repos: list[Path], **update) -> PipelineConfig:
+    cfg = PipelineConfig(trainer=TrainerConfig(accelerator="cpu", devices=2), run_dir=tmp_path / "run",
+                         repos=[RepoConfig(path=p) for p in repos])
+    cfg.model.name_or_path = str(demo_assets.model)
+    return cfg.model_copy(update=update)
+
+
+def _record(cfg: PipelineConfig, repos: list[Path]) -> None:
+    """A run_dir whose manifest holds `repos` as its sequence, as a first run leaves it."""
+    entries = [RepoEntry(p.name, p, digests(p, "random")) for p in repos]
+    RunState(cfg.run_dir, cfg).extend(entries, entries)
+
+
+def test_a_config_that_lists_one_more_repository_continues_with_it_alone(demo_assets, tmp_path: Path) -> None:
+    first = _cfg(demo_assets, tmp_path, demo_assets.repos[:2])
+    assert [e.name for e in plan_run(first).recorded] == []
+    _record(first, demo_assets.repos[:2])
+    plan = plan_run(_cfg(demo_assets, tmp_path, demo_assets.repos))
+    assert [e.name for e in plan.recorded] == ["repo_0", "repo_1"]
+    assert [r.display_name for r in plan.new] == ["repo_2"]
+    assert plan.nothing_new() is None
+
+
+def test_repos_dir_takes_ready_folders_by_name_and_skips_the_others(demo_assets, tmp_path: Path) -> None:
+    incoming = tmp_path / "incoming"
+    for repo in demo_assets.repos[1:]:
+        shutil.copytree(repo, incoming / repo.name)
+    shutil.copytree(demo_assets.repos[0], incoming / ".arriving")  # being copied: never read
+    broken = shutil.copytree(demo_assets.repos[0], incoming / "broken")
+    (broken / "corpus.jsonl").write_text("{not json\n")
+    shutil.copytree(demo_assets.repos[0], incoming / "repo_0")  # named like a listed repository
+    plan = plan_run(_cfg(demo_assets, tmp_path, demo_assets.repos[:1], repos_dir=incoming))
+    assert [r.display_name for r in plan.repos] == ["repo_0", "repo_1", "repo_2"]
+    assert plan.repos[1].path == incoming / "repo_1"
+    skipped = {n.name: n.problem for n in plan.not_ready}
+    assert set(skipped) == {"broken", "repo_0"}
+    assert skipped["broken"].startswith("broken/corpus.jsonl:1: ")  # the first problem, as file:line
+    assert "named like the repository" in skipped["repo_0"]
+    with pytest.raises(ValueError, match="repos_dir .*/absent: no such folder"):
+        plan_run(_cfg(demo_assets, tmp_path, [], repos_dir=tmp_path / "absent"))
+
+
+def test_an_empty_repos_dir_is_nothing_new_not_an_error(demo_assets, tmp_path: Path) -> None:
+    (tmp_path / "incoming").mkdir()
+    plan = plan_run(_cfg(demo_assets, tmp_path, [], repos_dir=tmp_path / "incoming"))
+    assert plan.repos == [] and plan.nothing_new() == "nothing new: 0 repositories trained, 0 waiting"
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_key_names_the_nearest_known_one(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"trainer": {"devcies": 2}, "repo": [], "lifelong": {"zzz": 1}}))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "trainer.devcies: unknown key (did you mean 'devices'?)" in message
+    assert "repo: unknown key (did you mean 'repos'?)" in message
+    assert "lifelong.zzz: unknown key; known here: epochs_per_repo, curriculum" in message
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("offline", [False, True])
+def test_a_hub_model_out_of_reach_is_said_once(tmp_path: Path, offline: bool) -> None:
+    """An unreachable hub (a closed local port, answered at once) or HF_HUB_OFFLINE: one message, no retries."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}")
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    probe = "from leanagent.preflight import resolve_model; print(resolve_model('owner/model')[1])"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    expected = "the hub is offline (HF_HUB_OFFLINE)" if offline else "cannot be fetched from the hub"
+    assert done.stdout.count(expected) == 1, done.stdout
+    assert "Retrying" not in done.stderr and done.stderr.strip() == "", done.stderr
+
+
+def test_the_documented_upload_rule_hides_a_copy_until_it_is_renamed(demo_assets, tmp_path: Path) -> None:
+    """docs/continuing.md's upload command, run as written: the copy is invisible under its dot-name, then ready."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "continuing.md").read_text()
+    command = docs.split("<!-- upload-rule -->", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].strip()
+    shutil.copytree(demo_assets.repos[2], tmp_path / "demo" / "more" / "repo_3")
+    incoming = tmp_path / "demo" / "incoming"
+    cfg = _cfg(demo_assets, tmp_path, [], repos_dir=incoming)
+    incoming.mkdir(parents=True)
+    shutil.copytree(demo_assets.repos[2], incoming / ".repo_3")  # what the command's copy leaves before its rename
+    assert plan_run(cfg).repos == []
+    shutil.rmtree(incoming / ".repo_3")
+    subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=tmp_path, check=True, timeout=60)
+    assert [r.display_name for r in plan_run(cfg).repos] == ["repo_3"]
