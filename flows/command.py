@@ -1,6 +1,6 @@
 """`leanagent run`: the lifelong flow in this process, as a command. The one seam between the CLI and the flows.
 
-The library (`leanagent/`) knows nothing of Prefect; `leanagent/cli.py` reaches the app layer only here,
+The library (`leanagent/`) knows nothing of Prefect; `leanagent/cli/` reaches the app layer only here,
 for the one command that runs a flow. It adds what a terminal needs around the flow:
 
 - a fast first answer: the run's checks (`leanagent.run_plan.plan_run`: config, repositories, model, disk, the
@@ -25,8 +25,8 @@ from leanagent.run_state import RunLock
 def run_from_cli(config_path: str) -> int:
     """`leanagent run --config FILE`: the checks, then the flow in this process, then a plain-text summary.
 
-    1 on bad input (one message, as `leanagent train` prints it), 2 when a job failed after its retries,
-    128 + signal (130 Ctrl-C, 143 SIGTERM) when interrupted: every job has been ended by then and the
+    1 on bad input (one message, as `leanagent train` prints it) or when a job failed after its retries (the
+    CLI's one rule, leanagent/cli/common.py), 128 + signal (130 Ctrl-C, 143 SIGTERM) when interrupted: every job has been ended by then and the
     running stage is recorded `interrupted`.
     """
     try:
@@ -69,7 +69,7 @@ def _run_flow(config_path: str) -> int:
         return 1
     except LaunchError as exc:
         print(f"error: a job failed after its retries: {exc}", file=sys.stderr)
-        return 2
+        return 1
     except (KeyboardInterrupt, ExternalSignal) as exc:
         code = getattr(exc, "exit_code", None) or 128 + int(getattr(exc, "signal", signal.SIGINT))
         print(f"interrupted by {describe_interrupt(exc)}: every job was ended; rerun the same command to resume",
