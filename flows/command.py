@@ -26,8 +26,8 @@ def run_from_cli(config_path: str) -> int:
     """`leanagent run --config FILE`: the checks, then the flow in this process, then a plain-text summary.
 
     1 on bad input (one message, as `leanagent train` prints it) or when a job failed after its retries (the
-    CLI's one rule, leanagent/cli/common.py), 128 + signal (130 Ctrl-C, 143 SIGTERM) when interrupted: every job has been ended by then and the
-    running stage is recorded `interrupted`.
+    CLI's one rule, leanagent/cli/common.py), 128 + signal (130 Ctrl-C, 143 SIGTERM) when interrupted: every
+    job has been ended by then and the running stage is recorded `interrupted`.
     """
     try:
         cfg = load_config(config_path)
