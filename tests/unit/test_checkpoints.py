@@ -32,6 +32,7 @@ from leanagent.checkpoints import (
 from leanagent.config import DataConfig, PipelineConfig
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.model.loading import load_retriever
+from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.train.plan import plan_training
 
@@ -45,7 +46,7 @@ def trained(tmp_path_factory, unit_repo, tiny_model) -> dict:
     root = tmp_path_factory.mktemp("trained")
     repo, model_dir = unit_repo, tiny_model
     torch.manual_seed(0)
-    model = PremiseRetriever(str(model_dir), lr=1e-3, warmup_steps=1, max_seq_len=64)
+    model = PremiseRetriever(RetrieverOptions(name_or_path=str(model_dir), lr=1e-3, warmup_steps=1, max_seq_len=64))
     data = RetrievalDataModule(repo, ByT5Tokenizer(), DataConfig(batch_size=4, num_workers=0, max_seq_len=64),
                                premise_max_len=64, seed=0)
     folder = root / "job" / "checkpoints"

@@ -291,9 +291,9 @@ def accumulate_squared_example_grads(retriever: PremiseRetriever, batch: dict[st
     """
     if hooks is None:
         hooks = PerExampleGrads(retriever, {id(p): n for n, p in retriever.named_parameters() if n in sums})
-    hp = retriever.hparams
-    groups = example_groups(batch, hp.get("token_budget", 16384), call_cost_for(batch["context_ids"].device.type),
-                            hp.get("sort_by_length", True))
+    options = retriever.options
+    groups = example_groups(batch, options.token_budget, call_cost_for(batch["context_ids"].device.type),
+                            options.sort_by_length)
     count = 0
     with retriever.stock_forward():
         for items in groups:
