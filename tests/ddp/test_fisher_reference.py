@@ -79,6 +79,7 @@ PROBE = textwrap.dedent('''
     from leanagent.config import DataConfig, TrainerConfig
     from leanagent.data.datamodule import RetrievalDataModule
     from leanagent.model.fisher import ReferenceFisherModule
+    from leanagent.model.options import RetrieverOptions
     from leanagent.model.retriever import PremiseRetriever
     from leanagent.train.trainer import build_fisher_trainer, init_process_group
 
