@@ -114,7 +114,7 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def _stored(old: dict[str, Any], before: dict[str, Any], key: str) -> str:
     if key in old:
         return repr(old[key])
-    return f"(absent: {before[key]!r})" if key in ABSENT_MEANS else "(absent)"
+    return f"(absent: {before[key]!r})" if key in ABSENT_MEANS else repr("(absent)")
 
 
 def describe_differences(old: dict[str, Any], new: dict[str, Any], limit: int = 10) -> str:
