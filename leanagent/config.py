@@ -37,12 +37,12 @@ class ModelConfig(_Section):
                            "bf16-mixed): several times faster on a GPU, embeddings differ by bf16 rounding. "
                            "False: in fp32 outside autocast, as LeanAgent does")
     sort_by_length: bool = Field(
-        False, description="encode a step's contexts, and its premises, as length-sorted sub-batches each padded to "
-                           "its own longest (training, Fisher, evaluation's contexts): the same loss and embeddings "
-                           "to float rounding, ~2.5x fewer tokens processed on real lengths (6x faster steps on a "
-                           "CPU), but training's dropout draws its masks for other shapes (another dropout stream) "
-                           "and bf16 rounds embeddings differently. False: each pool padded to its longest, as "
-                           "LeanAgent, whose results it reproduces")
+        True, description="encode a step's contexts, and its premises, as length-sorted sub-batches each padded to "
+                          "its own longest (training, both Fisher estimators, evaluation's contexts): the same loss "
+                          "and embeddings to float rounding, ~2.5x fewer tokens processed on real lengths (6x faster "
+                          "steps on a CPU), but training's dropout draws its masks for other shapes (another dropout "
+                          "stream) and bf16 rounds embeddings differently. False: each pool padded to its longest, "
+                          "as LeanAgent, whose padded batches it keeps bit for bit")
     token_budget: int = Field(
         16384, gt=0, description="most tokens (sequences x padded width) one sub-batch's encoder call may take")
     compile: Literal["auto"] | bool = Field(
@@ -190,6 +190,12 @@ class PipelineConfig(_Section):
                 raise ValueError(f"{key} is {mine} but {their_key} is {theirs}: the ranks are trainer.devices x "
                                  f"trainer.num_nodes, so set both alike")
         return self
+
+
+# Keys added after runs and checkpoints were written without them, where the old behaviour is not today's default:
+# the value that reproduces a manifest or checkpoint lacking the key (before `model.sort_by_length` existed, every
+# pool was padded). Any other absent key reads as its default.
+ABSENT_MEANS: dict[str, Any] = {"model.sort_by_length": False}
 
 
 class ConfigError(ValueError):

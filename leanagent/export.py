@@ -68,9 +68,8 @@ def _remove_model_files(folder: Path) -> None:
 
 
 def retriever_meta(loaded: LoadedModel) -> dict[str, Any]:
-    hparams = loaded.retriever.hparams
     return {
-        "max_seq_len": int(hparams["max_seq_len"]),
+        "max_seq_len": loaded.retriever.options.max_seq_len,
         "source": str(loaded.source),
         "base_model": loaded.base_model,
         "dataset": loaded.dataset,
@@ -137,7 +136,7 @@ def model_card(loaded: LoadedModel) -> str:
         "",
         f"T5 encoder: d_model {config.d_model}, {config.num_layers} layers, {config.num_heads} heads, "
         f"vocab {config.vocab_size} (ByT5 bytes); premises embedded at up to "
-        f"{loaded.retriever.hparams['max_seq_len']} tokens.",
+        f"{loaded.retriever.options.max_seq_len} tokens.",
         "",
         "## Use",
         "",

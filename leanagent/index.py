@@ -80,15 +80,15 @@ def build_index(model: str | Path, dataset: str | Path, out: str | Path, device:
     identity = model_identity.identify(model)  # before loading: the bytes the embeddings come from
     loaded = load_model(model, device, base_model=base_model)
     retriever = loaded.retriever
-    max_len = int(retriever.hparams["max_seq_len"])
+    max_len = retriever.options.max_seq_len
     if batch_tokens is not None:
         if batch_tokens < max_len:
             raise PremiseIndexError(f"--batch-tokens {batch_tokens}: below the model's premise length {max_len}")
-        retriever.hparams["eval_batch_size"] = batch_tokens // max_len
+        batch_tokens = batch_tokens // max_len * max_len
     corpus = Corpus.from_jsonl(corpus_file)
     start = time.perf_counter()
     with torch.inference_mode(), _precision(retriever.device):
-        embeddings = retriever.embed_corpus(corpus).to(torch.bfloat16).cpu().contiguous()
+        embeddings = retriever.embed_corpus(corpus, batch_tokens).to(torch.bfloat16).cpu().contiguous()
     seconds = time.perf_counter() - start
     _clear_out(out)  # only now: a model or corpus that fails to load leaves an earlier index as it was
     blob = save({"embeddings": embeddings}, metadata={"format": str(FORMAT_VERSION)})

@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import Any
 
 from leanagent.atomic import read_json, write_json_atomic
-from leanagent.config import PipelineConfig
+from leanagent.config import ABSENT_MEANS, PipelineConfig
 
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = ".lock"
@@ -133,13 +133,21 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """`key: old -> new` for every difference that matters.
 
-    A key absent from the stored config whose new value is its default is a knob added by a later
-    version of leanagent, at the value that reproduces the old behaviour: not a change.
+    A key absent from the stored config is a knob added by a later version of leanagent; the run was computed
+    at the value that reproduces the old behaviour: `ABSENT_MEANS` where that is not today's default (an old
+    run without `model.sort_by_length` padded its pools: it continues under false only), else the default.
+    At that value it is not a change.
     """
     a, b = _flatten(old), _flatten(new)
-    defaults = _flatten(fingerprint_fields(PipelineConfig()))
-    return [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in sorted(a.keys() | b.keys())
-            if a.get(k) != b.get(k) and not (k not in a and k in defaults and b.get(k) == defaults[k])]
+    before = {**_flatten(fingerprint_fields(PipelineConfig())), **ABSENT_MEANS}
+    return [f"{k}: {_stored(a, before, k)} -> {b.get(k, '(absent)')!r}" for k in sorted(a.keys() | b.keys())
+            if a.get(k) != b.get(k) and not (k not in a and k in before and b.get(k) == before[k])]
+
+
+def _stored(old: dict[str, Any], before: dict[str, Any], key: str) -> str:
+    if key in old:
+        return repr(old[key])
+    return f"(absent: {before[key]!r})" if key in ABSENT_MEANS else repr("(absent)")
 
 
 def describe_differences(old: dict[str, Any], new: dict[str, Any], limit: int = 10) -> str:

@@ -151,6 +151,11 @@ def test_the_demo_then_every_marked_block_runs_as_written(clone, demo):
     printed = (demo.stdout + demo.stderr).splitlines()
     assert len(printed) <= DEMO_LINES, "\n".join(printed)
     assert "Recall@10 (row: trained through; column: evaluated on)" in demo.stdout
+    # README's figures are what the demo prints (on this project's machine kind: bit-reproducible on CPU).
+    shown = re.search(r"```text\n(Recall@10 .*?)\n```", (REPO_ROOT / "README.md").read_text(), re.S)
+    assert shown is not None
+    missing = [line for line in shown.group(1).splitlines() if line and line not in printed]
+    assert not missing, f"README's demo figures differ from the demo's: {missing}\n" + demo.stdout[-3000:]
     _run_blocks(clone, marked_blocks(None))
     # docs/continuing.md continued the demo's run with a fourth repository: appended after the three, a row each.
     report = _bash(clone, ".venv/bin/leanagent report demo/run", timeout=120).stdout.splitlines()

@@ -34,7 +34,7 @@ def bench_embedding(model: PremiseRetriever, corpus: Corpus, device: torch.devic
     rng = random.Random(1)
     picked = sorted(rng.sample(range(len(corpus)), min(sample, len(corpus))))
     sub = sub_corpus(corpus, picked)
-    max_len, step = model.hparams["max_seq_len"], model.hparams["eval_batch_size"]
+    max_len, step = model.options.max_seq_len, model.options.eval_batch_size
 
     def sorted_run(autocast: bool = False) -> int:
         with torch.autocast(device.type, dtype=precision_dtype, enabled=autocast and precision_dtype is not None):

@@ -15,6 +15,7 @@ from leanagent.bench.options import BenchOptions
 from leanagent.bench.results import BenchResult, RunInfo
 from leanagent.bench.retrieval import bench_embedding, bench_retrieval
 from leanagent.bench.train_step import bench_train_step, keep_layers
+from leanagent.model.options import RetrieverOptions
 from leanagent.model.presets import write_random_encoder
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.perf import peak_bf16_tflops
@@ -46,7 +47,7 @@ def run_bench(options: BenchOptions) -> BenchResult:
             run.model = f"random {options.preset}"
         else:
             model_path = run.model = options.model
-        model = PremiseRetriever(model_path).to(device)
+        model = PremiseRetriever(RetrieverOptions(name_or_path=model_path)).to(device)
         run.params = sum(p.numel() for p in model.parameters())
         model.eval()
         result.embedding = bench_embedding(model, corpus, device, options.sample, PRECISION, options.min_seconds)

@@ -24,9 +24,10 @@ TRAIN_STEP_ROWS = (("padded", False, False, False), ("sorted", True, False, Fals
 
 
 def set_levers(model: PremiseRetriever, sort: bool, one_mask: bool, compiled: bool) -> None:
-    model.hparams["sort_by_length"] = sort
+    """One row's levers on the same weights: `model.sort_by_length` and `model.compile` through the retriever's
+    options, the one mask per forward through its attribute."""
+    model.reconfigure(sort_by_length=sort, compile=compiled)
     model.one_mask = one_mask
-    model.hparams["compile"] = compiled
 
 
 class TrainStep:

@@ -1,10 +1,11 @@
 """A retriever from what a job or a user points at: a base model, one of our checkpoints, LeanAgent's or
 ReProver's checkpoints, or a Hugging Face folder.
 
-`load_retriever` is what the rank programs use (training, the Fisher, evaluation). `load_model` is what
-`export`, `index` and `retrieve` use: it goes through `load_retriever` with a config made from the
-checkpoint's own hyper-parameters, so the premise length and batch budget it was evaluated with carry
-over, and reads what the model learned on (dataset, metrics) from the checkpoint and its job folder.
+`load_retriever` is what the rank programs use (training, the Fisher, evaluation): the job's config gives the
+retriever's options (`RetrieverOptions.from_config`). `load_model` is what `export`, `index`, `retrieve` and
+`serve` use: the options are those the checkpoint stored (`RetrieverOptions.from_hparams`), so the premise
+length and batch budget it was evaluated with carry over, and it reads what the model learned on (dataset,
+metrics) from the checkpoint and its job folder.
 
 A LeanAgent/ReProver checkpoint (read by `leanagent.checkpoints.read_any_checkpoint`) lacks the encoder's
 architecture, which ours store: it is looked up locally, never downloaded (`reference_architecture`), the
@@ -34,14 +35,14 @@ from leanagent.checkpoints import (
     reference_hparams,
     reference_state_dict,
 )
-from leanagent.config import DataConfig, ModelConfig, PipelineConfig
+from leanagent.config import PipelineConfig
+from leanagent.model.options import RetrieverOptions, stored_encoder_config
 from leanagent.model.presets import encoder_config
 from leanagent.model.progress_bars import no_progress_bars
 from leanagent.model.retriever import PremiseRetriever
 
 # Written by `leanagent export` beside config.json: what a plain HF folder cannot say about the retriever.
 RETRIEVER_FILE = "retriever.json"
-DEFAULT_MAX_SEQ_LEN = 512
 
 
 class ModelSourceError(ValueError):
@@ -75,17 +76,23 @@ def load_retriever(cfg: PipelineConfig, checkpoint: Path | None, weights: bool =
     checkpoint (file or consolidated DeepSpeed folder) always has its weights loaded: Lightning
     never resumes from it (see `leanagent.checkpoints`).
     """
-    overrides = {"lr": cfg.model.lr, "warmup_steps": cfg.model.warmup_steps, "max_seq_len": cfg.model.max_seq_len,
-                 "num_retrieved": cfg.model.num_retrieved, "eval_batch_size": cfg.data.eval_batch_size,
-                 "corpus_autocast": cfg.model.corpus_autocast, "token_budget": cfg.model.token_budget,
-                 "sort_by_length": cfg.model.sort_by_length, "compile": cfg.model.compile}
+    options = RetrieverOptions.from_config(cfg)
     if checkpoint is None:
-        return PremiseRetriever(cfg.model.name_or_path, **overrides)
+        return PremiseRetriever(options)
     ckpt = read_any_checkpoint(checkpoint)
     if not is_leanagent(ckpt):
-        return reference_retriever(checkpoint, ckpt, cfg.model.name_or_path, **overrides)
-    hparams = dict(ckpt.get("hyper_parameters", {}))
-    model = PremiseRetriever(**{**hparams, **overrides})
+        return reference_retriever(checkpoint, ckpt, options)
+    return retriever_from_checkpoint(ckpt, options, weights)
+
+
+def retriever_from_checkpoint(ckpt: Mapping[str, Any], options: RetrieverOptions,
+                              weights: bool = True) -> PremiseRetriever:
+    """One of our checkpoints, read: its architecture and weights, run with `options`; the base model it names
+    stays the checkpoint's (the encoder's origin, recorded in what it writes next)."""
+    hparams = ckpt["hyper_parameters"]
+    stored = RetrieverOptions.from_hparams(hparams)
+    model = PremiseRetriever(options.replace(name_or_path=stored.name_or_path),
+                             encoder_config=stored_encoder_config(hparams))
     if weights:
         model.load_state_dict(ckpt["state_dict"])
     return model
@@ -132,13 +139,13 @@ def check_weights(path: Path, state_dict: Mapping[str, torch.Tensor], config: T5
 
 
 
-def reference_retriever(path: Path, checkpoint: Mapping[str, Any], name_or_path: str, **settings: Any):
+def reference_retriever(path: Path, checkpoint: Mapping[str, Any], options: RetrieverOptions) -> PremiseRetriever:
     """A fresh `PremiseRetriever` holding the reference's weights, its architecture stored in our hparams
     so that every checkpoint written from here on is one of ours."""
     state_dict = reference_state_dict(checkpoint)
-    config, source = reference_architecture(path, checkpoint, name_or_path)
+    config, source = reference_architecture(path, checkpoint, options.name_or_path)
     check_weights(path, state_dict, config, source)
-    model = PremiseRetriever(name_or_path, encoder_config=config.to_dict(), **settings)
+    model = PremiseRetriever(options, encoder_config=config.to_dict())
     model.load_state_dict(complete_tied(state_dict))
     return model
 
@@ -148,7 +155,7 @@ def checkpoint_encoder_config(path: Path, name_or_path: str) -> dict[str, Any]:
     checked against it), for checks before a job is launched. Raises CheckpointError naming the file."""
     checkpoint = read_any_checkpoint(path)
     if is_leanagent(checkpoint):
-        return dict(checkpoint["hyper_parameters"]["encoder_config"])
+        return stored_encoder_config(checkpoint["hyper_parameters"])
     config, source = reference_architecture(path, checkpoint, name_or_path)
     check_weights(path, reference_state_dict(checkpoint), config, source)
     return config.to_dict()
@@ -172,18 +179,16 @@ def load_model(path: str | Path, device: str = "cpu", base_model: str | None = N
 
 
 def _from_checkpoint(path: Path, base_model: str | None = None) -> LoadedModel:
-    ckpt = read_any_checkpoint(path)  # memory-mapped: its tensors are read by `load_retriever` below
+    ckpt = read_any_checkpoint(path)  # memory-mapped: its tensors are read when loaded into the retriever
     if not is_leanagent(ckpt):
         return _from_reference(path, ckpt, reference_hparams(ckpt), base_model)
-    hparams = dict(ckpt["hyper_parameters"])
-    model_fields = {k: hparams[k] for k in ("name_or_path", "lr", "warmup_steps", "max_seq_len", "num_retrieved")
-                    if k in hparams}
-    data = DataConfig(eval_batch_size=hparams["eval_batch_size"]) if "eval_batch_size" in hparams else DataConfig()
-    cfg = PipelineConfig(model=ModelConfig(**model_fields), data=data)
-    retriever = load_retriever(cfg, path)
+    # The settings it was trained and evaluated with (premise length, embedding batch), read back typed; how this
+    # machine runs it (`compile`) is this machine's default, not the training cluster's.
+    stored = RetrieverOptions.from_hparams(ckpt["hyper_parameters"])
+    retriever = retriever_from_checkpoint(ckpt, stored.replace(compile=RetrieverOptions().compile))
     epoch, step = ckpt.get("epoch"), ckpt.get("global_step")
     history = [dict(h) for h in ckpt.get("leanagent_validation_history", [])]
-    return LoadedModel(retriever, checkpoint=path.resolve(), base_model=hparams.get("name_or_path"),
+    return LoadedModel(retriever, checkpoint=path.resolve(), base_model=stored.name_or_path,
                        dataset=_job_dataset(path), epoch=epoch, global_step=step,
                        metrics=_metrics_at(history, epoch, step, ckpt.get("callbacks", {})), history=history)
 
@@ -191,11 +196,8 @@ def _from_checkpoint(path: Path, base_model: str | None = None) -> LoadedModel:
 def _from_reference(path: Path, ckpt: dict, hparams: dict[str, Any], base_model: str | None) -> LoadedModel:
     """A LeanAgent/ReProver retriever checkpoint: its architecture from its `model_name` when cached locally,
     else byt5-small's (`reference_architecture`); premises cut at its `max_seq_len`."""
-    model = {"name_or_path": base_model or hparams.get("model_name", ModelConfig().name_or_path)}
-    if "max_seq_len" in hparams:
-        model["max_seq_len"] = int(hparams["max_seq_len"])
     with no_progress_bars():
-        retriever = load_retriever(PipelineConfig(model=ModelConfig(**model)), path)
+        retriever = reference_retriever(path, ckpt, RetrieverOptions.for_reference(hparams, base_model))
     return LoadedModel(retriever, checkpoint=path.resolve(), base_model=hparams.get("model_name"),
                        epoch=ckpt.get("epoch"), global_step=ckpt.get("global_step"))
 
@@ -228,7 +230,10 @@ def _from_folder(path: Path) -> LoadedModel:
     """An HF model folder (`load_model` has seen its config.json), with an export's `retriever.json` if any."""
     meta = _read_retriever_meta(path)
     with no_progress_bars():
-        retriever = PremiseRetriever(str(path), max_seq_len=int(meta.get("max_seq_len", DEFAULT_MAX_SEQ_LEN)))
+        options = RetrieverOptions(name_or_path=str(path))
+        if "max_seq_len" in meta:
+            options = options.replace(max_seq_len=int(meta["max_seq_len"]))
+        retriever = PremiseRetriever(options)
     return LoadedModel(retriever, model_dir=path.resolve(), base_model=meta.get("base_model"),
                        dataset=meta.get("dataset"), epoch=meta.get("epoch"), global_step=meta.get("global_step"),
                        metrics=dict(meta.get("metrics", {})))

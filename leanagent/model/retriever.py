@@ -24,6 +24,7 @@ from leanagent.data.dataset import tokenize_premises
 from leanagent.model.encoder import CompiledBlocks, encoder_hidden
 from leanagent.model.lr_schedule import build_optimizer_and_schedule, reference_horizon
 from leanagent.model.metrics import ContextScore, aggregate, score_context
+from leanagent.model.options import RetrieverOptions
 from leanagent.model.sub_batches import call_cost_for, plan_sub_batches
 from leanagent.model.topk import top_k_accessible
 
@@ -109,28 +110,16 @@ def compile_wanted(setting: str | bool, device: torch.device) -> bool:
 
 
 class PremiseRetriever(pl.LightningModule):
-    def __init__(
-        self,
-        name_or_path: str,
-        lr: float = 1e-3,
-        warmup_steps: int = 1000,
-        max_seq_len: int = 512,
-        num_retrieved: int = 100,
-        eval_batch_size: int = 64,
-        encoder_config: dict[str, Any] | None = None,
-        corpus_autocast: bool = False,
-        token_budget: int = 16384,
-        sort_by_length: bool = False,
-        compile: str | bool = "auto",
-    ) -> None:
+    """`options`: every setting it reads (`RetrieverOptions`); `encoder_config`: the architecture, when it comes
+    from a checkpoint (None: the encoder and its weights from `options.name_or_path`)."""
+
+    def __init__(self, options: RetrieverOptions, encoder_config: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.save_hyperparameters()
         if encoder_config is None:
             # First load from the hub or a local dir; the architecture is then kept in the
             # checkpoint so that resuming never needs the hub again.
             # SDPA attention: transformers' T5 supports it (the relative position bias goes in as the mask).
-            self.encoder = T5EncoderModel.from_pretrained(name_or_path, attn_implementation="sdpa")
-            self.hparams["encoder_config"] = self.encoder.config.to_dict()
+            self.encoder = T5EncoderModel.from_pretrained(options.name_or_path, attn_implementation="sdpa")
         else:
             config = T5Config.from_dict(encoder_config)
             config._attn_implementation = "sdpa"
@@ -138,7 +127,9 @@ class PremiseRetriever(pl.LightningModule):
         # from_pretrained returns eval mode; Lightning >= 2.4 keeps module modes as it finds them,
         # so without this dropout would silently stay off during training.
         self.encoder.train()
-        self.tokenizer = load_tokenizer(name_or_path, self.encoder.config.vocab_size)
+        self.tokenizer = load_tokenizer(options.name_or_path, self.encoder.config.vocab_size)
+        self._options = options
+        self._store_options()
         self._ewc_fisher: dict[str, torch.Tensor] = {}
         self._ewc_anchor: dict[str, torch.Tensor] = {}
         self.ewc_lambda = 0.0
@@ -157,6 +148,21 @@ class PremiseRetriever(pl.LightningModule):
         # so a resumed job counts what an uninterrupted one did.
         self.train_tokens: dict[int, TokenCount] = {}
         self.last_tokens = TokenCount()  # of the last `batch_loss`
+
+    # ---- settings -------------------------------------------------------------------------
+    @property
+    def options(self) -> RetrieverOptions:
+        return self._options
+
+    def reconfigure(self, **changes: Any) -> None:
+        """New settings for the same weights (validated, as `RetrieverOptions.replace`): the bench measures one
+        model's rows this way; a job builds its retriever with its options and never changes them."""
+        self._options = self._options.replace(**changes)
+        self._store_options()
+
+    def _store_options(self) -> None:
+        # Lightning's hparams are where checkpoints and loggers take the settings from: written here, never read.
+        self.save_hyperparameters(self._options.to_hparams(self.encoder.config.to_dict()))
 
     # ---- encoding -------------------------------------------------------------------------
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, padded: bool | None = None
@@ -179,7 +185,7 @@ class PremiseRetriever(pl.LightningModule):
 
     def compiled_blocks(self) -> CompiledBlocks | None:
         """The compiled blocks when `compile` asks for them on this device (built and compiled at first use)."""
-        if not compile_wanted(self.hparams.get("compile", "auto"), self.device):
+        if not compile_wanted(self.options.compile, self.device):
             return None
         if self._blocks is None:
             self._blocks = CompiledBlocks(self.encoder)
@@ -212,10 +218,10 @@ class PremiseRetriever(pl.LightningModule):
             lengths = attention_mask.sum(dim=1).tolist()
         lengths = [int(x) for x in lengths]
         real = sum(lengths)
-        if not self.hparams.get("sort_by_length", False) or n == 0:
+        if not self.options.sort_by_length or n == 0:
             return self.encode(input_ids, attention_mask, padded=any(x < width for x in lengths)), \
                 TokenCount(real, n * width)
-        plan = plan_sub_batches(lengths, self.hparams.get("token_budget", 16384), call_cost_for(self.device.type))
+        plan = plan_sub_batches(lengths, self.options.token_budget, call_cost_for(self.device.type))
         order = [row for sub in plan for row in sub.rows]
         perm = torch.tensor(order, dtype=torch.long).to(input_ids.device, non_blocking=True)
         ids, mask = input_ids.index_select(0, perm), attention_mask.index_select(0, perm)
@@ -331,12 +337,12 @@ class PremiseRetriever(pl.LightningModule):
         else:
             horizon = reference_horizon(trainer.max_epochs, trainer.datamodule.unsharded_train_batches(),
                                         trainer.accumulate_grad_batches)
-        return build_optimizer_and_schedule(self.parameters(), self.hparams["lr"], self.hparams["warmup_steps"],
+        return build_optimizer_and_schedule(self.parameters(), self.options.lr, self.options.warmup_steps,
                                             horizon, gradient_clip_val=trainer.gradient_clip_val)
 
     # ---- retrieval evaluation (validation and test share it) ------------------------------
     @torch.no_grad()
-    def embed_corpus(self, corpus) -> torch.Tensor:
+    def embed_corpus(self, corpus, batch_tokens: int | None = None) -> torch.Tensor:
         """Every premise's embedding, in corpus order, on every rank.
 
         Premises are ordered by length and dealt round-robin to the ranks, so each rank gets a
@@ -344,12 +350,13 @@ class PremiseRetriever(pl.LightningModule):
         lengths, so little compute goes to padding (taken in corpus order, about a quarter of the
         tokens of a real corpus are padding). The shards are then gathered and put back in corpus
         order. Embeddings are the same as unsorted batching up to float tolerance: padding is masked.
-        They are stored in the dtype retrieval multiplies them in (`corpus_embedding_dtype`).
+        They are stored in the dtype retrieval multiplies them in (`corpus_embedding_dtype`). `batch_tokens`:
+        the padded-token budget of one batch (default: `options.embed_batch_tokens`, as evaluation embeds).
         """
 
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         rank = dist.get_rank() if world > 1 else 0
-        max_len = self.hparams["max_seq_len"]
+        max_len = self.options.max_seq_len
         n = len(corpus)
         order = length_order(corpus, max_len)
         shards = [order[r::world] for r in range(world)]
@@ -360,7 +367,7 @@ class PremiseRetriever(pl.LightningModule):
         dtype = corpus_embedding_dtype(trainer.precision if trainer is not None else None, self.device)
         shard = torch.zeros(shard_len, dim, device=self.device, dtype=dtype)
         lengths = premise_token_lengths(corpus, max_len)
-        for lo, hi in token_budget_batches(lengths[mine], self.hparams["eval_batch_size"] * max_len):
+        for lo, hi in token_budget_batches(lengths[mine], batch_tokens or self.options.embed_batch_tokens):
             ids, mask = tokenize_premises(self.tokenizer, corpus, mine[lo:hi], max_len)
             padded = not bool(mask.all())  # read on the host, before the copy: no device sync
             shard[lo:hi] = self.encode(ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True),
@@ -382,7 +389,7 @@ class PremiseRetriever(pl.LightningModule):
         # Epoch-start hooks run outside Lightning's autocast, so by default the corpus is embedded in fp32,
         # as LeanAgent's `reindex_corpus` (in `on_validation_start`) does; `corpus_autocast` opts into
         # the trainer's own autocast (the validation step's).
-        autocast = self.trainer.precision_plugin.forward_context() if self.hparams.get("corpus_autocast") \
+        autocast = self.trainer.precision_plugin.forward_context() if self.options.corpus_autocast \
             else nullcontext()
         with autocast:
             self._corpus_emb = self.embed_corpus(self.trainer.datamodule.corpus)
@@ -391,7 +398,7 @@ class PremiseRetriever(pl.LightningModule):
         assert self._corpus_emb is not None
         context_emb, _ = self.encode_pool(batch["context_ids"], batch["context_mask"], batch.get("context_lengths"))
         top_scores, top_idx = top_k_accessible(context_emb, self._corpus_emb, batch["accessible_mask"],
-                                               self.hparams["num_retrieved"])
+                                               self.options.num_retrieved)
         for row, index in enumerate(batch["index"].tolist()):
             # Fewer accessible premises than k is normal (first file of a repo): keep only real hits.
             retrieved = top_idx[row][torch.isfinite(top_scores[row])].tolist()

@@ -22,6 +22,7 @@ from leanagent.data.corpus import Corpus
 from leanagent.data.examples import build_train_examples
 from leanagent.data.theorems import load_split
 from leanagent.launch.base import child_environment
+from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
 
 from .conftest import REPO_ROOT, leanagent
@@ -34,8 +35,9 @@ BATCH_SIZE = 4
 def _base_checkpoint(model_dir: Path, path: Path) -> Path:
     """What the fisher program reads from a Lightning checkpoint: the hparams (architecture) and weights."""
     torch.manual_seed(0)
-    model = PremiseRetriever(str(model_dir), max_seq_len=256)
-    torch.save({"hyper_parameters": dict(model.hparams), "state_dict": model.state_dict()}, path)
+    model = PremiseRetriever(RetrieverOptions(name_or_path=str(model_dir), max_seq_len=256))
+    torch.save({"hyper_parameters": model.options.to_hparams(model.encoder.config.to_dict()),
+                "state_dict": model.state_dict()}, path)
     return path
 
 
@@ -59,7 +61,7 @@ def test_reference_fisher_program_on_two_ranks(demo_assets, write_cpu_config, tm
     assert meta["estimator"] == "reference" and meta["world_size"] == 2 and meta["num_examples"] == n
     values = torch.cat([t.flatten() for t in fisher.values()])
     assert torch.isfinite(values).all() and (values >= 0).all() and values.sum() > 0
-    model = PremiseRetriever(str(demo_assets.model), max_seq_len=256)
+    model = PremiseRetriever(RetrieverOptions(name_or_path=str(demo_assets.model), max_seq_len=256))
     assert set(fisher) == {name for name, _ in model.named_parameters()}
     model.set_ewc(fisher, 0.1)  # the keys and shapes EWC needs
 
@@ -77,6 +79,7 @@ PROBE = textwrap.dedent('''
     from leanagent.config import DataConfig, TrainerConfig
     from leanagent.data.datamodule import RetrievalDataModule
     from leanagent.model.fisher import ReferenceFisherModule
+    from leanagent.model.options import RetrieverOptions
     from leanagent.model.retriever import PremiseRetriever
     from leanagent.train.trainer import build_fisher_trainer, init_process_group
 
@@ -87,7 +90,7 @@ PROBE = textwrap.dedent('''
     config = T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                       feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
                       tie_word_embeddings=False, dropout_rate=0.0)
-    model = PremiseRetriever("tiny-t5", max_seq_len=96, encoder_config=config.to_dict())
+    model = PremiseRetriever(RetrieverOptions(name_or_path="tiny-t5", max_seq_len=96), encoder_config=config.to_dict())
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     dm = RetrievalDataModule(repo, model.tokenizer, DataConfig(batch_size=4, num_workers=0, max_seq_len=96),
                              premise_max_len=96, seed=5)
@@ -112,7 +115,8 @@ PROBE = textwrap.dedent('''
     if dist.get_rank() == 0:
         (b0, s0), (b1, s1) = gathered
         names = sorted(module.fisher)
-        plain = PremiseRetriever("tiny-t5", max_seq_len=96, encoder_config=config.to_dict())
+        plain = PremiseRetriever(RetrieverOptions(name_or_path="tiny-t5", max_seq_len=96),
+                                 encoder_config=config.to_dict())
         plain.load_state_dict({k: v for k, v in model.state_dict().items()})
         params = [dict(plain.named_parameters())[n] for n in names]
         expected = [torch.zeros_like(p) for p in params]

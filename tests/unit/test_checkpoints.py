@@ -31,7 +31,8 @@ from leanagent.checkpoints import (
 )
 from leanagent.config import DataConfig, PipelineConfig
 from leanagent.data.datamodule import RetrievalDataModule
-from leanagent.model.loading import load_retriever
+from leanagent.model.loading import load_model, load_retriever
+from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.train.plan import plan_training
 
@@ -45,7 +46,7 @@ def trained(tmp_path_factory, unit_repo, tiny_model) -> dict:
     root = tmp_path_factory.mktemp("trained")
     repo, model_dir = unit_repo, tiny_model
     torch.manual_seed(0)
-    model = PremiseRetriever(str(model_dir), lr=1e-3, warmup_steps=1, max_seq_len=64)
+    model = PremiseRetriever(RetrieverOptions(name_or_path=str(model_dir), lr=1e-3, warmup_steps=1, max_seq_len=64))
     data = RetrievalDataModule(repo, ByT5Tokenizer(), DataConfig(batch_size=4, num_workers=0, max_seq_len=64),
                                premise_max_len=64, seed=0)
     folder = root / "job" / "checkpoints"
@@ -86,6 +87,29 @@ def test_our_checkpoints_load_weights_only_without_extra_safe_globals(trained):
     assert checkpoint["hyper_parameters"]["encoder_config"]["d_model"] == 64
     info = check_checkpoint(last)
     assert info.size_bytes == last.stat().st_size and info.encoder_config["num_layers"] == 2
+
+
+def test_the_options_ride_in_the_checkpoint_and_read_back_typed(trained, tmp_path):
+    """What Lightning wrote reads back as the options trained with; a checkpoint of ours from before the options
+    had `sort_by_length`, `token_budget`, `compile` and `corpus_autocast` (its hparams without them) still loads,
+    as the padded model it was, and a job's config still decides what a job runs with."""
+    last = trained["folder"] / "last.ckpt"
+    options = RetrieverOptions(name_or_path=str(trained["model_dir"]), lr=1e-3, warmup_steps=1, max_seq_len=64)
+    checkpoint = read_checkpoint(last)
+    assert RetrieverOptions.from_hparams(checkpoint["hyper_parameters"]) == options
+    assert load_model(last).retriever.options == options
+    older = dict(checkpoint)
+    older["hyper_parameters"] = {k: v for k, v in checkpoint["hyper_parameters"].items()
+                                 if k not in ("sort_by_length", "token_budget", "compile", "corpus_autocast")}
+    torch.save(older, tmp_path / "older.ckpt")
+    loaded = load_model(tmp_path / "older.ckpt").retriever
+    assert loaded.options == options.replace(sort_by_length=False)
+    for name, weight in load_model(last).retriever.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], weight), name
+    cfg = PipelineConfig.model_validate({"model": {"name_or_path": str(trained["model_dir"]), "max_seq_len": 64,
+                                                   "token_budget": 512}})
+    job = load_retriever(cfg, tmp_path / "older.ckpt")
+    assert (job.options.sort_by_length, job.options.token_budget) == (True, 512)
 
 
 def test_lightning_resumes_weights_only(trained, tmp_path):

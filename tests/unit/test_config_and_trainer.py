@@ -54,15 +54,15 @@ def test_leanagent_hyper_parameters_are_the_defaults():
 
 
 def test_speed_levers_defaults_and_reach_the_retriever(tmp_path, tiny_model):
-    # Sorting is off by default (it changes training's dropout stream); compiling is on under CUDA only.
+    # Sorting is on by default (the same loss, another dropout stream); compiling is on under CUDA only.
     assert (PipelineConfig().model.sort_by_length, PipelineConfig().model.token_budget,
-            PipelineConfig().model.compile) == (False, 16384, "auto")
+            PipelineConfig().model.compile) == (True, 16384, "auto")
     path = tmp_path / "cfg.yaml"
-    path.write_text(f"model: {{name_or_path: {tiny_model}, sort_by_length: true, token_budget: 2048, "
+    path.write_text(f"model: {{name_or_path: {tiny_model}, sort_by_length: false, token_budget: 2048, "
                     f"compile: true}}\n")
     model = load_retriever(load_config(path), None)
-    assert (model.hparams["sort_by_length"], model.hparams["token_budget"], model.hparams["compile"]) == (
-        True, 2048, True)
+    assert (model.options.sort_by_length, model.options.token_budget, model.options.compile) == (
+        False, 2048, True)
 
 
 def test_seed_strategy_timeout():

@@ -9,6 +9,7 @@ from transformers import ByT5Tokenizer
 
 from leanagent.data.corpus import Corpus
 from leanagent.data.synthetic import write_demo_repos
+from leanagent.model.options import RetrieverOptions
 from leanagent.model.presets import write_random_encoder
 from leanagent.model.retriever import PremiseRetriever, length_order, premise_token_lengths, token_budget_batches
 
@@ -30,7 +31,7 @@ def test_sorted_embedding_equals_corpus_order_batches(tmp_path):
     corpus = Corpus.from_jsonl(repo / "corpus.jsonl")
     model_dir = write_random_encoder(tmp_path / "model", "tiny", seed=1)
     torch.manual_seed(0)
-    model = PremiseRetriever(str(model_dir), max_seq_len=48, eval_batch_size=8).eval()
+    model = PremiseRetriever(RetrieverOptions(name_or_path=str(model_dir), max_seq_len=48, eval_batch_size=8)).eval()
     lengths = premise_token_lengths(corpus, 48)
     assert lengths.max() == 48 and lengths.min() < 48  # some premises are cut, some are not
     assert np.all(np.diff(lengths[length_order(corpus, 48)]) >= 0)
@@ -52,8 +53,8 @@ def test_sorted_embedding_equals_corpus_order_batches(tmp_path):
 def test_a_tiny_budget_still_embeds_each_premise_alone(tmp_path, budget_rows):
     repo = write_demo_repos(tmp_path / "data", 1, seed=5)[0]
     corpus = Corpus.from_jsonl(repo / "corpus.jsonl")
-    model = PremiseRetriever(str(write_random_encoder(tmp_path / "model", "tiny")), max_seq_len=32,
-                             eval_batch_size=budget_rows).eval()
+    model = PremiseRetriever(RetrieverOptions(name_or_path=str(write_random_encoder(tmp_path / "model", "tiny")),
+                                              max_seq_len=32, eval_batch_size=budget_rows)).eval()
     emb = model.embed_corpus(corpus)
     assert torch.isfinite(emb).all() and emb.shape[0] == len(corpus)
 
@@ -63,8 +64,8 @@ class _Recording(PremiseRetriever):
 
     seen: list[tuple[bool, torch.dtype]]
 
-    def embed_corpus(self, corpus) -> torch.Tensor:
-        emb = super().embed_corpus(corpus)
+    def embed_corpus(self, corpus, batch_tokens: int | None = None) -> torch.Tensor:
+        emb = super().embed_corpus(corpus, batch_tokens)
         self.seen.append((torch.is_autocast_enabled("cpu"), emb.dtype))
         return emb
 
@@ -81,8 +82,8 @@ def test_evaluation_embeds_the_corpus_in_fp32_unless_told(tmp_path, precision, c
     from leanagent.data.datamodule import RetrievalDataModule
 
     repo = write_demo_repos(tmp_path / "data", 1, seed=6)[0]
-    model = _Recording(str(write_random_encoder(tmp_path / "model", "tiny")), max_seq_len=32, eval_batch_size=16,
-                       corpus_autocast=corpus_autocast)
+    model = _Recording(RetrieverOptions(name_or_path=str(write_random_encoder(tmp_path / "model", "tiny")),
+                                        max_seq_len=32, eval_batch_size=16, corpus_autocast=corpus_autocast))
     model.seen = []
     data = RetrievalDataModule(repo, ByT5Tokenizer(), DataConfig(eval_batch_size=16, num_workers=0, max_seq_len=32),
                                premise_max_len=32, seed=0)

@@ -32,6 +32,7 @@ from leanagent.export import export_model
 from leanagent.index import PremiseIndex, PremiseIndexError, build_index
 from leanagent.model.loading import load_model
 from leanagent.model.metrics import aggregate, score_context
+from leanagent.model.options import RetrieverOptions
 from leanagent.model.presets import write_random_encoder
 from leanagent.model.retriever import PremiseRetriever
 
@@ -45,7 +46,8 @@ def trained(tmp_path_factory) -> dict:
     repo = write_demo_repos(root / "data", 1, seed=3, theorems_per_repo=90, scale=3)[0]
     model_dir = write_random_encoder(root / "model", "tiny", seed=0)
     torch.manual_seed(0)
-    model = PremiseRetriever(str(model_dir), lr=5e-3, warmup_steps=5, max_seq_len=MAX_LEN, eval_batch_size=64)
+    model = PremiseRetriever(RetrieverOptions(name_or_path=str(model_dir), lr=5e-3, warmup_steps=5, max_seq_len=MAX_LEN,
+                                              eval_batch_size=64))
     from leanagent.data.datamodule import RetrievalDataModule
 
     data = RetrievalDataModule(repo, ByT5Tokenizer(), DataConfig(batch_size=8, eval_batch_size=64, num_workers=0,
@@ -104,7 +106,7 @@ def test_export_loads_offline_and_embeds_exactly_as_the_checkpoint(trained, tmp_
     assert (start - from_checkpoint).abs().max() > 1e-3
 
     # As `model.name_or_path` of a new run: the retriever loads it with the same weights.
-    again = PremiseRetriever(str(out))
+    again = PremiseRetriever(RetrieverOptions(name_or_path=str(out)))
     for name, value in retriever.state_dict().items():
         torch.testing.assert_close(again.state_dict()[name], value, rtol=0, atol=0)
 
@@ -134,7 +136,7 @@ def test_export_of_an_exported_folder_keeps_its_metrics(trained, tmp_path):
     first = export_model(trained["ckpt"], tmp_path / "a")
     second = export_model(first, tmp_path / "b")
     assert load_model(second).metrics == load_model(first).metrics != {}
-    assert load_model(second).retriever.hparams["max_seq_len"] == MAX_LEN
+    assert load_model(second).retriever.options.max_seq_len == MAX_LEN
 
 
 # ---- index and retrieve -----------------------------------------------------------------------

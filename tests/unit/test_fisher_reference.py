@@ -21,6 +21,7 @@ from leanagent.checkpoints import load_fisher, save_fisher
 from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.model.fisher import FisherModule, ReferenceFisherModule
+from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
 
 NUM_EXAMPLES = 22  # batch size 4 with drop_last: 5 batches, 2 examples never seen, yet N = 22
@@ -32,7 +33,7 @@ def tiny_t5(dropout: float = 0.0) -> PremiseRetriever:
     config = T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                       feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
                       tie_word_embeddings=False, dropout_rate=dropout)
-    return PremiseRetriever("tiny-t5", max_seq_len=96, encoder_config=config.to_dict())
+    return PremiseRetriever(RetrieverOptions(name_or_path="tiny-t5", max_seq_len=96), encoder_config=config.to_dict())
 
 
 @pytest.fixture(scope="module")

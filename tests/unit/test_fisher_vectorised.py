@@ -21,6 +21,7 @@ from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.model.fisher import FisherModule, per_example, vectorised
 from leanagent.model.fisher.batches import example_groups
 from leanagent.model.fisher.vectorised import accumulate_squared_example_grads, example_major_batch, unsupported_modules
+from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.model.sub_batches import call_cost_for, plan_sub_batches
 
@@ -33,7 +34,8 @@ def tiny_t5(dropout: float = 0.0, seed: int = 0) -> PremiseRetriever:
     config = T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                       feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
                       tie_word_embeddings=False, dropout_rate=dropout)
-    model = PremiseRetriever("tiny-t5", max_seq_len=512, encoder_config=config.to_dict())
+    model = PremiseRetriever(RetrieverOptions(name_or_path="tiny-t5", max_seq_len=512),
+                             encoder_config=config.to_dict())
     # Not the initial values: layer norms at exactly 1 would hide a wrong layer-norm gradient less well.
     with torch.no_grad():
         for p in model.parameters():
@@ -192,7 +194,7 @@ def test_vectorised_equals_the_loop_on_data_module_batches(real: dict, precision
     results = {}
     for method in ("loop", "vectorised"):
         torch.manual_seed(0)
-        model = PremiseRetriever(str(real["model_dir"]), max_seq_len=256)
+        model = PremiseRetriever(RetrieverOptions(name_or_path=str(real["model_dir"]), max_seq_len=256))
         results[method] = fit_fisher(model, real["repo"], method, world_size=4, examples=9, precision=precision)
     loop, vec = results["loop"], results["vectorised"]
     assert loop.num_examples == vec.num_examples == 9
@@ -261,12 +263,12 @@ def test_the_loop_with_sorted_premises_equals_the_padded_loop_in_float64() -> No
     model = tiny_t5().double()
     batches = [hand_batch(*LENGTHS, padding=[False, False, True, False])]
     batches = [{k: v.double() if k == "label" else v for k, v in b.items()} for b in batches]
-    model.hparams["sort_by_length"] = True
+    model.reconfigure(sort_by_length=True)
     # Example 0's columns (rows 0, 4, 8, 12: 2, 120, 18, 71 tokens) are cut in two, example 1's in three.
     assert len(plan_sub_batches([2, 120, 18, 71], 16384, call_cost_for("cpu"))) == 2
     assert len(plan_sub_batches([230, 5, 99, 12], 16384, call_cost_for("cpu"))) == 3
     sorted_sums, _ = sums_by("loop", model, batches)
-    model.hparams["sort_by_length"] = False
+    model.reconfigure(sort_by_length=False)
     padded_sums, _ = sums_by("loop", model, batches)
     for name in padded_sums:
         err = (sorted_sums[name] - padded_sums[name]).abs().max()
@@ -276,7 +278,7 @@ def test_the_loop_with_sorted_premises_equals_the_padded_loop_in_float64() -> No
 def test_vectorised_in_groups_under_a_small_budget_equals_the_loop() -> None:
     model = tiny_t5()
     batch = hand_batch(*LENGTHS, padding=[False, False, True, False])
-    model.hparams["token_budget"] = 300  # example 1 (200 + 4 x 230 tokens) alone, the short ones together
+    model.reconfigure(token_budget=300)  # example 1 (200 + 4 x 230 tokens) alone, the short ones together
     groups = example_groups(batch, 300, 64, True)
     assert sorted(i for g in groups for i in g) == [0, 1, 3] and len(groups) >= 2 and [1] in groups
     loop, _ = sums_by("loop", model, [batch])

@@ -12,6 +12,7 @@ from transformers import ByT5Tokenizer
 from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.model.lr_schedule import build_optimizer_and_schedule, reference_horizon
+from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
 
 
@@ -42,7 +43,7 @@ def test_a_fit_uses_the_reference_horizon(tmp_path, unit_repo, tiny_model):
     """A real Trainer: the horizon counts cumulative max_epochs and the unsharded, drop_last loader."""
     repo, model_dir = unit_repo, tiny_model
     torch.manual_seed(0)
-    model = PremiseRetriever(str(model_dir), lr=1e-3, warmup_steps=3, max_seq_len=64)
+    model = PremiseRetriever(RetrieverOptions(name_or_path=str(model_dir), lr=1e-3, warmup_steps=3, max_seq_len=64))
     data = RetrievalDataModule(repo, ByT5Tokenizer(), DataConfig(batch_size=4, num_workers=0, max_seq_len=64),
                                premise_max_len=64, seed=0)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, accumulate_grad_batches=2, logger=False,

@@ -16,6 +16,7 @@ from leanagent.data.theorems import load_split
 from leanagent.model.fisher import FisherModule
 from leanagent.model.fisher.batches import PaddedForRanks
 from leanagent.model.metrics import aggregate, score_context
+from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever, contrastive_mse
 from leanagent.train.plan import plan_training
 
@@ -51,13 +52,14 @@ def tiny(unit_repo, tiny_model) -> dict:
 
 def _retriever(tiny) -> PremiseRetriever:
     torch.manual_seed(0)
-    return PremiseRetriever(str(tiny["model_dir"]), max_seq_len=128)
+    return PremiseRetriever(RetrieverOptions(name_or_path=str(tiny["model_dir"]), max_seq_len=128))
 
 
 def test_retriever_keeps_its_architecture_for_offline_resume(tiny):
     model = _retriever(tiny)
     assert model.encoder.training, "dropout must be on for training (from_pretrained returns eval mode)"
-    clone = PremiseRetriever("unreachable/hub-id", encoder_config=model.hparams["encoder_config"])
+    clone = PremiseRetriever(RetrieverOptions(name_or_path="unreachable/hub-id"),
+                             encoder_config=model.encoder.config.to_dict())
     assert {n: p.shape for n, p in clone.named_parameters()} == {n: p.shape for n, p in model.named_parameters()}
 
 

@@ -88,7 +88,7 @@ def test_reference_weights_load_identically(assets, which):
         for key, value in assets["encoder"].state_dict().items():
             assert torch.equal(model.encoder.state_dict()[key], value), key
     # Our settings are the ones trained with; the architecture is now stored, so what we write is ours.
-    assert model.hparams["max_seq_len"] == 128 and model.hparams["encoder_config"]["d_model"] == 64
+    assert model.options.max_seq_len == 128 and model.encoder.config.d_model == 64
 
 
 @pytest.mark.parametrize("which", ["ckpt", "folder"])

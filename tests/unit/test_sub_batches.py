@@ -19,6 +19,7 @@ from transformers.models.t5.modeling_t5 import T5Attention
 from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.data.dataset import with_lengths
+from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.model.sub_batches import padded_width, plan_sub_batches
 
@@ -78,7 +79,8 @@ def loader_batches(repo: Path, model: PremiseRetriever, n: int) -> list[dict]:
 
 def double_retriever(model_dir: Path, sort: bool) -> PremiseRetriever:
     torch.manual_seed(0)
-    model = PremiseRetriever(str(model_dir), max_seq_len=512, sort_by_length=sort).double()
+    model = PremiseRetriever(RetrieverOptions(name_or_path=str(model_dir), max_seq_len=512,
+                                              sort_by_length=sort)).double()
     for module in model.modules():  # dropout off: nn.Dropout modules and the attention's own rate (SDPA's)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -92,7 +94,7 @@ def test_sorted_loss_and_gradients_equal_the_padded_path_in_float64(unit_repo, t
     batches = loader_batches(unit_repo, model, 3)
     results = {}
     for sort in (False, True):
-        model.hparams["sort_by_length"] = sort
+        model.reconfigure(sort_by_length=sort)
         losses, grads, tokens = [], [], []
         for b in batches:
             model.zero_grad(set_to_none=True)
@@ -142,7 +144,8 @@ def test_evaluation_scores_are_unchanged_to_the_printed_digit(unit_repo, tiny_mo
     printed = {}
     for sort in (False, True):
         torch.manual_seed(0)
-        model = PremiseRetriever(str(tiny_model), max_seq_len=256, eval_batch_size=32, sort_by_length=sort)
+        model = PremiseRetriever(RetrieverOptions(name_or_path=str(tiny_model), max_seq_len=256, eval_batch_size=32,
+                                                  sort_by_length=sort))
         dm = RetrievalDataModule(unit_repo, model.tokenizer, DataConfig(eval_batch_size=32, num_workers=0,
                                                                         max_seq_len=512), premise_max_len=512, seed=1)
         trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,

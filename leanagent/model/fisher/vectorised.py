@@ -291,14 +291,19 @@ def accumulate_squared_example_grads(retriever: PremiseRetriever, batch: dict[st
     """
     if hooks is None:
         hooks = PerExampleGrads(retriever, {id(p): n for n, p in retriever.named_parameters() if n in sums})
-    hp = retriever.hparams
-    groups = example_groups(batch, hp.get("token_budget", 16384), call_cost_for(batch["context_ids"].device.type),
-                            hp.get("sort_by_length", True))
     count = 0
     with retriever.stock_forward():
-        for items in groups:
+        for items in fisher_groups(retriever, batch):
             count += _accumulate_group(retriever, select_items(batch, items), sums, hooks)
     return count
+
+
+def fisher_groups(retriever: PremiseRetriever, batch: dict[str, Any]) -> list[list[int]]:
+    """The groups of the batch's items the vectorised pass takes together, as the retriever's options say
+    (`model.sort_by_length`, `model.token_budget`): the training step's setting, not one of its own."""
+    options = retriever.options
+    return example_groups(batch, options.token_budget, call_cost_for(batch["context_ids"].device.type),
+                          options.sort_by_length)
 
 
 def _accumulate_group(retriever: PremiseRetriever, batch: dict[str, Any], sums: dict[str, torch.Tensor],
