@@ -28,7 +28,7 @@ from leanagent.model.fisher.vectorised import fisher_groups
 from leanagent.model.loading import load_retriever
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
-from leanagent.run_state import ManifestMismatchError, RunState
+from leanagent.run_state import MANIFEST_NAME, ManifestMismatchError, RepoEntry, RunState, check_experiment
 
 MAX_LEN = 256
 BUDGET = 600  # small enough that length-sorted groups of a batch's examples are cut
@@ -125,7 +125,8 @@ def _manifest_without(tmp_path: Path, sort_by_length: bool | None) -> PipelineCo
     """A run_dir whose manifest was written under `sort_by_length` (None: by a version without the key)."""
     cfg = PipelineConfig(run_dir=tmp_path / "run", repos=[RepoConfig(path=tmp_path / "a")])
     state = RunState(cfg.run_dir, cfg)
-    state.set_order(["a"], [tmp_path / "a"])
+    entry = RepoEntry("a", tmp_path / "a")
+    state.extend([entry], [entry])
     state.record("00-a/train", {"checkpoint": "a.ckpt"})
     data = json.loads(state.path.read_text())
     if sort_by_length is None:
@@ -143,8 +144,8 @@ def test_a_padded_run_is_not_continued_under_the_new_default(tmp_path: Path, sto
     was = "(absent: False)" if stored is None else "False"
     with pytest.raises(ManifestMismatchError, match=rf"model\.sort_by_length: {re.escape(was)} -> True"):
         RunState(cfg.run_dir, cfg)
-    with pytest.raises(ManifestMismatchError):
-        RunState.check(cfg.run_dir, cfg, ["a"])
+    with pytest.raises(ManifestMismatchError):  # the read-only check the run's plan makes first
+        check_experiment(cfg.run_dir / MANIFEST_NAME, json.loads((cfg.run_dir / MANIFEST_NAME).read_text()), cfg)
     padded = cfg.model_copy(update={"model": cfg.model.model_copy(update={"sort_by_length": False})})
     reopened = RunState(padded.run_dir, padded)  # the run's own setting: it continues
     assert reopened.stage_done("00-a/train") == {"checkpoint": "a.ckpt"}
