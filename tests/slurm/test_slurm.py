@@ -281,7 +281,7 @@ def test_a_node_set_down_is_reported_and_the_job_runs_again(cluster, ddp_assets,
 def test_the_end_of_a_job_slurm_has_forgotten_comes_from_its_own_exit_record(cluster, tmp_path):
     """After MinJobAge squeue and scontrol no longer know a job, and this cluster keeps no accounting (sacct):
     the exit record the job script writes is then the answer. A job id the cluster never had stands in."""
-    from leanagent.launch.slurm import query_state
+    from leanagent.launch.slurm.queue import query_state
 
     forgotten = 987654
     assert query_state(forgotten, tmp_path) is None  # nothing knows it: the launcher reports it ended without trace
