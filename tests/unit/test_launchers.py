@@ -6,6 +6,7 @@ validates it with that launcher's model, wherever a config is loaded for a run o
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import yaml
 from leanagent.cli import main as cli_main
 from leanagent.config import ConfigError, PipelineConfig, dump_config, load_config
 from leanagent.launch import local, slurm
+from leanagent.launch.base import LauncherPlugin
 from leanagent.launch.registry import config_problems, launcher_for, load_checked_config, plugins
 from leanagent.run_state import config_fingerprint
 
@@ -102,3 +104,15 @@ def test_status_and_cancel_of_a_run_with_nothing_queued_say_so(tmp_path, capsys)
         with pytest.raises(SystemExit) as info:
             cli_main([command, str(run_dir)])
         assert info.value.code == 0 and capsys.readouterr().out == expected + "\n"
+
+
+def test_the_docs_sketch_of_a_launcher_of_ones_own_is_a_plugin():
+    page = (REPO_ROOT / "docs" / "slurm.md").read_text()
+    part = page[page.index("## Write your own launcher"):page.index("## How it is tested")]
+    [code] = re.findall(r"```python\n(.*?)```", part, re.S)
+    namespace: dict = {}
+    exec(compile(code, "docs/slurm.md", "exec"), namespace)
+    plugin = namespace["PLUGIN"]
+    assert isinstance(plugin, LauncherPlugin) and plugin.name == "kube"
+    cfg = PipelineConfig.model_validate({"launcher": "kube", "kube": {"namespace": "lean"}})
+    assert plugin.launcher(cfg).kube.namespace == "lean" and plugin.check_config(cfg) == []
