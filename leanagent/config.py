@@ -138,11 +138,12 @@ class RepoConfig(_Section):
 class PipelineConfig(_Section):
     """A whole config file. Its top-level keys are these fields, plus the sections of launchers.
 
-    A launcher's settings are the top-level section named like it (`slurm:` for `launcher: slurm`). This ground
+    A launcher's settings are the top-level section named like it (`NAME:` for `launcher: NAME`). This ground
     layer knows no launcher: it keeps each such section as written (a mapping; `dump_config` writes it back, so
     the ranks get it too) and leaves it to the launcher registry (leanagent/launch/registry.py), which validates
     `launcher` and every section with its launcher's own pydantic model, and refuses any other top-level key
-    with the nearest known one, wherever a config is loaded for a run or a job.
+    with the nearest known one, wherever a config is loaded for a run or a job. A top-level key that is no field
+    and holds no mapping is no launcher's section: refused here already, with the nearest known key.
     """
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)

@@ -62,6 +62,9 @@ def plugins() -> dict[str, LauncherPlugin]:
         except Exception as exc:  # a broken third-party package: one line naming it, not a traceback
             raise ConfigError(f"launcher plugin {point.name} ({point.value}, entry point {ENTRY_POINT_GROUP}) "
                               f"does not load: {type(exc).__name__}: {exc}") from None
+        if getattr(plugin, "name", None) != point.name:
+            raise ConfigError(f"launcher plugin {point.value}: its entry point is named {point.name!r}, the "
+                              f"launcher {getattr(plugin, 'name', None)!r}; name both alike")
         add(plugin, f"{point.value} (entry point {ENTRY_POINT_GROUP})")
     return {name: plugin for name, (plugin, _) in found.items()}
 
