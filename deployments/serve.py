@@ -24,7 +24,8 @@ from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLi
 from prefect.schedules import Cron  # noqa: E402
 
 from flows.lifelong import lifelong_retrieval  # noqa: E402
-from leanagent.config import ConfigError, load_config  # noqa: E402
+from leanagent.config import ConfigError  # noqa: E402
+from leanagent.launch.registry import load_checked_config  # noqa: E402
 
 # Two runs of one run_dir never overlap: the second waits for the first (the lock would refuse it).
 ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.config_path:
         config_path = Path(args.config_path).resolve()
         try:
-            load_config(config_path)  # refuse a broken config now, not at the first scheduled run
+            load_checked_config(config_path)  # refuse a broken config now, not at the first scheduled run
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

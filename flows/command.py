@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from leanagent.config import load_config
+from leanagent.launch.registry import load_checked_config
 from leanagent.report import RunReport, report_from_manifest
 from leanagent.run_plan import BAD_INPUT, plan_run
 from leanagent.run_state import RunLock
@@ -30,7 +30,7 @@ def run_from_cli(config_path: str) -> int:
     job has been ended by then and the running stage is recorded `interrupted`.
     """
     try:
-        cfg = load_config(config_path)
+        cfg = load_checked_config(config_path)
         plan = plan_run(cfg)
         RunLock(cfg.run_dir).probe()
     except BAD_INPUT as exc:

@@ -18,8 +18,9 @@ from prefect.states import Failed, State
 from flows.artifacts import RunArtifacts
 from flows.stages import run_evaluations, run_stage
 from leanagent.checkpoints import prune_checkpoints
-from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, load_config, resolve_paths
+from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, resolve_paths
 from leanagent.dataset_strategy import training_datasets
+from leanagent.launch.registry import load_checked_config
 from leanagent.report import RunReport, report_from_manifest
 from leanagent.run_plan import BAD_INPUT, RunPlan, plan_run, progress_line
 from leanagent.run_state import (
@@ -46,7 +47,7 @@ def resolve_config(config: PipelineConfig | None, config_path: str | None) -> Pi
     if (config is None) == (config_path is None):
         raise ConfigError("give exactly one of `config` and `config_path`")
     if config_path is not None:
-        return load_config(config_path)
+        return load_checked_config(config_path)
     return resolve_paths(config, Path.cwd())
 
 

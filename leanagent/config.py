@@ -135,39 +135,28 @@ class RepoConfig(_Section):
         return self.name or self.path.name
 
 
-class SlurmConfig(_Section):
-    """How each job is submitted under `launcher: slurm`: one SLURM job per train, Fisher or evaluate job."""
-
-    partition: str | None = Field(None, description="sbatch --partition (None: the cluster's default)")
-    account: str | None = Field(None, description="sbatch --account")
-    qos: str | None = Field(None, description="sbatch --qos")
-    time: str | None = Field(None, description="sbatch --time, e.g. 1-00:00:00 (a job at its limit is resumed)")
-    nodes: int | None = Field(None, gt=0, description="nodes per job (default trainer.num_nodes, which it must equal)")
-    gpus_per_node: int | None = Field(
-        None, gt=0, description="ranks (GPUs) per node (default trainer.devices, which it must equal)")
-    cpus_per_task: int | None = Field(None, gt=0, description="sbatch --cpus-per-task (one task per node: torchrun)")
-    mem: str | None = Field(None, description="sbatch --mem, e.g. 64G")
-    constraint: str | None = Field(None, description="sbatch --constraint")
-    extra_args: list[str] = Field(default_factory=list, description="more sbatch arguments, e.g. [--exclusive]")
-    setup: list[str] = Field(default_factory=list,
-                             description="shell lines run in the job before the ranks start (module load ..., "
-                                         "source .venv/bin/activate)")
-    signal_lead_s: int = Field(120, ge=0, description="seconds before the time limit at which the ranks are asked "
-                                                      "to checkpoint and stop (sbatch --signal=B:USR2@...)")
-    max_requeues: int = Field(3, ge=0, description="resubmissions of a job that was stopped for its time limit, "
-                                                   "preempted or lost a node")
-    poll_s: float = Field(5.0, gt=0, description="seconds between looks at the queue")
-
-
 class PipelineConfig(_Section):
-    launcher: Literal["local", "slurm"] = Field(
-        "local", description="how each job's ranks are started: local = torchrun on this machine, slurm = one "
-                             "SLURM job each (leanagent/launch/NAME.py is the launcher NAME)")
+    """A whole config file. Its top-level keys are these fields, plus the sections of launchers.
+
+    A launcher's settings are the top-level section named like it (`NAME:` for `launcher: NAME`). This ground
+    layer knows no launcher: it keeps each such section as written (a mapping; `dump_config` writes it back, so
+    the ranks get it too) and leaves it to the launcher registry (leanagent/launch/registry.py), which validates
+    `launcher` and every section with its launcher's own pydantic model, and refuses any other top-level key
+    with the nearest known one, wherever a config is loaded for a run or a job. A top-level key that is no field
+    and holds no mapping is no launcher's section: refused here already, with the nearest known key.
+    """
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    __pydantic_extra__: dict[str, dict[str, Any] | None] = Field(init=False)  # launchers' sections, as written
+
+    launcher: str = Field(
+        "local", description="how each job's ranks are started: the name of a launcher (a module of "
+                             "leanagent/launch/, or an installed package's `leanagent.launchers` entry point); "
+                             "its settings are the top-level section of that name")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     trainer: TrainerConfig = TrainerConfig()
     lifelong: LifelongConfig = LifelongConfig()
-    slurm: SlurmConfig = SlurmConfig()
     run_dir: Path = Path("runs/leanagent")
     repos: list[RepoConfig] = []
     repos_dir: Path | None = Field(
@@ -177,19 +166,9 @@ class PipelineConfig(_Section):
                           "(copy a dataset in under a dot-name, then rename it), and one that does not validate "
                           "is skipped for this run")
 
-    @model_validator(mode="after")
-    def _nodes_and_rendezvous(self) -> PipelineConfig:
-        trainer = self.trainer
-        if self.launcher == "local" and trainer.num_nodes > 1 and not trainer.rdzv_endpoint:
-            raise ValueError("trainer.rdzv_endpoint (host:port of node 0) is required when trainer.num_nodes > 1 "
-                             "with launcher: local (under launcher: slurm the job finds its first node itself)")
-        for key, mine, theirs, their_key in (("slurm.nodes", self.slurm.nodes, trainer.num_nodes, "trainer.num_nodes"),
-                                             ("slurm.gpus_per_node", self.slurm.gpus_per_node, trainer.devices,
-                                              "trainer.devices")):
-            if mine is not None and mine != theirs:
-                raise ValueError(f"{key} is {mine} but {their_key} is {theirs}: the ranks are trainer.devices x "
-                                 f"trainer.num_nodes, so set both alike")
-        return self
+    def section(self, key: str) -> dict[str, Any] | None:
+        """The top-level section `key` this layer does not interpret (a launcher's), as written; None if absent."""
+        return (self.model_extra or {}).get(key)
 
 
 # Keys added after runs and checkpoints were written without them, where the old behaviour is not today's default:
@@ -247,13 +226,19 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel] | None 
     for err in exc.errors():
         key = ".".join(str(x) for x in err["loc"]) or "(top level)"
         message = err["msg"]
-        if err["type"] == "extra_forbidden" and model is not None:
+        if model is not None and (err["type"] == "extra_forbidden" or _not_a_section(model, err)):
             known = _known_keys(model, err["loc"][:-1])
             close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
             message = "unknown key" + (f" (did you mean {close[0]!r}?)" if close else
                                         f"; known here: {', '.join(known)}" if known else "")
         parts.append(f"{key}: {message}")
     return "; ".join(parts)
+
+
+def _not_a_section(model: type[BaseModel], err: Any) -> bool:
+    """A top-level key that is no field and whose value is no mapping: no launcher's section, so an unknown key."""
+    loc = err["loc"]
+    return len(loc) == 1 and loc[0] not in model.model_fields and err["type"] == "dict_type"
 
 
 def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from leanagent.atomic import read_json
 from leanagent.config import PipelineConfig
 from leanagent.job import JobFinishedError, JobInputError, Program, as_datasets, program_argv, result_filename
-from leanagent.launch.base import launcher_for
+from leanagent.launch.registry import launcher_for
 from leanagent.preflight import preflight_job
 
 

@@ -9,8 +9,8 @@ carries them all. Nothing here writes anything.
 - the input checkpoint and Fisher file are whole (`leanagent.checkpoints`);
 - the model resolves: a local folder holds a config.json, a hub id is in the local Hugging Face
   cache (or, online, its config.json can be fetched); a job starting from a checkpoint needs no model;
-- `accelerator: gpu` has at least `trainer.devices` visible GPUs;
-- `trainer.rdzv_endpoint` is host:port when `num_nodes > 1`;
+- the launcher (`leanagent.launch.registry`): its name, its config section, and its own checks of where the
+  ranks will run (this machine's GPUs, a static rendezvous, a cluster's partitions);
 - the filesystem of the run (or job) folder has room for the checkpoints and Fisher files it will keep.
 """
 
@@ -19,16 +19,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-from leanagent.config import PipelineConfig, RepoConfig, TrainerConfig
+from leanagent.config import PipelineConfig, RepoConfig
 from leanagent.data.validate import validate_dataset
 from leanagent.job import JobInputError, Program
+from leanagent.launch.registry import launch_problems
 
 # A checkpoint holds the fp32 weights (4 bytes per parameter) and AdamW's two moments (8 bytes), plus
 # loop/callback state, hparams and zip records (measured: 32 KB over 12 bytes per parameter on the tiny model).
@@ -171,99 +170,21 @@ def count_parameters(config: dict[str, Any] | None) -> int | None:
     return vocab * d + layers * per_layer + buckets * heads + d
 
 
-# ---- accelerator and rendezvous ---------------------------------------------------------------------
-
-def check_accelerator(trainer: TrainerConfig, device_count: int | None = None) -> list[str]:
-    if trainer.accelerator not in ("gpu", "cuda"):
-        return []
-    if device_count is None:
-        import torch
-
-        device_count = torch.cuda.device_count()
-    if device_count >= trainer.devices:
-        return []
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
-    fix = (f"lower trainer.devices to {device_count}" if device_count else
-           "set trainer.accelerator: cpu, or run where the GPUs are visible")
-    return [f"trainer.accelerator: {trainer.accelerator} asks for trainer.devices: {trainer.devices} GPU(s), but "
-            f"torch sees {device_count} on this machine{where}; {fix}"]
-
-
-def check_rendezvous(trainer: TrainerConfig) -> list[str]:
-    if trainer.num_nodes <= 1:
-        return []
-    endpoint = (trainer.rdzv_endpoint or "").strip()
-    problem = (f"trainer.rdzv_endpoint {endpoint!r} is not host:port (num_nodes: {trainer.num_nodes}); give node 0's "
-               f"address and a free port, e.g. host0:29500")
-    try:
-        parts = urlsplit("//" + endpoint)
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        return [problem]
-    if not host or port is None or not 0 < port < 65536 or parts.path or parts.query or parts.fragment \
-            or parts.username is not None:
-        return [problem]
-    return []
-
+# ---- the launcher ------------------------------------------------------------------------------------
 
 def check_launcher(cfg: PipelineConfig, device_count: int | None = None) -> list[str]:
-    """Where the ranks will run: this machine's GPUs and the static rendezvous (local), or the cluster (slurm).
+    """The config's launcher, by the registry (leanagent/launch/registry.py): its name and section, then its own
+    preflight of where the ranks will run (this machine's GPUs, a cluster's partitions).
 
-    Under SLURM the flow runs on a login node or a Prefect worker, which has no GPUs of its own: the
-    partition is asked instead (`sinfo`), before anything is submitted.
+    `device_count` stands in for the GPUs torch sees here; torch is asked only if the launcher wants to know.
     """
-    if cfg.launcher == "local":
-        return check_accelerator(cfg.trainer, device_count) + check_rendezvous(cfg.trainer)
-    return check_slurm(cfg)
+    return launch_problems(cfg, _visible_gpus if device_count is None else lambda: device_count)
 
 
-def check_slurm(cfg: PipelineConfig) -> list[str]:
-    """sbatch is there, the partition exists and offers the nodes (and GPUs per node) a job asks for."""
-    missing = [tool for tool in ("sbatch", "squeue", "scontrol", "scancel", "sinfo") if shutil.which(tool) is None]
-    if missing:
-        return [f"launcher: slurm needs SLURM's commands, but {', '.join(missing)} is not on PATH; run the flow on "
-                f"a login node of the cluster, or set launcher: local"]
-    slurm, trainer = cfg.slurm, cfg.trainer
-    args = ["sinfo", "-h", "-o", "%P|%D|%G|%a"]
-    if slurm.partition:
-        args[1:1] = ["-p", slurm.partition]
-    try:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        return ["launcher: slurm: sinfo did not answer within 60 s; is the controller up?"]
-    if done.returncode != 0:
-        reason = (done.stderr.strip() or f"exit {done.returncode}").splitlines()[-1]
-        return [f"launcher: slurm: sinfo failed ({reason}); is SLURM_CONF right and the controller up?"]
-    rows = [line.split("|") for line in done.stdout.splitlines() if line.count("|") == 3]
-    if slurm.partition and not rows:
-        known = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=60).stdout.split()
-        return [f"slurm.partition: {slurm.partition!r} is not a partition of this cluster (it has "
-                f"{', '.join(sorted({p.rstrip('*') for p in known})) or 'none'})"]
-    nodes = slurm.nodes or trainer.num_nodes
-    offered = sum(int(count) for _, count, _, _ in rows if count.isdigit())
-    where = f"partition {slurm.partition}" if slurm.partition else "the cluster's partitions"
-    problems = []
-    if offered and nodes > offered:
-        problems.append(f"slurm.nodes / trainer.num_nodes: {nodes} node(s) per job, but {where} has {offered}")
-    if trainer.accelerator in ("gpu", "cuda"):
-        gpus = max((_gpus(gres) for _, _, gres, _ in rows), default=0)
-        per_node = slurm.gpus_per_node or trainer.devices
-        if gpus < per_node:
-            problems.append(f"slurm.gpus_per_node / trainer.devices: {per_node} GPU(s) per node, but the nodes of "
-                            f"{where} offer {gpus} (Gres {sorted({r[2] for r in rows})}); set trainer.accelerator: cpu "
-                            f"for a CPU partition")
-    return problems
+def _visible_gpus() -> int:
+    import torch
 
-
-def _gpus(gres: str) -> int:
-    """GPUs per node from sinfo's Gres column (`gpu:4`, `gpu:a100:4(S:0-1)`, `(null)`)."""
-    total = 0
-    for item in gres.split(","):
-        fields = item.split("(")[0].split(":")
-        if fields[0] == "gpu" and fields[-1].isdigit():
-            total += int(fields[-1])
-    return total
+    return torch.cuda.device_count()
 
 
 # ---- disk -------------------------------------------------------------------------------------------

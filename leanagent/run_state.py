@@ -7,8 +7,10 @@ reader (the UI, a rerun, a person) always sees a whole file.
 
 Why a fingerprint: a rerun with a changed hyper-parameter would otherwise resume from
 checkpoints trained under the old one and silently mix two experiments. Keys that cannot change
-a result (where the run lives, logging cadence, dataloader workers, multi-node addressing) are
-left out of the fingerprint, so moving such a knob does not lock the user out of their run.
+a result (where the run lives, how its jobs are launched, logging cadence, dataloader workers,
+multi-node addressing) are left out of the fingerprint, so moving such a knob does not lock the user
+out of their run. How a job is launched is `launcher` and every launcher's section, whatever launchers
+exist: the fingerprint keeps only the keys the ground config itself interprets.
 
 Why the repositories are not in the fingerprint: a lifelong run learns repositories that arrive
 later. The fingerprint guards the experiment (model, data, trainer, lifelong settings); the
@@ -47,7 +49,6 @@ SEQUENCE_KEYS = ("repos", "repos_dir")
 RUN_IRRELEVANT_KEYS = (
     "run_dir",
     "launcher",
-    "slurm",
     "data.num_workers",
     "trainer.log_every_n_steps",
     "trainer.node_rank",
@@ -75,9 +76,9 @@ class RepoEntry:
 
 
 def fingerprint_fields(cfg: PipelineConfig) -> dict[str, Any]:
-    """The config as JSON, minus RUN_IRRELEVANT_KEYS and the repositories: what two runs must agree on to share a
-    run_dir."""
-    data = cfg.model_dump(mode="json")
+    """The config as JSON, minus RUN_IRRELEVANT_KEYS, the repositories and the launchers' sections: what two runs
+    must agree on to share a run_dir."""
+    data = {key: value for key, value in cfg.model_dump(mode="json").items() if key in PipelineConfig.model_fields}
     for key in SEQUENCE_KEYS:
         data.pop(key, None)
     for dotted in RUN_IRRELEVANT_KEYS:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from leanagent.cli.common import CommandError
-from leanagent.config import ConfigError, PipelineConfig, load_config
+from leanagent.config import ConfigError, PipelineConfig
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -89,9 +89,10 @@ def cmd_examples(args: argparse.Namespace) -> int:
     from leanagent.atomic import refuse_non_empty
     from leanagent.data.errors import DatasetError
     from leanagent.data.example_files import write_example_files
+    from leanagent.launch.registry import load_checked_config
 
     try:
-        cfg = load_config(args.config) if args.config else PipelineConfig()
+        cfg = load_checked_config(args.config) if args.config else PipelineConfig()
         data = cfg.data.model_copy(update={"split": args.split}) if args.split else cfg.data
         refuse_non_empty(Path(args.out))
         counts = write_example_files(Path(args.dataset), Path(args.out), data,

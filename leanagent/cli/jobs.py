@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from leanagent.cli.common import VERBOSE_HELP, CommandError
-from leanagent.config import ConfigError, dump_config, load_config
+from leanagent.config import ConfigError, dump_config
 from leanagent.supervision import Interrupted, interrupt_on_signals
 
 PROGRAMS = (("train", "train the retriever on one repository (DDP under torchrun)"),
@@ -44,10 +44,11 @@ def cmd_job(args: argparse.Namespace) -> int:
     from leanagent.job import JobFinishedError, JobInputError
     from leanagent.jobs import run_job
     from leanagent.launch.base import LaunchError
+    from leanagent.launch.registry import load_checked_config
 
     try:
         with interrupt_on_signals():
-            cfg = load_config(args.config)
+            cfg = load_checked_config(args.config)
             if args.node_rank is not None:
                 cfg.trainer.node_rank = args.node_rank
             if args.rdzv_endpoint is not None:

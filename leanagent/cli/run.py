@@ -1,4 +1,9 @@
-"""`run`: the lifelong curriculum as a Prefect flow; `status` and `cancel`: what a run has in the SLURM queue."""
+"""`run`: the lifelong curriculum as a Prefect flow; `status` and `cancel`: what a run has in a launcher's queue.
+
+`status` and `cancel` ask every launcher (leanagent/launch/registry.py) about the run's job folders, so they
+work whichever launcher submitted its jobs; a launcher with no queue (jobs on this machine live as long as
+whoever launched them) has nothing queued.
+"""
 
 from __future__ import annotations
 
@@ -16,11 +21,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("status", help="what a run has in the SLURM queue (launcher: slurm)")
+    p = sub.add_parser("status", help="each stage's queued job and its state, under any launcher with a queue")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("cancel", help="scancel every SLURM job of a run still in the queue")
+    p = sub.add_parser("cancel", help="end every job of a run still queued or running in a launcher's queue")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_cancel)
 
@@ -38,31 +43,45 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """What a run has in the SLURM queue (and what its stages' last jobs became)."""
-    from leanagent.launch.slurm import SlurmError, run_jobs
+    """What a run has in a queue (and what its stages' last jobs became)."""
+    from leanagent.config import ConfigError
+    from leanagent.launch.base import LaunchError
+    from leanagent.launch.registry import run_status
 
+    run_dir = Path(args.run_dir)
     try:
-        jobs = run_jobs(Path(args.run_dir))
-    except SlurmError as exc:
+        jobs = run_status(run_dir)
+    except (ConfigError, LaunchError) as exc:
         raise CommandError(str(exc)) from None
     if not jobs:
-        print(f"{args.run_dir}: no SLURM job recorded (launcher: local, or nothing submitted yet)")
+        print(f"{run_dir}: nothing queued (no job of this run was submitted to a queue)")
         return 0
-    for job_dir, job_id, state in jobs:
-        stage = job_dir.relative_to(Path(args.run_dir) / "jobs")
-        what = "forgotten by SLURM" if state is None else state.state + (
-            f" ({state.reason})" if state.reason and state.reason != "None" else "")
-        print(f"{job_id:>10}  {what:<28} {stage}")
+    for launcher, job in jobs:
+        print(f"{job.job_id:>10}  {job.state:<28} {_stage(run_dir, job.job_dir)}  ({launcher})")
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    """scancel every job of a run still in the queue (a SIGKILLed flow could not)."""
-    from leanagent.launch.slurm import SlurmError, cancel
+    """End every job of a run still in a queue (a SIGKILLed flow could not)."""
+    from leanagent.config import ConfigError
+    from leanagent.launch.base import LaunchError
+    from leanagent.launch.registry import cancel_run
 
+    run_dir = Path(args.run_dir)
     try:
-        ids = cancel(Path(args.run_dir))
-    except SlurmError as exc:
+        ended = cancel_run(run_dir)
+    except (ConfigError, LaunchError) as exc:
         raise CommandError(str(exc)) from None
-    print(f"cancelled {len(ids)} job(s){': ' + ', '.join(map(str, ids)) if ids else ''}")
+    if not ended:
+        print(f"{run_dir}: nothing queued, nothing cancelled")
+        return 0
+    for launcher, job in ended:
+        print(f"cancelled {job.job_id} ({launcher}, was {job.state}): {_stage(run_dir, job.job_dir)}")
     return 0
+
+
+def _stage(run_dir: Path, job_dir: Path) -> Path:
+    try:
+        return job_dir.relative_to(run_dir / "jobs")
+    except ValueError:
+        return job_dir

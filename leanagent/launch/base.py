@@ -13,22 +13,27 @@ every launcher:
   propagates: nothing of a job outlives whoever launched it;
 - a failure names the failing rank with its last lines (`LaunchError`); success returns `result.json`.
 
-A new launcher is one module in this folder, `leanagent/launch/NAME.py`, defining `launcher(cfg)`, chosen
-by the config's `launcher: NAME` (`launcher_for`). This module imports nothing heavy (no torch): the
-launcher side runs on a login node or a Prefect worker as well as beside the ranks.
+A launcher is one module: `leanagent/launch/NAME.py` (or an installed package's `leanagent.launchers` entry
+point) whose module-level `PLUGIN`, a `LauncherPlugin`, holds everything launcher-specific: its config section,
+its checks, its `Launcher`, and what `leanagent status` and `cancel` ask of it. The config's `launcher: NAME`
+picks it (`leanagent.launch.registry`). This module imports nothing heavy (no torch): the launcher side runs on
+a login node or a Prefect worker as well as beside the ranks.
 """
 
 from __future__ import annotations
 
 import collections
-import importlib
 import os
 import re
 import shutil
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 from leanagent.atomic import read_json
 from leanagent.config import PipelineConfig
@@ -95,8 +100,12 @@ class Launcher(ABC):
     devices: int = 1  # ranks per node, for the environment of the ranks
 
     @abstractmethod
-    def start(self, program_args: Sequence[str], job_dir: Path, log_dir: Path) -> RunningJob:
-        """Start the job's processes; their output must reach `RunningJob.read`, each rank's also `log_dir`."""
+    def start(self, program_args: Sequence[str], job_dir: Path, log_dir: Path, label: str) -> RunningJob:
+        """Start the job's processes; their output must reach `RunningJob.read`, each rank's also `log_dir`.
+
+        `label` is what the job is called (`train PFR`: the program and the repositories' configured names), for
+        whatever the launcher names after it (a SLURM job's name).
+        """
 
     def launch(self, program_args: Sequence[str], job_dir: Path, on_line: Callable[[str], None] | None = None,
                timeout_s: float | None = None, heartbeat_timeout_s: float | None = None,
@@ -111,11 +120,12 @@ class Launcher(ABC):
         # A retry reuses the job folder: the failed attempt's heartbeats are stale by now and must not count.
         shutil.rmtree(heartbeat_dir(job_dir), ignore_errors=True)
         shutil.rmtree(pids_dir(job_dir), ignore_errors=True)
-        output = JobOutput(label or job_label(program_args), on_line, progress_interval_s)
+        label = label or job_label(program_args)
+        output = JobOutput(label, on_line, progress_interval_s)
         log_dir = job_dir / "logs" / f"attempt-{time.strftime('%Y%m%d-%H%M%S')}"
-        label = program_args[0] if program_args else "torchrun"
+        program = program_args[0] if program_args else "torchrun"
         started = time.monotonic()
-        job = self.start(program_args, job_dir, log_dir)
+        job = self.start(program_args, job_dir, log_dir, label)
         reason: str | None = None
         exited_at: float | None = None
         try:
@@ -149,12 +159,12 @@ class Launcher(ABC):
         if reason is not None:
             output.emit(f"[launcher] {reason}: ending every process of the job")
             job.end(grace_s, output.emit)
-            raise LaunchError(f"{label} job in {job_dir}: {reason}", None, output.launcher_tail)
+            raise LaunchError(f"{program} job in {job_dir}: {reason}", None, output.launcher_tail)
         returncode = job.wait()
         # The job has exited: a rank it could not end (stopped, hung) or a forked child may still run.
         job.end(1.0, output.emit)
         if returncode != 0:
-            raise output.failure(label, job_dir, returncode)
+            raise output.failure(program, job_dir, returncode)
         result_path = job_dir / result_filename(self.node_rank)
         if not result_path.is_file():
             raise LaunchError(f"{job_dir}: the job exited 0 but wrote no {result_path.name}", None,
@@ -245,7 +255,64 @@ def child_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def launcher_for(cfg: PipelineConfig) -> Launcher:
-    """The launcher the config names: `leanagent.launch.<cfg.launcher>`'s `launcher(cfg)`."""
-    module = importlib.import_module(f"leanagent.launch.{cfg.launcher}")
-    return module.launcher(cfg)
+# ---- what a launcher module provides ------------------------------------------------------------------
+
+Section = TypeVar("Section", bound=BaseModel)
+
+
+def section_settings(cfg: PipelineConfig, name: str, model: type[Section]) -> Section:
+    """The config's top-level section `name`, validated with `model` (absent or empty: its defaults)."""
+    raw: Any = cfg.section(name)
+    return raw if isinstance(raw, model) else model.model_validate(raw or {})
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """One job of a run as its launcher's queue knows it, for `leanagent status` and `cancel`."""
+
+    job_dir: Path  # the stage's job folder
+    job_id: str  # the queue's id for it
+    state: str  # as the queue says it, e.g. `PENDING (Resources)`, `RUNNING`, `COMPLETED`
+    queued: bool  # still waiting or running: what a cancel would end
+
+
+class LauncherPlugin(ABC):
+    """Everything one launcher adds, found by its `name` (`leanagent.launch.registry`): `launcher: NAME`.
+
+    A launcher module defines one as its module-level `PLUGIN`. `section` is the pydantic model of its settings,
+    the config's top-level section `NAME:` (None: it takes none): config.py keeps that section as written, and
+    the registry validates it with this model (an unknown key refused with the nearest known one) wherever a
+    config is loaded for a run or a job. Only `launcher` must be written; the checks, `status` and `cancel` of a
+    launcher without a queue of its own have nothing to say.
+    """
+
+    name: str = ""
+    section: type[BaseModel] | None = None
+
+    def settings(self, cfg: PipelineConfig) -> Any:
+        """This launcher's section of `cfg`, validated (None for a launcher without one)."""
+        return None if self.section is None else section_settings(cfg, self.name, self.section)
+
+    @abstractmethod
+    def launcher(self, cfg: PipelineConfig) -> Launcher:
+        """The `Launcher` that starts `cfg`'s jobs."""
+
+    def check_config(self, cfg: PipelineConfig) -> list[str]:
+        """What this launcher needs of the rest of the config (`trainer.*`), read only: one line per problem."""
+        return []
+
+    def preflight(self, cfg: PipelineConfig, visible_gpus: Callable[[], int]) -> list[str]:
+        """Where the ranks will run, asked before anything is launched: one line per problem.
+
+        `visible_gpus()` counts the CUDA devices torch sees on this machine (the preflight asks torch: this
+        layer imports none), for a launcher whose ranks run here.
+        """
+        return []
+
+    def status(self, run_dir: Path) -> list[JobStatus]:
+        """The jobs of the run in `run_dir` that this launcher has on record with a queue (latest per stage)."""
+        return []
+
+    def cancel(self, run_dir: Path) -> list[JobStatus]:
+        """End every job of the run still in this launcher's queue; those it ended."""
+        return []

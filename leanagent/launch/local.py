@@ -15,6 +15,11 @@ end the job (`leanagent/supervision.py`).
 
 Runs wherever torchrun and psutil do (Linux, macOS): nothing here is Linux-only but the parent-death
 signal, which `parent_death_signal` leaves out elsewhere.
+
+`launcher: local` (the default) takes no section of its own: its settings are `trainer.*` (devices, and for a
+static multi-node job num_nodes, node_rank, rdzv_endpoint). Its checks: a multi-node job names node 0's
+`host:port`, and `accelerator: gpu` finds `trainer.devices` GPUs on this machine. Nothing of it is queued, so
+`leanagent status` and `cancel` have nothing to say of it: a local job lives as long as whoever launched it.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 
 from leanagent.config import PipelineConfig, TrainerConfig
 from leanagent.job import PROGRAMS_MODULE
-from leanagent.launch.base import GRACE_SECONDS, Launcher, RunningJob, child_environment
+from leanagent.launch.base import GRACE_SECONDS, Launcher, LauncherPlugin, RunningJob, child_environment
 from leanagent.launch.quiet import quiet_environment
 from leanagent.supervision import (
     HoldSignals,
@@ -54,9 +60,58 @@ PEER_GONE_GRACE_SECONDS = 5.0
 PROGRAMS_ENTRY = ("-m", PROGRAMS_MODULE)
 
 
-def launcher(cfg: PipelineConfig) -> LocalLauncher:
-    """`launcher: local` (the default)."""
-    return LocalLauncher(cfg.trainer)
+class LocalPlugin(LauncherPlugin):
+    """`launcher: local`: torchrun on this machine."""
+
+    name = "local"
+
+    def launcher(self, cfg: PipelineConfig) -> LocalLauncher:
+        return LocalLauncher(cfg.trainer)
+
+    def check_config(self, cfg: PipelineConfig) -> list[str]:
+        if cfg.trainer.num_nodes > 1 and not cfg.trainer.rdzv_endpoint:
+            return [f"trainer.rdzv_endpoint (host:port of node 0) is required when trainer.num_nodes > 1 with "
+                    f"launcher: {self.name} (a launcher with a cluster of its own may find the first node itself)"]
+        return []
+
+    def preflight(self, cfg: PipelineConfig, visible_gpus: Callable[[], int]) -> list[str]:
+        return check_accelerator(cfg.trainer, visible_gpus) + check_rendezvous(cfg.trainer)
+
+
+PLUGIN = LocalPlugin()
+
+
+def check_accelerator(trainer: TrainerConfig, visible_gpus: Callable[[], int]) -> list[str]:
+    """`accelerator: gpu` on this machine: at least `trainer.devices` GPUs visible to torch."""
+    if trainer.accelerator not in ("gpu", "cuda"):
+        return []
+    device_count = visible_gpus()
+    if device_count >= trainer.devices:
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    fix = (f"lower trainer.devices to {device_count}" if device_count else
+           "set trainer.accelerator: cpu, or run where the GPUs are visible")
+    return [f"trainer.accelerator: {trainer.accelerator} asks for trainer.devices: {trainer.devices} GPU(s), but "
+            f"torch sees {device_count} on this machine{where}; {fix}"]
+
+
+def check_rendezvous(trainer: TrainerConfig) -> list[str]:
+    """A static multi-node job's `trainer.rdzv_endpoint` is host:port."""
+    if trainer.num_nodes <= 1:
+        return []
+    endpoint = (trainer.rdzv_endpoint or "").strip()
+    problem = (f"trainer.rdzv_endpoint {endpoint!r} is not host:port (num_nodes: {trainer.num_nodes}); give node 0's "
+               f"address and a free port, e.g. host0:29500")
+    try:
+        parts = urlsplit("//" + endpoint)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return [problem]
+    if not host or port is None or not 0 < port < 65536 or parts.path or parts.query or parts.fragment \
+            or parts.username is not None:
+        return [problem]
+    return []
 
 
 def torchrun_command(cfg: TrainerConfig, program_args: Sequence[str], log_dir: Path | None = None,
@@ -246,7 +301,7 @@ class LocalLauncher(Launcher):
         self.node_rank = cfg.node_rank
         self.devices = cfg.devices
 
-    def start(self, program_args: Sequence[str], job_dir: Path, log_dir: Path) -> LocalJob:
+    def start(self, program_args: Sequence[str], job_dir: Path, log_dir: Path, label: str = "") -> LocalJob:
         cmd = torchrun_command(self.cfg, program_args, log_dir=log_dir, entry=self.entry)
         env = {**child_environment(), **supervisor_environment(job_dir)}
         quiet_environment(env, self.cfg.devices)

@@ -22,7 +22,10 @@ def write_config(path: Path, model: Path, devices: int = 2, **overrides) -> Path
         "lifelong": {"epochs_per_repo": 1, "ewc_lambda": 0.1},
     }
     for section, values in overrides.items():
-        cfg.setdefault(section, {}).update(values)
+        if isinstance(values, dict):
+            cfg.setdefault(section, {}).update(values)
+        else:
+            cfg[section] = values  # a top-level value, e.g. launcher="slurm"
     path.write_text(yaml.safe_dump(cfg))
     return path
 

@@ -205,7 +205,8 @@ def test_a_requeued_job_resumes_from_its_step_checkpoint_and_trains_as_if_never_
     assert losses(out) == {step: loss for step, loss in reference.items() if step >= resumed_at}
     mine, theirs = weights(result["checkpoint"]), weights(local_job["result"]["checkpoint"])
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
-    assert "pending" in log.read_text()
+    text = log.read_text()
+    assert "pending" in text and "(None)" not in text  # SLURM's reason as it gives it, or none at all
     assert not cluster.jobs()
 
 
@@ -278,10 +279,34 @@ def test_a_node_set_down_is_reported_and_the_job_runs_again(cluster, ddp_assets,
     assert not cluster.jobs()
 
 
+def test_status_and_cancel_ask_the_queue_for_the_runs_jobs(cluster, tmp_path):
+    """A stage's job held in the queue: `leanagent status` shows it with SLURM's reason, `leanagent cancel` ends it,
+    and status then shows what it became. No torchrun: the job is a held `sleep`, recorded as the launcher does."""
+    run_dir = tmp_path / "run"
+    folder = run_dir / "jobs" / "00-repo" / "train" / "slurm"
+    folder.mkdir(parents=True)
+    (folder / "job.sbatch").write_text("#!/bin/bash\nsleep 600\n")
+    submitted = cluster.run("sbatch", "--parsable", "--hold", "--partition=debug", f"--output={folder}/slurm-%j.out",
+                            str(folder / "job.sbatch"))
+    job_id = int(submitted.stdout.strip().split(";")[0])
+    (folder / "job.json").write_text(json.dumps({"job_ids": [job_id], "submitted_at": [time.time()],
+                                                 "resubmissions": 0}))
+    status = leanagent("status", str(run_dir))
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.split() == [str(job_id), "PENDING", "(JobHeldUser)", "00-repo/train", "(slurm)"]
+    cancel = leanagent("cancel", str(run_dir))
+    assert cancel.returncode == 0, cancel.stderr
+    assert cancel.stdout == f"cancelled {job_id} (slurm, was PENDING (JobHeldUser)): 00-repo/train\n"
+    wait_for(lambda: not cluster.jobs(), 60, "the cancelled job out of the queue")
+    after = leanagent("status", str(run_dir))
+    assert after.stdout.split()[:2] == [str(job_id), "CANCELLED"], after.stdout
+    assert leanagent("cancel", str(run_dir)).stdout == f"{run_dir}: nothing queued, nothing cancelled\n"
+
+
 def test_the_end_of_a_job_slurm_has_forgotten_comes_from_its_own_exit_record(cluster, tmp_path):
     """After MinJobAge squeue and scontrol no longer know a job, and this cluster keeps no accounting (sacct):
     the exit record the job script writes is then the answer. A job id the cluster never had stands in."""
-    from leanagent.launch.slurm import query_state
+    from leanagent.launch.slurm.queue import query_state
 
     forgotten = 987654
     assert query_state(forgotten, tmp_path) is None  # nothing knows it: the launcher reports it ended without trace

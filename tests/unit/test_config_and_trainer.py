@@ -80,7 +80,6 @@ def test_seed_strategy_timeout():
         ("lifelong: {ewc_lambda: -1}\n", "lifelong.ewc_lambda"),
         ("unknown_section: 1\n", "unknown_section"),
         ("data: {num_negatives: 1, num_in_file_negatives: 2}\n", "data"),
-        ("trainer: {num_nodes: 2}\n", "trainer"),
         ("model: {compile: sometimes}\n", "model.compile"),
         ("model: {token_budget: 0}\n", "model.token_budget"),
     ],

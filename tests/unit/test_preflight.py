@@ -10,17 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from pydantic import ValidationError
 from transformers import T5EncoderModel
 
 from leanagent.config import PipelineConfig, RepoConfig, TrainerConfig
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.job import JobInputError
 from leanagent.jobs import check_job
+from leanagent.launch.local import check_rendezvous
+from leanagent.launch.registry import config_problems
+from leanagent.launch.slurm import PLUGIN
 from leanagent.model.presets import PRESETS, encoder_config, write_random_encoder
 from leanagent.preflight import (
     PreflightError,
-    check_rendezvous,
     count_parameters,
     estimate_run,
     preflight_job,
@@ -203,16 +204,21 @@ def test_repositories_need_distinct_names_and_at_least_one(assets, tmp_path):
     assert "lists no repository" in refusal(preflight_run, empty, free_bytes=BIG)
 
 
-def test_the_slurm_section_is_checked_when_the_config_is_read():
+def test_the_slurm_section_is_checked_with_the_config(assets, tmp_path):
     base = {"launcher": "slurm", "trainer": {"accelerator": "cpu", "devices": 2, "num_nodes": 2}}
     cfg = PipelineConfig.model_validate(base)  # no rdzv_endpoint needed: the job finds its first node
-    assert cfg.slurm.nodes is None and cfg.slurm.max_requeues == 3
-    with pytest.raises(ValidationError, match="slurm.nodes is 3 but trainer.num_nodes is 2"):
-        PipelineConfig.model_validate({**base, "slurm": {"nodes": 3}})
-    with pytest.raises(ValidationError, match="extra_forbidden|Extra inputs"):
-        PipelineConfig.model_validate({**base, "slurm": {"partitions": "gpu"}})
-    with pytest.raises(ValidationError, match="rdzv_endpoint"):
-        PipelineConfig.model_validate({**base, "launcher": "local"})
+    slurm = PLUGIN.settings(cfg)
+    assert config_problems(cfg) == [] and slurm.nodes is None and slurm.max_requeues == 3
+    assert config_problems(PipelineConfig.model_validate({**base, "slurm": {"nodes": 3}})) == [
+        "slurm.nodes is 3 but trainer.num_nodes is 2: the ranks are trainer.devices x trainer.num_nodes, so set "
+        "both alike"]
+    assert config_problems(PipelineConfig.model_validate({**base, "slurm": {"partitions": "gpu"}})) == [
+        "slurm.partitions: unknown key (did you mean 'partition'?)"]
+    [local] = config_problems(PipelineConfig.model_validate({**base, "launcher": "local"}))
+    assert local.startswith("trainer.rdzv_endpoint (host:port of node 0) is required when trainer.num_nodes > 1")
+    # The preflight asks the same (a config built in Python, or in the Prefect UI), under any launcher.
+    bad = cpu_config(assets, tmp_path, slurm={"partitions": "gpu"})
+    assert refusal(preflight_run, bad, free_bytes=BIG) == "slurm.partitions: unknown key (did you mean 'partition'?)"
 
 
 def test_launcher_slurm_without_slurms_commands_is_refused_naming_them(assets, tmp_path, monkeypatch):
