@@ -390,6 +390,11 @@ class PremiseRetriever(pl.LightningModule):
         with autocast:
             self._corpus_emb = self.embed_corpus(self.trainer.datamodule.corpus)
 
+    @property
+    def corpus_embedding(self) -> torch.Tensor | None:
+        """The corpus embedding of the evaluation in progress (None outside one): mined negatives reuse it."""
+        return self._corpus_emb
+
     def _eval_step(self, batch: dict[str, Any]) -> None:
         assert self._corpus_emb is not None
         context_emb, _ = self.encode_pool(batch["context_ids"], batch["context_mask"], batch.get("context_lengths"))
