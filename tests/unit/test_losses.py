@@ -12,7 +12,7 @@ import torch
 from pytorch_lightning.callbacks import Callback
 from torch.utils.data import DataLoader
 
-from leanagent.config import DataConfig, ModelConfig, PipelineConfig
+from leanagent.config import DataConfig, ModelConfig, PipelineConfig, load_config
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.model.fisher import ESTIMATORS, FisherModule, ReferenceFisherModule
 from leanagent.model.losses import contrastive_mse, info_nce, retrieval_loss
@@ -190,3 +190,13 @@ def test_the_reference_fisher_squares_batch_gradients_of_the_configured_loss(uni
 def test_every_estimator_is_covered_here() -> None:
     """A new estimator in the registry must get its configured-loss test above."""
     assert set(ESTIMATORS) == {FisherModule.name, ReferenceFisherModule.name}
+
+
+def test_the_infonce_config_changes_the_recipe_only() -> None:
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "leanagent-infonce.yaml")
+    assert (cfg.model.loss, cfg.model.temperature, cfg.data.negatives, cfg.data.mined_pool) == (
+        "infonce", 0.05, "mined", 50)
+    default = PipelineConfig()
+    recipe = {"model": {"loss", "temperature"}, "data": {"negatives", "mined_pool"}}
+    assert cfg.model_dump(exclude={**recipe, "run_dir": True, "repos": True}) == default.model_dump(
+        exclude={**recipe, "run_dir": True, "repos": True})
