@@ -15,6 +15,7 @@ learns these synthetic repositories faster, not what it does on LeanDojo data.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,9 @@ RECIPES = {"mse-random": ("mse", "random"), "infonce-random": ("infonce", "rando
 
 
 def leanagent(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "leanagent.cli", *args], check=True)
+    # Each `leanagent run` starts Prefect's temporary server; on a busy machine it takes longer than Prefect's 20 s.
+    env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", **os.environ}
+    subprocess.run([sys.executable, "-m", "leanagent.cli", *args], check=True, env=env)
 
 
 def write_config(path: Path, args: argparse.Namespace, repos: list[Path], model: Path, loss: str,
