@@ -45,6 +45,11 @@ class ModelConfig(_Section):
                           "as LeanAgent, whose padded batches it keeps bit for bit")
     token_budget: int = Field(
         16384, gt=0, description="most tokens (sequences x padded width) one sub-batch's encoder call may take")
+    loss: Literal["mse", "infonce"] = Field(
+        "mse", description="mse: ReProver's (so LeanAgent's) cosine similarities regressed onto the label matrix; "
+                           "infonce: a cross-entropy per context over the similarities / temperature, every column "
+                           "marked positive counting as positive, averaged over contexts (leanagent/model/losses.py)")
+    temperature: float = Field(0.05, gt=0, description="the similarities are divided by this under loss: infonce")
     compile: Literal["auto"] | bool = Field(
         "auto", description="torch.compile each T5 block (regional, dynamic lengths): auto = under CUDA only; "
                             "a failed compile falls back to eager with one line")
@@ -56,6 +61,12 @@ class DataConfig(_Section):
     eval_batch_size: int = Field(64, gt=0)
     num_negatives: int = Field(3, ge=0)
     num_in_file_negatives: int = Field(1, ge=0)
+    negatives: Literal["random", "mined"] = Field(
+        "random", description="random: LeanAgent's, drawn uniformly from the accessible premises; mined: from the "
+                              "top data.mined_pool of the current model's ranking of them (refreshed at each "
+                              "validation, random before the first), positives excluded; the in-file count "
+                              "rule is the same either way")
+    mined_pool: int = Field(50, gt=0, description="how deep in the model's ranking mined negatives are drawn")
     max_seq_len: int = Field(1024, gt=0, description="token budget of contexts and of training premises")
     num_workers: int = Field(4, ge=0)
 

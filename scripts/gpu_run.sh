@@ -9,7 +9,10 @@
 #      and warm), the Fisher loop and vectorised pass against that step, fixed-length rows at L = 512, 1024;
 #   2. the rank programs (train, then Fisher) under torchrun with NCCL and bf16-mixed, on every visible GPU
 #      up to 2 ranks (scripts/gpu_check.py; NCCL runs one rank per GPU);
-#   3. the GPU-only tests (the vectorised Fisher equals the loop on CUDA) and the encoder tests.
+#   3. the GPU-only tests (the vectorised Fisher equals the loop on CUDA) and the encoder tests;
+#   4. on a GPU (not with --cpu-smoke), the training recipes side by side at byt5-small: mse + random,
+#      infonce + random, infonce + mined on the same generated curriculum at equal steps
+#      (scripts/compare_recipes.py; needs prefect, skipped without it), the report in recipes.log.
 #
 #   bash scripts/gpu_run.sh OUT                (OUT: where logs and JSON go; at most 8 files)
 #   bash scripts/gpu_run.sh OUT --cpu-smoke    (the same steps on CPU with the tiny model: checks the script)
@@ -46,4 +49,8 @@ timeout ${BENCH_S:-420} $PY -m leanagent.cli bench --dataset "$DATASET" --preset
 # shellcheck disable=SC2086
 timeout ${CHECK_S:-170} $PY scripts/gpu_check.py "$WORK/gpu_check" $CHECK_ARGS 2>&1 | tee "$OUT/gpu_check.log" | tail -30
 timeout ${TESTS_S:-90} $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+if [ "$DEVICE" = cuda ] && $PY -c "import prefect" 2>/dev/null; then
+  timeout ${RECIPES_S:-300} $PY scripts/compare_recipes.py "$WORK/recipes" --preset byt5-small --accelerator gpu \
+    --devices 1 --repos 2 --epochs ${RECIPE_EPOCHS:-2} 2>&1 | tee "$OUT/recipes.log" | tail -40
+fi
 echo "gpu_run done"

@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
@@ -75,6 +76,8 @@ class RetrievalDataModule(pl.LightningDataModule):
             )
         self.val_examples = build_eval_examples(self.corpus, self.val_theorems)
         self.test_examples = build_eval_examples(self.corpus, self.test_theorems)
+        self.mined: np.ndarray | None = None  # `data.negatives: mined`: the table (`set_mined`), None before it
+        self._train_ds: TrainDataset | None = None
 
     @staticmethod
     def _load_optional(path: Path) -> list[Theorem]:
@@ -92,7 +95,34 @@ class RetrievalDataModule(pl.LightningDataModule):
             premise_max_len=self.premise_max_len,
             seed=self.seed,
             deterministic=deterministic,
+            mined=None if deterministic else self.mined,
         )
+
+    # ---- mined negatives: the table, and its place in checkpoints -------------------------------
+    def set_mined(self, table: np.ndarray) -> None:
+        """Negatives from this mined table from the next epoch on (its loader's workers copy the dataset then)."""
+        if table.shape[0] != len(self.train_examples):
+            raise ValueError(f"a mined table of {table.shape[0]} rows for {len(self.train_examples)} examples")
+        self.mined = table
+        if self._train_ds is not None:
+            self._train_ds.mined = table
+
+    def _identity(self) -> str:
+        """Which training data a mined table indexes: another repository's checkpoint holds another's."""
+        return f"{self.dataset_dir.resolve()}:{self.cfg.split}:{len(self.train_examples)}:{len(self.corpus)}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in every checkpoint (Lightning's data module state): the mined table, so a resumed epoch draws
+        the negatives the interrupted one did. Nothing without one (random negatives are a pure function)."""
+        if self.mined is None:
+            return {}
+        return {"mined": torch.from_numpy(self.mined), "mined_for": self._identity()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restored before the training loader is built. A table of another dataset (the checkpoint a new
+        repository starts from) is not taken: the new repository's negatives are random until it validates."""
+        if self.cfg.negatives == "mined" and state_dict.get("mined_for") == self._identity():
+            self.set_mined(state_dict["mined"].numpy())
 
     def fisher_dataset(self) -> TrainDataset:
         """Fixed negatives so the Fisher estimate does not depend on which worker drew what."""
@@ -136,7 +166,7 @@ class RetrievalDataModule(pl.LightningDataModule):
         workers copy the dataset with that epoch.
         """
         replicas, rank, epoch = self._shard()
-        ds = self.train_dataset()
+        ds = self._train_ds = self.train_dataset()
         ds.set_epoch(epoch)
         sampler = DistributedSampler(ds, num_replicas=replicas, rank=rank, shuffle=True, seed=self.seed)
         sampler.set_epoch(epoch)

@@ -87,7 +87,8 @@ class TrainDataset(Dataset):
     run was resumed mid-epoch change nothing. Ranks and workers draw different negatives because
     they hold different examples. `set_epoch` is called at each epoch start (and when the loader is
     built, from the trainer's restored epoch); with `deterministic` the epoch is ignored (the Fisher
-    pass and `leanagent examples`).
+    pass and `leanagent examples`). With a mined table (`mined`) the draw is from its rows instead
+    (`sample_negatives`), still a pure function of the table, seed, example and epoch.
     """
 
     def __init__(
@@ -102,6 +103,7 @@ class TrainDataset(Dataset):
         seed: int,
         deterministic: bool = False,
         epoch: int = 0,
+        mined: np.ndarray | None = None,
     ) -> None:
         self.corpus = corpus
         self.examples = examples
@@ -113,6 +115,9 @@ class TrainDataset(Dataset):
         self.seed = seed
         self.deterministic = deterministic
         self.epoch = epoch
+        # `data.negatives: mined`: row e holds example e's mined candidates (`leanagent.model.mining`); None
+        # (random negatives, LeanAgent's) until the first validation has mined them.
+        self.mined = mined
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -129,7 +134,9 @@ class TrainDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         ex = self.examples[i]
-        negatives = sample_negatives(self.corpus, ex, self.num_negatives, self.num_in_file_negatives, self.rng_for(ex))
+        mined = None if self.mined is None else self.mined[i]
+        negatives = sample_negatives(self.corpus, ex, self.num_negatives, self.num_in_file_negatives, self.rng_for(ex),
+                                     mined)
         return {"example": ex, "negatives": negatives}
 
     def collate(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

@@ -163,20 +163,40 @@ def negative_pools(corpus: Corpus, example: TrainExample) -> tuple[list[Segment]
     return [], [own_before, imported]
 
 
+def mined_pools(in_file: list[Segment], outside: list[Segment], mined: Sequence[int]
+                ) -> tuple[list[Segment], list[Segment]]:
+    """The mined candidates (`data.negatives: mined`) that lie in each of the reference's pools, as sorted arrays:
+    the in-file count rule then applies to them as to the whole pools."""
+    def within(pool: list[Segment]) -> np.ndarray:
+        members = [int(x) for x in mined if x >= 0 and any(_position(seg, int(x)) >= 0 for seg in pool if len(seg))]
+        return np.unique(np.asarray(members, dtype=np.int64))
+    return [within(in_file)], [within(outside)]
+
+
 def sample_negatives(
     corpus: Corpus,
     example: TrainExample,
     num_negatives: int,
     num_in_file_negatives: int,
     rng: random.Random,
+    mined: Sequence[int] | None = None,
 ) -> list[int]:
+    """LeanAgent's draw (the module docstring). With `mined` (the example's row of the mined table: the model's
+    top premises for its context, best first, -1 past the end) the in-file negatives come from the mined ones in
+    the in-file pool and the rest from those outside it, each uniformly; only when they run short do the
+    reference's whole pools fill up, as without mining."""
     if num_negatives <= 0:
         return []
     positives = set(example.all_pos_premises) | {example.pos_premise}
     in_file, outside = negative_pools(corpus, example)
-    chosen = _draw(in_file, min(num_in_file_negatives, num_negatives), positives, rng)
+    pools: list[list[Segment]] = [outside, in_file, [range(len(corpus))]]
+    first = in_file
+    if mined is not None:
+        mined_in, mined_out = mined_pools(in_file, outside, mined)
+        first, pools = mined_in, [mined_out, mined_in, *pools]
+    chosen = _draw(first, min(num_in_file_negatives, num_negatives), positives, rng)
     banned = positives | set(chosen)
-    for pool in (outside, in_file, [range(len(corpus))]):
+    for pool in pools:
         need = num_negatives - len(chosen)
         if need == 0:
             break

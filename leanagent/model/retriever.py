@@ -1,9 +1,10 @@
 """The premise retriever: a ByT5 encoder whose pooled embeddings rank premises for a proof state.
 
 Follows ReProver's dense retriever (Yang et al., 2023): masked mean pooling, L2 normalisation,
-an MSE loss between the context-premise similarity matrix and the 0/1 label matrix, AdamW with a
-cosine schedule after linear warmup. LeanAgent adds an EWC penalty that anchors the parameters to
-their values at the start of training on a new repository, weighted by a diagonal Fisher.
+an MSE loss between the context-premise similarity matrix and the 0/1 label matrix (or, as an option,
+InfoNCE over it: `losses.py`), AdamW with a cosine schedule after linear warmup. LeanAgent adds an
+EWC penalty that anchors the parameters to their values at the start of training on a new repository,
+weighted by a diagonal Fisher.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transformers import AutoTokenizer, ByT5Tokenizer, T5Config, T5EncoderModel
 
 from leanagent.data.dataset import tokenize_premises
 from leanagent.model.encoder import CompiledBlocks, encoder_hidden
+from leanagent.model.losses import retrieval_loss
 from leanagent.model.lr_schedule import build_optimizer_and_schedule, reference_horizon
 from leanagent.model.metrics import ContextScore, aggregate, score_context
 from leanagent.model.options import RetrieverOptions
@@ -73,12 +75,6 @@ def token_budget_batches(lengths: np.ndarray, budget: int) -> list[tuple[int, in
     if lo < len(lengths):
         batches.append((lo, len(lengths)))
     return batches
-
-
-def contrastive_mse(context_emb: torch.Tensor, premise_emb: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-    """ReProver's loss: cosine similarities regressed onto the label matrix."""
-    similarity = context_emb @ premise_emb.t()
-    return F.mse_loss(similarity, label.to(similarity.dtype))
 
 
 @dataclass
@@ -245,7 +241,7 @@ class PremiseRetriever(pl.LightningModule):
         premise_emb, prem_tokens = self.encode_pool(batch["premise_ids"], batch["premise_mask"],
                                                     batch.get("premise_lengths"))
         self.last_tokens = ctx_tokens + prem_tokens
-        return contrastive_mse(context_emb, premise_emb, batch["label"])
+        return retrieval_loss(context_emb, premise_emb, batch["label"], self.options)
 
     # ---- EWC ------------------------------------------------------------------------------
     def set_ewc(self, fisher: dict[str, torch.Tensor], ewc_lambda: float,
@@ -393,6 +389,11 @@ class PremiseRetriever(pl.LightningModule):
             else nullcontext()
         with autocast:
             self._corpus_emb = self.embed_corpus(self.trainer.datamodule.corpus)
+
+    @property
+    def corpus_embedding(self) -> torch.Tensor | None:
+        """The corpus embedding of the evaluation in progress (None outside one): mined negatives reuse it."""
+        return self._corpus_emb
 
     def _eval_step(self, batch: dict[str, Any]) -> None:
         assert self._corpus_emb is not None

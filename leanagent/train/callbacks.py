@@ -2,6 +2,7 @@
 
 - `RepositoryEarlyStopping`: the seed's early stopping, scoped to one repository;
 - `DatasetEpoch`: the dataset and sampler learn which epoch starts (negatives depend on it);
+- `MinedNegatives`: `data.negatives: mined`, the table refreshed at each validation;
 - `StepCheckpoint`: `last.ckpt` during an epoch as well, for a mid-epoch resume;
 - `RandomState`: every rank's RNG in every checkpoint, so that a resumed run draws what an uninterrupted one did;
 - `Heartbeat`: liveness and progress for the launcher's watchdog and display (`leanagent.job.beat`).
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
 
 from leanagent.job import beat
+from leanagent.model.mining import mine_table
 from leanagent.ranks import global_rank
 from leanagent.train.progress import ProgressTracker
 
@@ -43,6 +45,23 @@ class RepositoryEarlyStopping(EarlyStopping):
     def load_state_dict(self, state_dict: dict) -> None:
         if self.restore_state:
             super().load_state_dict(state_dict)
+
+
+class MinedNegatives(Callback):
+    """`data.negatives: mined`: at the end of each validation, mine the training contexts' negatives from the
+    corpus embedding that validation computed (`leanagent.model.mining`) and hand the table to the data module,
+    which draws the next epoch's negatives from it and keeps it in checkpoints. Callbacks' epoch-end hooks run
+    before the retriever's own, which frees that embedding, and before the epoch's checkpoint is saved."""
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        datamodule = trainer.datamodule
+        corpus_emb = pl_module.corpus_embedding
+        if trainer.sanity_checking or corpus_emb is None:
+            return
+        cfg = datamodule.cfg
+        table = mine_table(pl_module, corpus_emb, datamodule.corpus, datamodule.train_examples, cfg.mined_pool,
+                           cfg.max_seq_len, cfg.eval_batch_size, pl_module.progress_hook)
+        datamodule.set_mined(table.numpy())
 
 
 class DatasetEpoch(Callback):

@@ -26,7 +26,7 @@ from leanagent.model.fisher import fisher_estimator
 from leanagent.model.loading import load_retriever
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.ranks import global_rank, local_rank, node_rank
-from leanagent.train.callbacks import Heartbeat, StopRequested
+from leanagent.train.callbacks import Heartbeat, MinedNegatives, StopRequested
 from leanagent.train.plan import JOB_PLAN, ewc_anchor, plan_training, start_at_epoch
 from leanagent.train.trainer import (
     build_eval_trainer,
@@ -61,7 +61,8 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
         model.set_ewc(fisher_tensors, cfg.lifelong.ewc_lambda, anchor=ewc_anchor(cfg, plan))
     # A new repository starts early stopping afresh; a retry of this job keeps its patience count.
     heartbeat = Heartbeat(job_dir)
-    trainer = build_training_trainer(cfg.trainer, job_dir, plan.target_epochs, [heartbeat],
+    mining = [MinedNegatives()] if cfg.data.negatives == "mined" else []
+    trainer = build_training_trainer(cfg.trainer, job_dir, plan.target_epochs, [heartbeat, *mining],
                                      resuming_this_job=plan.is_retry)
     if plan.from_reference:
         start_at_epoch(trainer, plan.start_epochs)

@@ -15,9 +15,10 @@ from leanagent.data.examples import build_train_examples
 from leanagent.data.theorems import load_split
 from leanagent.model.fisher import FisherModule
 from leanagent.model.fisher.batches import PaddedForRanks
+from leanagent.model.losses import contrastive_mse
 from leanagent.model.metrics import aggregate, score_context
 from leanagent.model.options import RetrieverOptions
-from leanagent.model.retriever import PremiseRetriever, contrastive_mse
+from leanagent.model.retriever import PremiseRetriever
 from leanagent.train.plan import plan_training
 
 

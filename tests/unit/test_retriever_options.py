@@ -156,3 +156,18 @@ def test_a_padded_run_is_not_continued_under_the_new_default(tmp_path: Path, sto
 def test_a_sorted_run_continues_under_the_default(tmp_path: Path) -> None:
     cfg = _manifest_without(tmp_path, True)
     assert RunState(cfg.run_dir, cfg).stage_done("00-a/train") == {"checkpoint": "a.ckpt"}
+
+
+def test_a_run_from_before_the_recipe_keys_continues_under_their_defaults(tmp_path: Path) -> None:
+    """`model.loss`, `model.temperature`, `data.negatives`, `data.mined_pool`: absent means LeanAgent's recipe,
+    today's default (so not in ABSENT_MEANS); a manifest without them continues, and refuses another recipe."""
+    cfg = _manifest_without(tmp_path, True)
+    data = json.loads((cfg.run_dir / MANIFEST_NAME).read_text())
+    for section, key in (("model", "loss"), ("model", "temperature"), ("data", "negatives"), ("data", "mined_pool")):
+        del data["config"][section][key]
+    (cfg.run_dir / MANIFEST_NAME).write_text(json.dumps(data))
+    assert RunState(cfg.run_dir, cfg).stage_done("00-a/train") == {"checkpoint": "a.ckpt"}
+    infonce = cfg.model_copy(update={"model": cfg.model.model_copy(update={"loss": "infonce"})})
+    with pytest.raises(ManifestMismatchError, match=r"model\.loss: '\(absent\)' -> 'infonce'"):
+        RunState(infonce.run_dir, infonce)
+    assert RetrieverOptions.from_hparams({"name_or_path": "m"}).loss == "mse"  # an old checkpoint trained mse

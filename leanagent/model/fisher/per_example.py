@@ -1,7 +1,8 @@
 """The diagonal empirical Fisher of the retriever, for EWC: `per_example`, the default estimator.
 
 F_i = (1/N) * sum_n (d loss_n / d theta_i)^2 over the N training examples of a repository, each example
-scored against its own positive and negatives. It squares *per-example* gradients. Under DDP the
+scored against its own positive and negatives with the configured loss (`model.loss`, `losses.py`: for
+`infonce`, the cross-entropy of its context over its own columns). It squares *per-example* gradients. Under DDP the
 gradient all-reduce would average before squaring, so this pass takes gradients with
 `torch.autograd.grad` (DDP's reducer never sees them), accumulates local fp32 sums, and all-reduces
 the sums and the true example count once at the end. Padding items (`is_padding`) are skipped,
@@ -29,7 +30,8 @@ from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.model.fisher.base import FisherEstimator, unflatten
 from leanagent.model.fisher.batches import PaddedForRanks, example_lengths
 from leanagent.model.fisher.vectorised import PerExampleGrads, accumulate_squared_example_grads, unsupported_modules
-from leanagent.model.retriever import PremiseRetriever, contrastive_mse
+from leanagent.model.losses import retrieval_loss
+from leanagent.model.retriever import PremiseRetriever
 
 METHODS = ("auto", "loop", "vectorised")
 # What `auto` picks per device type, by measurement (README, Performance): the loop is faster on a CPU; on an H200
@@ -115,7 +117,7 @@ class FisherModule(FisherEstimator):
         premises, _ = self.retriever.encode_pool(batch["premise_ids"][columns, :prem_len],
                                                  batch["premise_mask"][columns, :prem_len], prem_lens)
         label = batch["label"][i : i + 1, columns]
-        return contrastive_mse(context, premises, label)
+        return retrieval_loss(context, premises, label, self.retriever.options)  # the configured loss
 
     def on_train_epoch_end(self) -> None:
         flat, names, total = self.reduced_sums(self.count)

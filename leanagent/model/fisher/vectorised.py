@@ -17,11 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.models.t5.modeling_t5 import T5Attention, T5LayerNorm
 
 from leanagent.model.fisher.batches import example_groups, select_items
+from leanagent.model.losses import context_losses
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.model.sub_batches import call_cost_for
 
@@ -313,8 +313,9 @@ def _accumulate_group(retriever: PremiseRetriever, batch: dict[str, Any], sums: 
     with hooks.start(k):
         context = retriever.encode(ctx_ids, ctx_mask)
         premises = retriever.encode(prem_ids, prem_mask).view(k, cols, -1)
-    # contrastive_mse per example: (1 x d) @ (d x cols) (a matmul, bf16 under autocast as in the loop), mean over cols.
+    # The configured loss per example: (1 x d) @ (d x cols) (a matmul, bf16 under autocast as in the loop), then
+    # each row's own loss (`context_losses`: for mse the mean over its columns), summed over the examples.
     similarity = torch.bmm(context.unsqueeze(1), premises.transpose(1, 2)).squeeze(1)
-    loss = F.mse_loss(similarity, label.to(similarity.dtype), reduction="none").mean(dim=1).sum()
+    loss = context_losses(similarity, label, retriever.options).sum()
     hooks.backward(loss, sums)
     return k
