@@ -27,7 +27,12 @@ from contextlib import contextmanager
 
 from prefect.events.worker import EventsWorker
 from prefect.logging.handlers import APILogWorker
-from prefect.settings import PREFECT_API_URL, PREFECT_HOME, PREFECT_SERVER_EPHEMERAL_ENABLED
+from prefect.settings import (
+    PREFECT_API_URL,
+    PREFECT_HOME,
+    PREFECT_SERVER_EPHEMERAL_ENABLED,
+    PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+)
 
 from leanagent.supervision import parent_death_signal
 
@@ -36,6 +41,17 @@ from leanagent.supervision import parent_death_signal
 # fresh SQLite database while the server's other services and the flow's first calls write too, and the
 # "database is locked" it can hit is logged as a long traceback; a throwaway local server has nothing to report.
 TEMPORARY_SERVER_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+# Prefect waits 20 s for its temporary server by default: on a busy 2-core laptop (a training job beside it) that
+# start takes longer, and the run would end before it began. Said explicitly, the setting is taken as given.
+STARTUP_FLOOR_S = 120
+
+
+def startup_timeout() -> int:
+    """How long to wait for the temporary server: the user's setting when set, else at least `STARTUP_FLOOR_S`."""
+    configured = int(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+    if "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in os.environ:
+        return configured
+    return max(configured, STARTUP_FLOOR_S)
 
 
 DRAIN_SECONDS = 5.0  # for the logs and events still queued for the server when the command ends
@@ -92,7 +108,7 @@ def _start():  # -> SubprocessASGIServer | None
 
     server = ServerBoundToThisProcess()
     try:
-        server.start()
+        server.start(timeout=startup_timeout())
     except RuntimeError as exc:  # Prefect's own "Timed out while attempting to connect ...", with the output
         server.stop()
         reason = (str(exc).strip().splitlines() or ["no reason given"])[0][:300]

@@ -106,7 +106,10 @@ def test_a_sigkilled_leanagent_run_is_rerun_and_reattaches_to_its_job(cluster: C
     train = run_dir / "jobs" / "00-repo_0" / "train"
     cli = _cli(tmp_path / "first.log", config, _env(tmp_path))
     try:
-        wait_for(lambda: _running_job(cluster, train) is not None, 2 * STARTUP_S, "the training job running")
+        # Or `leanagent run` ended (its own failure, shown below), which no wait would change.
+        wait_for(lambda: cli.poll() is not None or _running_job(cluster, train) is not None, 2 * STARTUP_S,
+                 "the training job running")
+        assert cli.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
         job_id = _running_job(cluster, train)
         os.killpg(cli.pid, signal.SIGKILL)  # the flow, the temporary server: all of `leanagent run`, at once
         cli.wait(timeout=30)
@@ -157,7 +160,10 @@ def test_a_prefect_cancel_of_a_served_run_leaves_no_job_in_the_queue(cluster: Cl
             deployment = served_deployment(client, name, STARTUP_S, serve)
             serving = _tree(serve.pid)  # the runner and its helpers, before the run: not the run's processes
             run = client.create_flow_run_from_deployment(deployment.id, parameters={"config_path": str(config)})
-            wait_for(lambda: _running_job(cluster, train) is not None, 2 * STARTUP_S, "the training job running")
+            # Or `leanagent run` ended (its own failure, shown below), which no wait would change.
+        wait_for(lambda: cli.poll() is not None or _running_job(cluster, train) is not None, 2 * STARTUP_S,
+                 "the training job running")
+        assert cli.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
             # The flow-run process and what it started; not the resource tracker that the runner's multiprocessing
             # starts with its first run and keeps for the next.
             flow_processes = [p for p in map(find_process, _tree(serve.pid) - serving)
