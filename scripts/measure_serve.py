@@ -3,7 +3,7 @@
     python scripts/measure_serve.py WORKDIR [--preset tiny] [--device cpu] [--json OUT] [--skip-mathlib]
 
 Builds, under WORKDIR (reused when present): the demo index (the tiny random encoder over the third demo
-repository, as in README's "Use what you trained") and a mathlib-scale index (`leanagent demo-data
+repository, as `scripts/demo.sh` writes it and docs/serving.md indexes it: 90 premises) and a mathlib-scale index (`leanagent demo-data
 --mathlib-scale`: 2,000 files, 76,000 premises). Each is served by a real `leanagent serve` process on
 127.0.0.1; the clients are threads of this process, each with its own httpx connection, sending requests one
 after another. Two bodies are measured:
@@ -49,8 +49,8 @@ def build(work: Path, preset: str, device: str, mathlib: bool) -> dict[str, tupl
     model = work / f"model-{preset}"
     if not model.exists():
         _cli("init-model", str(model), "--preset", preset)
-    if not (work / "demo").exists():
-        _cli("demo-data", str(work / "demo"))
+    if not (work / "demo").exists():  # scripts/demo.sh's data: its repo_2 index holds 90 premises
+        _cli("demo-data", str(work / "demo"), "--repos", "3", "--scale", "3", "--theorems", "90")
     out = {"demo": (work / f"index-demo-{preset}", work / "demo" / "repo_2")}
     if mathlib:
         if not (work / "mathlib").exists():

@@ -11,8 +11,9 @@ with the model and the embeddings loaded once per process:
   corpus order. The client caches both for its whole process and refers to them by position.
 - `GET /max-new-premises`: a bare integer, the most unindexed premises one request may carry.
 - `POST /retrieve`: `{"state", "local_premises", "imported_modules", "new_premises", "k", ...}`; the reply is
-  `[{"name", "score"}, ...]`, best first, at most `k` long. The indexed premises considered are those of the
-  `imported_modules` and the `local_premises` given (everything when neither is), and the `new_premises`
+  `[{"name", "score"}, ...]`, best first, at most `k` long (32 by default). The indexed premises considered are
+  those of the `imported_modules` and the `local_premises` given (everything when neither is; each entry a
+  position in the cached list or a name), and the `new_premises`
   (`{"name", "decl"}`, printed by Lean) are embedded on the fly, ranked with them, and replace an indexed
   premise of the same name.
 - `GET /health`.

@@ -18,6 +18,11 @@ class ServeLimits(BaseModel):
     cache_size: int = Field(16_384, ge=0, description="new-premise embeddings kept (least recently used go first)")
 
 
+DEFAULT_K = 32  # the reference server's default; the Lean client always sends k
+# A premise or module as a position in the list the client cached, or by its name (a user's curl, LeanHammer).
+NameOrPosition = StrictInt | StrictStr
+
+
 class NewPremise(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -31,14 +36,16 @@ class RetrieveRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     state: StrictStr
-    local_premises: list[StrictInt] | None = None  # indices into GET /indexed-premises
-    imported_modules: list[StrictInt] | None = None  # indices into GET /indexed-modules
+    # Each entry a position in GET /indexed-premises (what the Lean client sends) or a premise's name, as
+    # LeanHammer's server also takes them; one list may mix both.
+    local_premises: list[NameOrPosition] | None = None
+    imported_modules: list[NameOrPosition] | None = None  # positions in GET /indexed-modules, or module names
     new_premises: list[NewPremise] | None = None
-    k: StrictInt = 32  # the reference server's default; the Lean client always sends it
+    k: StrictInt = DEFAULT_K
     # Sent by clients of Lean's module system; its modules are accessible like `imported_modules`' (an index does
     # not tell private declarations apart), and whether the caller is a module changes nothing here.
     caller_in_module_system: StrictBool | None = None
-    imported_all_modules: list[StrictInt] | None = None
+    imported_all_modules: list[NameOrPosition] | None = None
 
 
 class RequestError(Exception):

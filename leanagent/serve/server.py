@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -90,6 +90,8 @@ class PremiseServer:
             by_name.setdefault(name, []).append(row)
         self.premise_names = list(by_name)
         self._names = _Groups(list(by_name.values()))
+        # A request may name premises instead of giving positions: matched as a new premise's name is, by key.
+        self._name_position = {name_key(name): i for i, name in enumerate(self.premise_names)}
         self._key_rows = {name_key(name): rows for name, rows in by_name.items()}
         self._duplicates = len(premises) - len(by_name)
         by_module: dict[str, list[int]] = {}
@@ -97,6 +99,7 @@ class PremiseServer:
             by_module.setdefault(module_name(path), []).extend(range(*info.rows))
         self.module_names = list(by_module)
         self._modules = _Groups(list(by_module.values()))
+        self._module_position = {name: i for i, name in enumerate(self.module_names)}
         self.indexed_premises_json = _json_bytes(self.premise_names)
         self.indexed_modules_json = _json_bytes(self.module_names)
         self.requests = 0
@@ -149,10 +152,14 @@ class PremiseServer:
         for field_name, ids in (("imported_modules", request.imported_modules),
                                 ("imported_all_modules", request.imported_all_modules)):
             if ids:
-                mask[self._modules.rows(_indices(ids, self._modules.count, field_name, "/indexed-modules"))] = True
+                positions = _positions(ids, self._modules.count, self._module_position.get, field_name,
+                                       "/indexed-modules", "module")
+                mask[self._modules.rows(positions)] = True
         if request.local_premises:
-            ids = _indices(request.local_premises, self._names.count, "local_premises", "/indexed-premises")
-            mask[self._names.rows(ids)] = True
+            positions = _positions(request.local_premises, self._names.count,
+                                   lambda name: self._name_position.get(name_key(name)), "local_premises",
+                                   "/indexed-premises", "premise")
+            mask[self._names.rows(positions)] = True
         return mask
 
     def _embed(self, texts: list[str]) -> torch.Tensor:
@@ -190,7 +197,21 @@ class PremiseServer:
                 "requests": self.requests, "cached_new_premises": len(self._cache), "warnings": self.index.warnings}
 
 
-def _indices(values: list[int], count: int, field_name: str, endpoint: str) -> np.ndarray:
+def _positions(values: list[int | str], count: int, position_of: Callable[[str], int | None], field_name: str,
+               endpoint: str, what: str) -> np.ndarray:
+    """Positions in the list GET `endpoint` returns, each value given as a position or as a name (a premise's as
+    Lean writes it, with or without `«»`): the first unknown name or bad position refused, naming it."""
+    if any(isinstance(v, str) for v in values):
+        resolved = []
+        for i, v in enumerate(values):
+            if isinstance(v, str):
+                position = position_of(v)
+                if position is None:
+                    raise RequestError(422, f"{field_name}[{i}]: {json.dumps(v, ensure_ascii=False)} is not a "
+                                            f"{what} name in GET {endpoint}")
+                v = position
+            resolved.append(v)
+        values = resolved
     ids = np.asarray(values, dtype=np.int64)
     bad = np.flatnonzero((ids < 0) | (ids >= count))
     if len(bad):
