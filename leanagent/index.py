@@ -290,6 +290,26 @@ class PremiseIndex:
             out[torch.tensor(rows, device=self.device)] = emb.to(torch.bfloat16).to(self.embeddings.dtype)
         return out
 
+    @torch.inference_mode()
+    def encode_together(self, states: list[str], texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """States (as `encode_state` formats and cuts them) and premise texts (as `encode_premises` cuts and
+        rounds them) in one encoder pass: sorted by length into token-budget sub-batches, each padded to its own
+        longest, so 32 states cost about one pass of their total length, not 32 passes. Padding is masked: each
+        row is its own pass's up to float rounding."""
+        tokenizer = self.retriever.tokenizer
+        parts = [tokenize_texts(tokenizer, [strip_goal_count(s) for s in states],
+                                int(self.meta.get("context_max_len", CONTEXT_MAX_LEN)))]
+        if texts:
+            parts.append(tokenize_texts(tokenizer, texts, int(self.meta["max_seq_len"])))
+        width = max(ids.shape[1] for ids, _ in parts)
+        ids = torch.cat([torch.nn.functional.pad(i, (0, width - i.shape[1])) for i, _ in parts])
+        mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for _, m in parts])
+        with _precision(self.device):
+            emb, _ = self.retriever.encode_pool(ids.to(self.device), mask.to(self.device),
+                                                mask.sum(dim=1).tolist(), sort=True)
+        premises = emb[len(states):].to(torch.bfloat16).to(self.embeddings.dtype)
+        return emb[:len(states)], premises
+
     def retrieve(self, state: str, k: int = 10, file: str | None = None, line: int | None = None,
                  column: int = 0) -> list[Hit]:
         """The k best premises for `state`, best first; only those accessible at `file`:`line` when given."""

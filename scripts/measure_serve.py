@@ -3,10 +3,10 @@
     python scripts/measure_serve.py WORKDIR [--preset tiny] [--device cpu] [--json OUT] [--skip-mathlib]
 
 Builds, under WORKDIR (reused when present): the demo index (the tiny random encoder over the third demo
-repository, as `scripts/demo.sh` writes it and docs/serving.md indexes it: 90 premises) and a mathlib-scale index (`leanagent demo-data
---mathlib-scale`: 2,000 files, 76,000 premises). Each is served by a real `leanagent serve` process on
-127.0.0.1; the clients are threads of this process, each with its own httpx connection, sending requests one
-after another. Two bodies are measured:
+repository, as `scripts/demo.sh` writes it and docs/serving.md indexes it: 90 premises) and a mathlib-scale
+index (`leanagent demo-data --mathlib-scale`: 2,000 files, 76,000 premises). Each is served by a real `leanagent
+serve` process on 127.0.0.1; the clients are threads of this process, each with its own httpx connection,
+sending requests one after another. Two bodies are measured:
 
 - new client: every module of the corpus in `imported_modules`, 16 new premises (the same ones each time, so
   cached after the first request, as a client's unchanged file would send them), k = 32;

@@ -21,6 +21,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-premises", type=int,
                    help="new premises one request may upload, what GET /max-new-premises says (default 2048)")
     p.add_argument("--cache-size", type=int, help="new-premise embeddings kept between requests (default 16384)")
+    p.add_argument("--no-batching", action="store_true",
+                   help="one encoder pass per request, one request at a time (default: concurrent requests' states "
+                        "and new premises share a pass)")
+    p.add_argument("--batch-tokens", type=int, help="tokens (bytes) one shared pass takes at most (default 32768)")
+    p.add_argument("--batch-wait-ms", type=float,
+                   help="how long a pass waits for requests still arriving (default 2; a lone client never waits)")
     p.add_argument("--access-log", action="store_true", help="log every request")
     add_model_check_arguments(p)
     p.set_defaults(func=cmd_serve)
@@ -32,7 +38,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from leanagent.serve import ServeError, ServeLimits, serve_index
 
     check_device(args.device)
-    given = {"max_k": args.max_k, "max_new_premises": args.max_new_premises, "cache_size": args.cache_size}
+    given = {"max_k": args.max_k, "max_new_premises": args.max_new_premises, "cache_size": args.cache_size,
+             "batching": False if args.no_batching else None, "batch_tokens": args.batch_tokens,
+             "batch_wait_ms": args.batch_wait_ms}
     try:
         limits = ServeLimits(**{key: value for key, value in given.items() if value is not None})
     except ValidationError as exc:

@@ -23,15 +23,19 @@ user. So every refusal is a JSON object `{"error": "<one line: what is wrong and
 (413 for what is over a limit), never an array, never a traceback; an unexpected failure is a 500 of the same
 shape, its traceback in the server's log only.
 
-Why one encoder lock: concurrent requests are parsed, checked and merged in parallel, but the encoder runs
-one batch at a time. On a CPU, torch already spreads one pass over every core, so parallel passes would only
-compete for them; on a GPU they would queue anyway. The new-premise cache lives under the same lock.
+Why one encoder thread: concurrent requests are parsed, checked and ranked in parallel, but the encoder runs
+one pass at a time, and concurrent requests' states and uncached new premises share it (`batching.py`: one
+pass of 32 states sorted by length costs far less than 32 passes). On a CPU torch already spreads one pass
+over every core, so parallel passes would only compete for them; on a GPU they would queue anyway. The
+new-premise cache belongs to that thread. `--no-batching` (`ServeLimits.batching`) keeps one request's passes
+at a time under a lock instead.
 
 `create_app(index)` returns a FastAPI app, so a user can mount it in their own (`app.mount("/lean", ...)`).
 
-The package, one concern a module: `names.py` (Lean's names for corpus paths and premises), `schemas.py` (what
-a request may hold), `server.py` (`PremiseServer`: the protocol over a loaded index), `app.py` (the HTTP app and
-its refusals) and `process.py` (the socket, uvicorn and the signals that stop it: what `leanagent serve` runs).
+The package, one concern a module: `names.py` (Lean's names for corpus paths and premises), `schemas.py` (what a
+request may hold), `cache.py` (new premises' embeddings), `batching.py` (shared encoder passes), `server.py`
+(`PremiseServer`: the protocol over a loaded index), `app.py` (the HTTP app and its refusals) and `process.py`
+(the socket, uvicorn and the signals that stop it: what `leanagent serve` runs).
 """
 
 from leanagent.serve.app import create_app

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,6 +18,8 @@ import torch
 from leanagent.data.corpus import serialize_premise
 from leanagent.index import PremiseIndex
 from leanagent.model.topk import top_k_accessible
+from leanagent.serve.batching import Arrival, EncoderBatcher
+from leanagent.serve.cache import EmbeddingCache
 from leanagent.serve.names import lean_name, module_name, name_key
 from leanagent.serve.schemas import RequestError, RetrieveRequest, ServeLimits
 
@@ -40,40 +41,6 @@ class _Groups:
         return self.flat[shift + np.arange(int(lengths.sum()))]
 
 
-class _EmbeddingCache:
-    """New-premise embeddings by serialized text, least recently used dropped beyond `capacity`."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._rows: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.hits = self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def lookup(self, texts: Sequence[str]) -> tuple[dict[str, torch.Tensor], list[str]]:
-        found, missing = {}, []
-        for text in dict.fromkeys(texts):
-            row = self._rows.get(text)
-            if row is None:
-                missing.append(text)
-            else:
-                self._rows.move_to_end(text)
-                found[text] = row
-        self.hits += len(found)
-        self.misses += len(missing)
-        return found, missing
-
-    def store(self, texts: Sequence[str], rows: torch.Tensor) -> None:
-        if not self.capacity:
-            return
-        for text, row in zip(texts, rows, strict=True):
-            self._rows[text] = row
-            self._rows.move_to_end(text)
-        while len(self._rows) > self.capacity:
-            self._rows.popitem(last=False)
-
-
 class PremiseServer:
     """The protocol over one loaded `PremiseIndex`; `retrieve` is safe to call from many threads at once."""
 
@@ -81,7 +48,12 @@ class PremiseServer:
         self.index = index
         self.limits = limits or ServeLimits()
         self._encoder = threading.Lock()
-        self._cache = _EmbeddingCache(self.limits.cache_size)
+        self._cache = EmbeddingCache(self.limits.cache_size)
+        self._stats = threading.Lock()
+        # Batched: one thread runs the encoder for every request (see batching.py); unbatched (--no-batching):
+        # each request's own passes, one request at a time under the encoder lock.
+        self.batcher = EncoderBatcher(index, self._cache, self.limits.batch_tokens,
+                                      self.limits.batch_wait_ms / 1000) if self.limits.batching else None
         premises = index.premises
         self.row_names = [lean_name(p["full_name"]) for p in premises]
         # Premise names, each once (the client maps name -> position), with every row that bears it.
@@ -105,8 +77,9 @@ class PremiseServer:
         self.requests = 0
 
     # -- one request --
-    def retrieve(self, request: RetrieveRequest) -> list[dict[str, Any]]:
-        """The reply to a validated `/retrieve` body; raises RequestError for what the limits or tables refuse."""
+    def retrieve(self, request: RetrieveRequest, arrival: Arrival | None = None) -> list[dict[str, Any]]:
+        """The reply to a validated `/retrieve` body; raises RequestError for what the limits or tables refuse.
+        `arrival`: the batcher's count of this request since its body was read (`EncoderBatcher.arriving`)."""
         limits = self.limits
         if request.k <= 0:
             return []
@@ -133,12 +106,18 @@ class PremiseServer:
                 mask = np.ones(len(self.row_names), dtype=bool)
             mask[replaced] = False
         texts = [serialize_premise(p.name, p.decl) for p in uploaded]
-        with self._encoder:
+        with self._stats:
             self.requests += 1
-            state = self.index.encode_state(request.state)
-            new_rows = self._embed(texts)
+        if self.batcher is None:
+            with self._encoder:
+                state = self.index.encode_state(request.state)
+                new_rows = self._embed(texts)
+                indexed = self._top_indexed(state, mask, k)
+        else:
+            state, rows = self.batcher.encode(request.state, texts, arrival)
+            new_rows = torch.stack(rows) if rows else self.index.embeddings.new_empty((0, state.shape[1]))
             indexed = self._top_indexed(state, mask, k)
-            new_scores = (state.to(new_rows.dtype) @ new_rows.t())[0].tolist() if uploaded else []
+        new_scores = (state.to(new_rows.dtype) @ new_rows.t())[0].tolist() if uploaded else []
         ranked = indexed + [(score, p.name) for score, p in zip(new_scores, uploaded, strict=True)]
         ranked.sort(key=lambda hit: -hit[0])  # stable: on a tie an indexed premise stays first
         return [{"name": name, "score": score} for score, name in ranked[:k]]
@@ -194,7 +173,9 @@ class PremiseServer:
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "index": str(self.index.folder), "premises": len(self.premise_names),
                 "modules": len(self.module_names), "max_new_premises": self.limits.max_new_premises,
-                "requests": self.requests, "cached_new_premises": len(self._cache), "warnings": self.index.warnings}
+                "requests": self.requests, "cached_new_premises": len(self._cache),
+                "batching": self.batcher is not None, "encoder_passes": self.batcher.passes if self.batcher else None,
+                "warnings": self.index.warnings}
 
 
 def _positions(values: list[int | str], count: int, position_of: Callable[[str], int | None], field_name: str,
