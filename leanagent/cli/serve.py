@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from leanagent.cli.common import CommandError, add_model_check_arguments, check_device, option_error
+from leanagent.cli.common import (
+    CommandError,
+    add_dtype_argument,
+    add_model_check_arguments,
+    check_device,
+    option_error,
+)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -16,7 +22,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("index", help="an INDEX folder written by `leanagent index`")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=23337, help="port (default 23337; 0: any free port, printed)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"],
+                   help="mps: Apple GPUs, untested here")
+    add_dtype_argument(p)
     p.add_argument("--max-k", type=int, help="a larger k is capped to this (default 1024)")
     p.add_argument("--max-new-premises", type=int,
                    help="new premises one request may upload, what GET /max-new-premises says (default 2048)")
@@ -47,7 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise option_error(exc) from None
     try:
         serve_index(Path(args.index), args.host, args.port, device=args.device, model=args.model, force=args.force,
-                    limits=limits, access_log=args.access_log)
+                    limits=limits, access_log=args.access_log, dtype=args.dtype)
     except ServeError as exc:
         raise CommandError(str(exc)) from None
     return 0
