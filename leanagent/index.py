@@ -38,9 +38,7 @@ from leanagent.config import DataConfig
 from leanagent.data.corpus import Corpus, FileRecord, Premise
 from leanagent.data.dataset import tokenize_texts
 from leanagent.data.theorems import strip_goal_count
-from leanagent.model.dtypes import DtypeError, precision
-from leanagent.model.dtypes import prepare as prepare_dtype
-from leanagent.model.dtypes import resolve as resolve_dtype
+from leanagent.model.dtypes import DtypeError, apply_dtype, precision
 from leanagent.model.loading import ModelSourceError, load_model
 from leanagent.model.topk import top_k_accessible
 
@@ -125,16 +123,10 @@ def build_index(model: str | Path, dataset: str | Path, out: str | Path, device:
 
 
 def _set_dtype(retriever: Any, dtype: str) -> str:
-    """Resolve `dtype` on the retriever's device and prepare its encoder for it (int8: quantized, run through
-    transformers' own forward, which the quantized layers fit); the resolved name."""
     try:
-        resolved = resolve_dtype(dtype, retriever.device)
+        return apply_dtype(retriever, dtype)
     except DtypeError as exc:
         raise PremiseIndexError(str(exc)) from None
-    if resolved == "int8":
-        retriever.encoder = prepare_dtype(retriever.encoder, resolved)
-        retriever._stock = True
-    return resolved
 
 
 def _check_out(out: Path, force: bool) -> None:

@@ -10,9 +10,11 @@ Apple's M-series on `mps`); int8 dynamic quantization of the `Linear` layers use
   torchao 0.18 installs from pip for torch 2.13 and runs on a CPU, but its int8 dynamic path ran a byt5-small
   feed-forward pair (1,024 tokens) in 161 ms against `quantize_dynamic`'s 55 ms and bf16's 146 ms on this
   machine kind, and it logs a failed CUDA-kernel load at import; so the deprecated API, its warning silenced.
-- `auto`: bf16 on `cuda` (as evaluation runs under bf16-mixed) and on `mps`; on a CPU the entry of `AUTO_CPU`
-  for whether the CPU has bf16 matmuls: the fastest dtype that agreed with fp32 (top-10 overlap >= 0.9, R@10
-  within 0.5 points) in the recorded measurement.
+- `auto`: bf16 on `cuda` (as evaluation runs under bf16-mixed; what `index` and `serve` did there before) and on
+  `mps`; on a CPU the entry of `AUTO_CPU`: the fastest dtype that agreed with fp32 (top-10 overlap >= 0.9, R@10
+  within 0.5 points on the trained model, tests/unit/test_export_index_retrieve.py) in a recorded measurement.
+  No agreement run has been recorded on this machine kind yet (it was too loaded to finish one in time), so it
+  stays fp32 on a CPU, what evaluation computes; `--dtype bf16` or `int8` is the measured speed-up to opt into.
 
 An index's stored rows are bf16 whatever the dtype they were embedded at, and a query at any dtype is scored
 against them: a dtype changes a state's embedding by its rounding, so scores move by about that much (bf16:
@@ -24,14 +26,14 @@ from __future__ import annotations
 import warnings
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 
 DTYPES = ("auto", "fp32", "bf16", "int8")
-# Measured with scripts/measure_dtypes.py on this project's machine kind (2-core AMD EPYC, AVX-512 BF16) at
-# byt5-small's shape; agreement on a trained tiny model (tests/unit/test_dtypes.py). Key: the CPU has bf16 matmuls.
-AUTO_CPU = {True: "bf16", False: "fp32"}
-
+# The CPU's choice, keyed by whether it has bf16 matmuls: fp32 until an agreement run for bf16 or int8 is recorded
+# here (speed: scripts/measure_dtypes.py; agreement: the trained-model test named in the module docstring).
+AUTO_CPU = {True: "fp32", False: "fp32"}
 
 class DtypeError(ValueError):
     """A dtype this device cannot run."""
@@ -72,3 +74,13 @@ def prepare(encoder: torch.nn.Module, dtype: str) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantize_dynamic's deprecation: see the module docstring for why
         return torch.ao.quantization.quantize_dynamic(encoder, {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def apply_dtype(retriever: Any, dtype: str) -> str:
+    """Resolve `dtype` on the retriever's device and prepare its encoder for it (int8: quantized, and run through
+    transformers' own forward, which the quantized layers fit); the resolved name."""
+    resolved = resolve(dtype, retriever.device)
+    if resolved == "int8":
+        retriever.encoder = prepare(retriever.encoder, resolved)
+        retriever._stock = True
+    return resolved
