@@ -9,7 +9,9 @@
 #      and warm), the Fisher loop and vectorised pass against that step, fixed-length rows at L = 512, 1024;
 #   2. the rank programs (train, then Fisher) under torchrun with NCCL and bf16-mixed, on every visible GPU
 #      up to 2 ranks (scripts/gpu_check.py; NCCL runs one rank per GPU);
-#   3. the GPU-only tests (the vectorised Fisher equals the loop on CUDA) and the encoder tests.
+#   3. the GPU-only tests (the vectorised Fisher equals the loop on CUDA) and the encoder tests;
+#   4. `leanagent serve` on the device (scripts/measure_serve.py: batched only, --dtype bf16; the tiny preset's
+#      mathlib-scale index, so that building it fits), its JSON in $OUT/serve.json.
 #
 #   bash scripts/gpu_run.sh OUT                (OUT: where logs and JSON go; at most 8 files)
 #   bash scripts/gpu_run.sh OUT --cpu-smoke    (the same steps on CPU with the tiny model: checks the script)
@@ -28,9 +30,11 @@ STATES=${STATES:-../shared/data/minif2f-lean4-ld182/random/val.json}
 if [ "$SMOKE" = "--cpu-smoke" ]; then
   DEVICE=cpu; PRESET=tiny; MATHLIB="--repos 1"; EXTRA="--train-batches 1 --fisher-examples 4 --embed-sample 16"
   CHECK_ARGS=--cpu-smoke; TESTS=(tests/unit/test_encoder.py -m "not slow")
+  SERVE_DTYPE=fp32; SERVE_ARGS=--skip-mathlib
 else
   DEVICE=cuda; PRESET=byt5-small; MATHLIB=--mathlib-scale; EXTRA="--embed-sample ${EMBED_SAMPLE:-1024}"
   CHECK_ARGS=; TESTS=(tests/unit/test_fisher_vectorised.py tests/unit/test_encoder.py -m "not slow" -k "cuda or mask")
+  SERVE_DTYPE=bf16; SERVE_ARGS=
 fi
 STATE_ARGS=
 if [ -f "$STATES" ]; then STATE_ARGS="--states $STATES"; else echo "no $STATES: the bench's contexts are the dataset's"; fi
@@ -46,4 +50,7 @@ timeout ${BENCH_S:-420} $PY -m leanagent.cli bench --dataset "$DATASET" --preset
 # shellcheck disable=SC2086
 timeout ${CHECK_S:-170} $PY scripts/gpu_check.py "$WORK/gpu_check" $CHECK_ARGS 2>&1 | tee "$OUT/gpu_check.log" | tail -30
 timeout ${TESTS_S:-90} $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+# shellcheck disable=SC2086
+timeout ${SERVE_S:-240} $PY scripts/measure_serve.py "$WORK/serve" --device $DEVICE --modes batched \
+  --serve-args "--dtype $SERVE_DTYPE" $SERVE_ARGS --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | tail -20
 echo "gpu_run done"
