@@ -6,7 +6,7 @@ One thread owns the encoder and the new-premise cache; a request hands it its st
 When the thread is free it takes every waiting request up to a token budget, so under load the passes grow
 by themselves. It waits a little longer (at most `wait_s`, a few ms) only while other requests are still
 arriving (read and checked, not yet handed over), so a lone client never waits. Ranking stays per request,
-in the request's own thread.
+on the encoder's thread too (see `encode`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,6 +38,7 @@ class _Job:
     state: str
     texts: list[str]
     tokens: int
+    finish: Callable[[torch.Tensor, list[torch.Tensor]], Any]
     future: Future = field(default_factory=Future)
 
 
@@ -70,12 +72,15 @@ class EncoderBatcher:
                     self._arriving -= 1
                     self._cond.notify_all()
 
-    def encode(self, state: str, texts: list[str], arrival: Arrival | None = None
-               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The state's embedding (1 x d) and a row per text, from the next pass that takes this request."""
+    def encode(self, state: str, texts: list[str], finish: Callable[[torch.Tensor, list[torch.Tensor]], Any],
+               arrival: Arrival | None = None) -> Any:
+        """`finish(state_row, text_rows)` (the request's ranking), run on the encoder's thread after the next pass
+        that takes this request: every torch op on one thread, since on a loaded CPU a second thread's OpenMP
+        team spins against the first one's (the likely cause of the batched server's higher CPU time per request
+        over HTTP when ranking ran on the request's thread)."""
         # ByT5 reads a token a byte, cut at the index's lengths: what the job adds to a pass
         tokens = min(len(state.encode()), self._state_len) + sum(min(len(t.encode()), self._premise_len) for t in texts)
-        job = _Job(state, texts, tokens)
+        job = _Job(state, texts, tokens, finish)
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="leanagent-encoder", daemon=True)
@@ -114,8 +119,11 @@ class EncoderBatcher:
                 for job in jobs:
                     job.future.set_exception(exc)
             else:
-                for job, result in zip(jobs, results, strict=True):
-                    job.future.set_result(result)
+                for job, (state, rows) in zip(jobs, results, strict=True):
+                    try:
+                        job.future.set_result(job.finish(state, rows))
+                    except BaseException as exc:  # this request's own failure
+                        job.future.set_exception(exc)
 
     def _pass(self, jobs: list[_Job]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         found, missing = {}, []

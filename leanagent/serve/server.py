@@ -113,11 +113,14 @@ class PremiseServer:
                 state = self.index.encode_state(request.state)
                 new_rows = self._embed(texts)
                 indexed = self._top_indexed(state, mask, k)
+                new_scores = (state.to(new_rows.dtype) @ new_rows.t())[0].tolist() if uploaded else []
+            new_scores = (state.to(new_rows.dtype) @ new_rows.t())[0].tolist() if uploaded else []
         else:
-            state, rows = self.batcher.encode(request.state, texts, arrival)
-            new_rows = torch.stack(rows) if rows else self.index.embeddings.new_empty((0, state.shape[1]))
-            indexed = self._top_indexed(state, mask, k)
-        new_scores = (state.to(new_rows.dtype) @ new_rows.t())[0].tolist() if uploaded else []
+            def rank(state: torch.Tensor, rows: list[torch.Tensor]) -> tuple[list, list[float]]:
+                top = self._top_indexed(state, mask, k)
+                return top, (state.to(rows[0].dtype) @ torch.stack(rows).t())[0].tolist() if rows else []
+
+            indexed, new_scores = self.batcher.encode(request.state, texts, rank, arrival)
         ranked = indexed + [(score, p.name) for score, p in zip(new_scores, uploaded, strict=True)]
         ranked.sort(key=lambda hit: -hit[0])  # stable: on a tie an indexed premise stays first
         return [{"name": name, "score": score} for score, name in ranked[:k]]
