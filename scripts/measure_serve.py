@@ -14,8 +14,8 @@ sending requests one after another. Two bodies are measured:
 - old client: every premise position in `local_premises` (what clients <= v4.30 send: 76,000 integers at
   mathlib scale, about 450 kB), no new premises, k = 32.
 
-Each index is served twice in the same run, batched (the default) and with `--no-batching`, and each server's
-cold start is timed: from starting the command to its first answer. `--json OUT` writes, beside every row, flat
+Each index is served twice in the same run, with `--batching` and with `--no-batching` (the default), and each
+server's cold start is timed: from starting the command to its first answer. `--json OUT` writes, beside every row, flat
 keys for the mathlib-scale index and the new client's body: `rps_32_batched`, `rps_32_unbatched`,
 `p50_ms_1_batched`, `p50_ms_1_unbatched`, `p99_ms_32_batched`, `p99_ms_32_unbatched`, their ratios and
 `cold_start_s_*`. States are the test split's, a different one per request. The server and the clients share
@@ -83,7 +83,7 @@ class Served:
     def __init__(self, index: Path, device: str, batching: bool, state: str, extra: tuple[str, ...] = ()) -> None:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
         argv = [sys.executable, "-m", "leanagent.cli", "serve", str(index), "--port", "0", "--device", device,
-                *(() if batching else ("--no-batching",)), *extra]
+                "--batching" if batching else "--no-batching", *extra]
         start = time.perf_counter()
         self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
         line = self.proc.stderr.readline()

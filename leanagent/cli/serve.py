@@ -29,9 +29,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-premises", type=int,
                    help="new premises one request may upload, what GET /max-new-premises says (default 2048)")
     p.add_argument("--cache-size", type=int, help="new-premise embeddings kept between requests (default 16384)")
-    p.add_argument("--no-batching", action="store_true",
-                   help="one encoder pass per request, one request at a time (default: concurrent requests' states "
-                        "and new premises share a pass)")
+    p.add_argument("--batching", action=argparse.BooleanOptionalAction, default=None,
+                   help="concurrent requests' states and new premises share encoder passes (default --no-batching: "
+                        "one request's passes at a time; batching measured slower over HTTP on a loaded CPU)")
     p.add_argument("--batch-tokens", type=int, help="tokens (bytes) one shared pass takes at most (default 32768)")
     p.add_argument("--batch-wait-ms", type=float,
                    help="how long a pass waits for requests still arriving (default 2; a lone client never waits)")
@@ -47,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     check_device(args.device)
     given = {"max_k": args.max_k, "max_new_premises": args.max_new_premises, "cache_size": args.cache_size,
-             "batching": False if args.no_batching else None, "batch_tokens": args.batch_tokens,
+             "batching": args.batching, "batch_tokens": args.batch_tokens,
              "batch_wait_ms": args.batch_wait_ms}
     try:
         limits = ServeLimits(**{key: value for key, value in given.items() if value is not None})

@@ -40,7 +40,7 @@ def test_batched_answers_equal_unbatched_ones_for_concurrent_requests(built) -> 
         wanted = [http.post(f"{plain.url}/retrieve", json=b).json() for b in bodies]
     assert all(isinstance(w, list) and w for w in wanted)
     # A long wait lets passes gather many requests; how many each takes changes no answer.
-    app = create_app(index, ServeLimits(batch_wait_ms=50))
+    app = create_app(index, ServeLimits(batching=True, batch_wait_ms=50))
     with LiveServer(app) as batched:
         def client(c: int) -> list[tuple[int, list]]:
             with httpx.Client(timeout=120) as client_http:
@@ -55,7 +55,7 @@ def test_batched_answers_equal_unbatched_ones_for_concurrent_requests(built) -> 
         assert [h["name"] for h in answer] == [h["name"] for h in wanted[i]], i
         assert [h["score"] for h in answer] == pytest.approx([h["score"] for h in wanted[i]], abs=1e-6), i
     assert health["batching"] is True and 1 <= health["encoder_passes"] <= len(bodies) == health["requests"]
-    with LiveServer(create_app(index, ServeLimits(batching=False))) as plain:
+    with LiveServer(create_app(index)) as plain:  # unbatched unless asked (see ServeLimits.batching)
         assert httpx.get(f"{plain.url}/health").json()["batching"] is False
 
 
