@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from leanagent.config import DataConfig
 from leanagent.data.corpus import Corpus, FileRecord, Premise
 from leanagent.data.dataset import tokenize_texts
 from leanagent.data.theorems import strip_goal_count
+from leanagent.model.dtypes import DtypeError, apply_dtype, precision
 from leanagent.model.loading import ModelSourceError, load_model
 from leanagent.model.topk import top_k_accessible
 
@@ -63,11 +63,13 @@ class PremiseIndexError(ValueError):
 
 def build_index(model: str | Path, dataset: str | Path, out: str | Path, device: str = "cpu",
                 batch_tokens: int | None = None, force: bool = False,
-                context_max_len: int = CONTEXT_MAX_LEN, base_model: str | None = None) -> dict[str, Any]:
+                context_max_len: int = CONTEXT_MAX_LEN, base_model: str | None = None,
+                dtype: str = "auto") -> dict[str, Any]:
     """Embed `dataset`'s corpus with `model` (a .ckpt or an HF folder) into the INDEX folder `out`; its index.json.
 
     `batch_tokens` is the padded-token budget of one embedding batch (default: the model's
     eval_batch_size x max_seq_len, as at evaluation); it is rounded down to whole premises of max_seq_len.
+    `dtype`: the encoder's precision (`leanagent.model.dtypes`); the rows are stored in bf16 whatever it is.
     """
     from safetensors.torch import save
 
@@ -80,6 +82,7 @@ def build_index(model: str | Path, dataset: str | Path, out: str | Path, device:
     identity = model_identity.identify(model)  # before loading: the bytes the embeddings come from
     loaded = load_model(model, device, base_model=base_model)
     retriever = loaded.retriever
+    dtype = _set_dtype(retriever, dtype)
     max_len = retriever.options.max_seq_len
     if batch_tokens is not None:
         if batch_tokens < max_len:
@@ -87,7 +90,7 @@ def build_index(model: str | Path, dataset: str | Path, out: str | Path, device:
         batch_tokens = batch_tokens // max_len * max_len
     corpus = Corpus.from_jsonl(corpus_file)
     start = time.perf_counter()
-    with torch.inference_mode(), _precision(retriever.device):
+    with torch.inference_mode(), precision(dtype, retriever.device):
         embeddings = retriever.embed_corpus(corpus, batch_tokens).to(torch.bfloat16).cpu().contiguous()
     seconds = time.perf_counter() - start
     _clear_out(out)  # only now: a model or corpus that fails to load leaves an earlier index as it was
@@ -112,16 +115,18 @@ def build_index(model: str | Path, dataset: str | Path, out: str | Path, device:
         "model_metrics": loaded.metrics,
         "embed_seconds": round(seconds, 3),
         "device": device,
+        "embedded_at": dtype,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     write_atomic(out / INDEX_FILE, lambda f: json.dump(meta, f, indent=2, sort_keys=True))
     return meta
 
 
-def _precision(device: torch.device):
-    """bf16 autocast on a GPU, as evaluation runs under bf16-mixed; float32 on a CPU (a choice, not a need: on
-    this project's AVX-512-BF16 CPUs bf16 autocast embedded byt5-small 1.6x faster, with rounded embeddings)."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+def _set_dtype(retriever: Any, dtype: str) -> str:
+    try:
+        return apply_dtype(retriever, dtype)
+    except DtypeError as exc:
+        raise PremiseIndexError(str(exc)) from None
 
 
 def _check_out(out: Path, force: bool) -> None:
@@ -200,13 +205,16 @@ class PremiseIndex:
         self.corpus = _accessibility_corpus(premises, files)
         # What `load` let through with `force` (a changed model) or could not check: for the caller to show.
         self.warnings: list[str] = list(warnings or [])
+        self.dtype = "fp32" if self.device.type == "cpu" else "bf16"  # what `load` resolves `--dtype` to
 
     @classmethod
     def load(cls, folder: str | Path, device: str = "cpu", model: str | Path | None = None,
-             force: bool = False) -> PremiseIndex:
+             force: bool = False, dtype: str = "auto") -> PremiseIndex:
         """Load an index and its encoder. `model` (a checkpoint or HF folder) replaces the one index.json names,
         e.g. after moving both to another machine. Either way the model must hold the weights the corpus was
-        embedded with; otherwise this refuses in one line naming both, unless `force` (then `warnings` says so)."""
+        embedded with; otherwise this refuses in one line naming both, unless `force` (then `warnings` says so).
+        `dtype`: the precision states and new premises are encoded at (`leanagent.model.dtypes`), whatever the
+        index was embedded at."""
         from safetensors.torch import load_file
 
 
@@ -240,7 +248,9 @@ class PremiseIndex:
         # values; one state against 76k premises took 32 ms there against 12.8 ms in bf16 on an AVX-512-BF16 CPU).
         embeddings = embeddings.to(loaded.retriever.device,
                                    torch.bfloat16 if loaded.retriever.device.type == "cuda" else torch.float32)
-        return cls(folder, meta, embeddings, premises, files, loaded.retriever, warnings)
+        index = cls(folder, meta, embeddings, premises, files, loaded.retriever, warnings)
+        index.dtype = _set_dtype(loaded.retriever, dtype)
+        return index
 
     def __len__(self) -> int:
         return len(self.premises)
@@ -271,7 +281,7 @@ class PremiseIndex:
 
         ids, mask = tokenize_texts(self.retriever.tokenizer, [strip_goal_count(state)],
                                    int(self.meta.get("context_max_len", CONTEXT_MAX_LEN)))
-        with _precision(self.device):
+        with precision(self.dtype, self.device):
             return self.retriever.encode(ids.to(self.device), mask.to(self.device))
 
     @torch.inference_mode()
@@ -285,10 +295,30 @@ class PremiseIndex:
         for lo in range(0, len(order), batch_size):
             rows = order[lo:lo + batch_size]
             ids, mask = tokenize_texts(self.retriever.tokenizer, [texts[i] for i in rows], max_len)
-            with _precision(self.device):
+            with precision(self.dtype, self.device):
                 emb = self.retriever.encode(ids.to(self.device), mask.to(self.device))
             out[torch.tensor(rows, device=self.device)] = emb.to(torch.bfloat16).to(self.embeddings.dtype)
         return out
+
+    @torch.inference_mode()
+    def encode_together(self, states: list[str], texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """States (as `encode_state` formats and cuts them) and premise texts (as `encode_premises` cuts and
+        rounds them) in one encoder pass: sorted by length into token-budget sub-batches, each padded to its own
+        longest, so 32 states cost about one pass of their total length, not 32 passes. Padding is masked: each
+        row is its own pass's up to float rounding."""
+        tokenizer = self.retriever.tokenizer
+        parts = [tokenize_texts(tokenizer, [strip_goal_count(s) for s in states],
+                                int(self.meta.get("context_max_len", CONTEXT_MAX_LEN)))]
+        if texts:
+            parts.append(tokenize_texts(tokenizer, texts, int(self.meta["max_seq_len"])))
+        width = max(ids.shape[1] for ids, _ in parts)
+        ids = torch.cat([torch.nn.functional.pad(i, (0, width - i.shape[1])) for i, _ in parts])
+        mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for _, m in parts])
+        with precision(self.dtype, self.device):
+            emb, _ = self.retriever.encode_pool(ids.to(self.device), mask.to(self.device),
+                                                mask.sum(dim=1).tolist(), sort=True)
+        premises = emb[len(states):].to(torch.bfloat16).to(self.embeddings.dtype)
+        return emb[:len(states)], premises
 
     def retrieve(self, state: str, k: int = 10, file: str | None = None, line: int | None = None,
                  column: int = 0) -> list[Hit]:

@@ -1,21 +1,26 @@
-"""Request latency (p50, p99) and requests/s of `leanagent serve` at 1, 8 and 32 concurrent clients.
+"""Request latency (p50, p99) and requests/s of `leanagent serve` at 1, 8 and 32 concurrent clients, batched and not.
 
     python scripts/measure_serve.py WORKDIR [--preset tiny] [--device cpu] [--json OUT] [--skip-mathlib]
+                                    [--modes batched,unbatched] [--serve-args "--dtype bf16"]
 
 Builds, under WORKDIR (reused when present): the demo index (the tiny random encoder over the third demo
-repository, as in README's "Use what you trained") and a mathlib-scale index (`leanagent demo-data
---mathlib-scale`: 2,000 files, 76,000 premises). Each is served by a real `leanagent serve` process on
-127.0.0.1; the clients are threads of this process, each with its own httpx connection, sending requests one
-after another. Two bodies are measured:
+repository, as `scripts/demo.sh` writes it and docs/serving.md indexes it: 90 premises) and a mathlib-scale
+index (`leanagent demo-data --mathlib-scale`: 2,000 files, 76,000 premises). Each is served by a real `leanagent
+serve` process on 127.0.0.1; the clients are threads of this process, each with its own httpx connection,
+sending requests one after another. Two bodies are measured:
 
 - new client: every module of the corpus in `imported_modules`, 16 new premises (the same ones each time, so
   cached after the first request, as a client's unchanged file would send them), k = 32;
 - old client: every premise position in `local_premises` (what clients <= v4.30 send: 76,000 integers at
   mathlib scale, about 450 kB), no new premises, k = 32.
 
-States are the test split's, a different one per request. The server and the clients share the machine's cores;
-each row also gives the server process's CPU time per request and the load average, since on a shared machine
-the latencies move with whatever else runs.
+Each index is served twice in the same run, with `--batching` and with `--no-batching` (the default), and each
+server's cold start is timed: from starting the command to its first answer. `--json OUT` writes, beside every row, flat
+keys for the mathlib-scale index and the new client's body: `rps_32_batched`, `rps_32_unbatched`,
+`p50_ms_1_batched`, `p50_ms_1_unbatched`, `p99_ms_32_batched`, `p99_ms_32_unbatched`, their ratios and
+`cold_start_s_*`. States are the test split's, a different one per request. The server and the clients share
+the machine's cores; each row also gives the server process's CPU time per request and the load average, since
+on a shared machine the latencies move with whatever else runs.
 """
 
 from __future__ import annotations
@@ -49,8 +54,8 @@ def build(work: Path, preset: str, device: str, mathlib: bool) -> dict[str, tupl
     model = work / f"model-{preset}"
     if not model.exists():
         _cli("init-model", str(model), "--preset", preset)
-    if not (work / "demo").exists():
-        _cli("demo-data", str(work / "demo"))
+    if not (work / "demo").exists():  # scripts/demo.sh's data: its repo_2 index holds 90 premises
+        _cli("demo-data", str(work / "demo"), "--repos", "3", "--scale", "3", "--theorems", "90")
     out = {"demo": (work / f"index-demo-{preset}", work / "demo" / "repo_2")}
     if mathlib:
         if not (work / "mathlib").exists():
@@ -72,16 +77,23 @@ def states(dataset: Path) -> list[str]:
 
 
 class Served:
-    """`leanagent serve INDEX --port 0` as a user runs it; its URL from the line it prints."""
+    """`leanagent serve INDEX --port 0` as a user runs it; its URL from the line it prints, and its cold start:
+    the seconds from starting the command to the first answer of a `/retrieve` (a first state, k = 32)."""
 
-    def __init__(self, index: Path, device: str) -> None:
+    def __init__(self, index: Path, device: str, batching: bool, state: str, extra: tuple[str, ...] = ()) -> None:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "leanagent.cli", "serve", str(index), "--port", "0",
-                                      "--device", device], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+        argv = [sys.executable, "-m", "leanagent.cli", "serve", str(index), "--port", "0", "--device", device,
+                "--batching" if batching else "--no-batching", *extra]
+        start = time.perf_counter()
+        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
         line = self.proc.stderr.readline()
         if " at " not in line:
             raise SystemExit(f"leanagent serve did not start: {line}{self.proc.stderr.read()}")
         self.url = line.split(" at ", 1)[1].split(";", 1)[0]
+        answer = httpx.post(f"{self.url}/retrieve", json={"state": state, "k": 32}, timeout=600)
+        self.cold_start_s = time.perf_counter() - start
+        if answer.status_code != 200:
+            raise SystemExit(f"first request failed: {answer.status_code} {answer.text[:200]}")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -136,6 +148,26 @@ def measure(url: str, payloads: list[bytes], clients: int, per_client: int, pid:
             "server_cpu_ms_per_request": 1000 * cpu / len(latencies), "load_average": os.getloadavg()[0]}
 
 
+def flat(rows: list[dict], cold: dict[str, float]) -> dict[str, float]:
+    """The keys issue 22 asks for, at mathlib scale with the new client's body: requests/s at 32 clients, p50 at 1
+    client, p99 at 32, batched and unbatched, their ratios, and the cold starts."""
+    out: dict[str, float] = {}
+    for row in rows:
+        if row["index"] != "mathlib-scale" or row["body"] != "new client":
+            continue
+        mode = "batched" if row["batching"] else "unbatched"
+        if row["clients"] == 32:
+            out[f"rps_32_{mode}"] = row["requests_per_s"]
+            out[f"p99_ms_32_{mode}"] = row["p99_ms"]
+        if row["clients"] == 1:
+            out[f"p50_ms_1_{mode}"] = row["p50_ms"]
+    if "rps_32_unbatched" in out and "rps_32_batched" in out:
+        out["rps_32_ratio"] = out["rps_32_batched"] / out["rps_32_unbatched"]
+        out["p50_ms_1_ratio"] = out["p50_ms_1_batched"] / out["p50_ms_1_unbatched"]
+    out.update({f"cold_start_s_{key}": value for key, value in cold.items()})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("work", type=Path)
@@ -143,28 +175,38 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--skip-mathlib", action="store_true")
+    parser.add_argument("--modes", default="batched,unbatched", help="which servers to measure, in this order")
+    parser.add_argument("--serve-args", default="", help="more `leanagent serve` options, e.g. '--dtype bf16'")
     args = parser.parse_args()
-    rows = []
+    rows, cold = [], {}
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for name, (index, dataset) in build(args.work, args.preset, args.device, not args.skip_mathlib).items():
-        served = Served(index, args.device)
-        try:
-            pool = states(dataset)
-            premises = json.loads((index / "index.json").read_text())["num_premises"]
-            for fmt in ("new client", "old client"):
-                payloads = bodies(served.url, pool, fmt, 512)
-                for clients in CLIENTS:
-                    row = {"index": name, "premises": premises, "body": fmt, "body_kb": len(payloads[0]) / 1024,
-                           **measure(served.url, payloads, clients, REQUESTS[clients], served.proc.pid)}
-                    rows.append(row)
-                    print(f"{name:>14} {premises:>6} premises  {fmt:<10} ({row['body_kb']:6.1f} kB)  "
-                          f"{clients:>2} clients  p50 {row['p50_ms']:7.1f} ms  p99 {row['p99_ms']:7.1f} ms  "
-                          f"{row['requests_per_s']:7.1f} req/s  server CPU {row['server_cpu_ms_per_request']:6.1f} "
-                          f"ms/request  load {row['load_average']:.1f}", flush=True)
-        finally:
-            served.stop()
+        pool = states(dataset)
+        premises = json.loads((index / "index.json").read_text())["num_premises"]
+        for mode in modes:
+            served = Served(index, args.device, mode == "batched", pool[0], tuple(args.serve_args.split()))
+            cold[f"{name}_{mode}".replace("-", "_")] = served.cold_start_s
+            print(f"{name:>14} {mode}: cold start {served.cold_start_s:.1f} s (command to first answer)", flush=True)
+            try:
+                for fmt in ("new client", "old client"):
+                    payloads = bodies(served.url, pool, fmt, 512)
+                    for clients in CLIENTS:
+                        row = {"index": name, "premises": premises, "batching": mode == "batched", "body": fmt,
+                               "body_kb": len(payloads[0]) / 1024,
+                               **measure(served.url, payloads, clients, REQUESTS[clients], served.proc.pid)}
+                        rows.append(row)
+                        print(f"{name:>14} {premises:>6} premises  {mode:<9} {fmt:<10} ({row['body_kb']:6.1f} kB)  "
+                              f"{clients:>2} clients  p50 {row['p50_ms']:7.1f} ms  p99 {row['p99_ms']:7.1f} ms  "
+                              f"{row['requests_per_s']:7.1f} req/s  server CPU "
+                              f"{row['server_cpu_ms_per_request']:6.1f} ms/request  load {row['load_average']:.1f}",
+                              flush=True)
+            finally:
+                served.stop()
+    summary = flat(rows, cold)
+    print(json.dumps(summary, indent=2))
     if args.json:
         args.json.write_text(json.dumps({"device": args.device, "preset": args.preset, "cpus": os.cpu_count(),
-                                         "rows": rows}, indent=2))
+                                         "serve_args": args.serve_args, **summary, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

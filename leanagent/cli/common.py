@@ -39,12 +39,24 @@ def option_error(exc: ValidationError) -> CommandError:
 
 
 def check_device(device: str) -> None:
-    """`--device cuda` on a machine where torch sees none: refused before any model is loaded."""
+    """`--device cuda` (or `mps`) on a machine where torch sees none: refused before any model is loaded."""
     if device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise CommandError("--device cuda: torch sees no CUDA device")
+    if device == "mps":
+        import torch
+
+        if not torch.backends.mps.is_available():
+            raise CommandError("--device mps: torch sees no Apple GPU (mps)")
+
+
+def add_dtype_argument(p: argparse.ArgumentParser) -> None:
+    """`--dtype`, one meaning for `index`, `retrieve` and `serve` (`leanagent.model.dtypes`)."""
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "int8"],
+                   help="the encoder's precision (default auto: bf16 on a GPU, fp32 on a CPU until a faster dtype's "
+                        "agreement is recorded; int8: dynamic quantization, CPU only); an index serves at any dtype")
 
 
 def add_model_check_arguments(p: argparse.ArgumentParser) -> None:

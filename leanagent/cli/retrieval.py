@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from leanagent.cli.common import CommandError, add_model_check_arguments, check_device
+from leanagent.cli.common import CommandError, add_dtype_argument, add_model_check_arguments, check_device
 from leanagent.cli.model import BASE_MODEL_HELP
 
 
@@ -19,7 +19,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--model", help="a Hugging Face model folder (e.g. from `leanagent export`)")
     p.add_argument("--dataset", required=True, help="a LeanDojo dataset folder (its corpus.jsonl is embedded)")
     p.add_argument("--out", required=True, help="the INDEX folder: new or empty")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
+    add_dtype_argument(p)
     p.add_argument("--batch-tokens", type=int, help="padded tokens per embedding batch (default: the model's "
                                                     "eval_batch_size x max_seq_len)")
     p.add_argument("--force", action="store_true", help="replace an index already in --out")
@@ -36,7 +37,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--column", type=int, default=0, help="with --line: the column (default 0, the line's start)")
     p.add_argument("-k", type=int, default=10)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
+    add_dtype_argument(p)
     add_model_check_arguments(p)
     p.set_defaults(func=cmd_retrieve)
 
@@ -52,7 +54,7 @@ def cmd_index(args: argparse.Namespace) -> int:
         raise CommandError(f"--batch-tokens {args.batch_tokens}: must be positive")
     try:
         meta = build_index(Path(args.checkpoint or args.model), Path(args.dataset), Path(args.out),
-                           device=args.device, batch_tokens=args.batch_tokens, force=args.force,
+                           device=args.device, batch_tokens=args.batch_tokens, force=args.force, dtype=args.dtype,
                            base_model=args.base_model)
     except (PremiseIndexError, ModelSourceError, BadFileError, DatasetError, FileNotFoundError) as exc:
         raise CommandError(str(exc)) from None
@@ -76,7 +78,8 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
         state = args.state
     try:
         loading = time.perf_counter()
-        index = PremiseIndex.load(Path(args.index), device=args.device, model=args.model, force=args.force)
+        index = PremiseIndex.load(Path(args.index), device=args.device, model=args.model, force=args.force,
+                                  dtype=args.dtype)
         for warning in index.warnings:
             print(f"warning: {warning}", file=sys.stderr)
         start = time.perf_counter()

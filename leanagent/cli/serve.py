@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from leanagent.cli.common import CommandError, add_model_check_arguments, check_device, option_error
+from leanagent.cli.common import (
+    CommandError,
+    add_dtype_argument,
+    add_model_check_arguments,
+    check_device,
+    option_error,
+)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -16,11 +22,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("index", help="an INDEX folder written by `leanagent index`")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=23337, help="port (default 23337; 0: any free port, printed)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"],
+                   help="mps: Apple GPUs, untested here")
+    add_dtype_argument(p)
     p.add_argument("--max-k", type=int, help="a larger k is capped to this (default 1024)")
     p.add_argument("--max-new-premises", type=int,
                    help="new premises one request may upload, what GET /max-new-premises says (default 2048)")
     p.add_argument("--cache-size", type=int, help="new-premise embeddings kept between requests (default 16384)")
+    p.add_argument("--batching", action=argparse.BooleanOptionalAction, default=None,
+                   help="concurrent requests' states and new premises share encoder passes (default --no-batching: "
+                        "one request's passes at a time; batching measured slower over HTTP on a loaded CPU)")
+    p.add_argument("--batch-tokens", type=int, help="tokens (bytes) one shared pass takes at most (default 32768)")
+    p.add_argument("--batch-wait-ms", type=float,
+                   help="how long a pass waits for requests still arriving (default 2; a lone client never waits)")
     p.add_argument("--access-log", action="store_true", help="log every request")
     add_model_check_arguments(p)
     p.set_defaults(func=cmd_serve)
@@ -32,14 +46,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from leanagent.serve import ServeError, ServeLimits, serve_index
 
     check_device(args.device)
-    given = {"max_k": args.max_k, "max_new_premises": args.max_new_premises, "cache_size": args.cache_size}
+    given = {"max_k": args.max_k, "max_new_premises": args.max_new_premises, "cache_size": args.cache_size,
+             "batching": args.batching, "batch_tokens": args.batch_tokens,
+             "batch_wait_ms": args.batch_wait_ms}
     try:
         limits = ServeLimits(**{key: value for key, value in given.items() if value is not None})
     except ValidationError as exc:
         raise option_error(exc) from None
     try:
         serve_index(Path(args.index), args.host, args.port, device=args.device, model=args.model, force=args.force,
-                    limits=limits, access_log=args.access_log)
+                    limits=limits, access_log=args.access_log, dtype=args.dtype)
     except ServeError as exc:
         raise CommandError(str(exc)) from None
     return 0

@@ -199,7 +199,7 @@ class PremiseRetriever(pl.LightningModule):
             self._stock = before
 
     def encode_pool(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    lengths: Sequence[int] | None = None) -> tuple[torch.Tensor, TokenCount]:
+                    lengths: Sequence[int] | None = None, sort: bool | None = None) -> tuple[torch.Tensor, TokenCount]:
         """Embeddings of a pool of sequences (a batch's contexts, or its premises), in the pool's order.
 
         With `sort_by_length` the pool is sorted by length and cut into sub-batches under `token_budget`
@@ -207,14 +207,15 @@ class PremiseRetriever(pl.LightningModule):
         embeddings are put back in the pool's order, in one autograd graph (one DDP forward). Padding is
         masked, so they are the padded path's up to float rounding; in training, dropout draws its masks
         for other shapes. `lengths`: the sequences' real lengths, when known on the host (the collate
-        functions give them), else read from the mask. Also returns the tokens real and processed.
+        functions give them), else read from the mask. `sort`: sort whatever `sort_by_length` says (the server's
+        batched pass, which has no training numbers to keep). Also returns the tokens real and processed.
         """
         n, width = input_ids.shape
         if lengths is None:
             lengths = attention_mask.sum(dim=1).tolist()
         lengths = [int(x) for x in lengths]
         real = sum(lengths)
-        if not self.options.sort_by_length or n == 0:
+        if not (self.options.sort_by_length if sort is None else sort) or n == 0:
             return self.encode(input_ids, attention_mask, padded=any(x < width for x in lengths)), \
                 TokenCount(real, n * width)
         plan = plan_sub_batches(lengths, self.options.token_budget, call_cost_for(self.device.type))

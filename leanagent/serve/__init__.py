@@ -11,8 +11,9 @@ with the model and the embeddings loaded once per process:
   corpus order. The client caches both for its whole process and refers to them by position.
 - `GET /max-new-premises`: a bare integer, the most unindexed premises one request may carry.
 - `POST /retrieve`: `{"state", "local_premises", "imported_modules", "new_premises", "k", ...}`; the reply is
-  `[{"name", "score"}, ...]`, best first, at most `k` long. The indexed premises considered are those of the
-  `imported_modules` and the `local_premises` given (everything when neither is), and the `new_premises`
+  `[{"name", "score"}, ...]`, best first, at most `k` long (32 by default). The indexed premises considered are
+  those of the `imported_modules` and the `local_premises` given (everything when neither is; each entry a
+  position in the cached list or a name), and the `new_premises`
   (`{"name", "decl"}`, printed by Lean) are embedded on the fly, ranked with them, and replace an indexed
   premise of the same name.
 - `GET /health`.
@@ -22,15 +23,19 @@ user. So every refusal is a JSON object `{"error": "<one line: what is wrong and
 (413 for what is over a limit), never an array, never a traceback; an unexpected failure is a 500 of the same
 shape, its traceback in the server's log only.
 
-Why one encoder lock: concurrent requests are parsed, checked and merged in parallel, but the encoder runs
-one batch at a time. On a CPU, torch already spreads one pass over every core, so parallel passes would only
-compete for them; on a GPU they would queue anyway. The new-premise cache lives under the same lock.
+Why one encoder thread: concurrent requests are parsed, checked and ranked in parallel, but the encoder runs
+one pass at a time, and concurrent requests' states and uncached new premises share it (`batching.py`: one
+pass of 32 states sorted by length costs far less than 32 passes). On a CPU torch already spreads one pass
+over every core, so parallel passes would only compete for them; on a GPU they would queue anyway. The
+new-premise cache belongs to that thread. It is opt-in (`--batching`, `ServeLimits.batching`); the default
+keeps one request's passes at a time under a lock instead (docs/serving.md has the measurements why).
 
 `create_app(index)` returns a FastAPI app, so a user can mount it in their own (`app.mount("/lean", ...)`).
 
-The package, one concern a module: `names.py` (Lean's names for corpus paths and premises), `schemas.py` (what
-a request may hold), `server.py` (`PremiseServer`: the protocol over a loaded index), `app.py` (the HTTP app and
-its refusals) and `process.py` (the socket, uvicorn and the signals that stop it: what `leanagent serve` runs).
+The package, one concern a module: `names.py` (Lean's names for corpus paths and premises), `schemas.py` (what a
+request may hold), `cache.py` (new premises' embeddings), `batching.py` (shared encoder passes), `server.py`
+(`PremiseServer`: the protocol over a loaded index), `app.py` (the HTTP app and its refusals) and `process.py`
+(the socket, uvicorn and the signals that stop it: what `leanagent serve` runs).
 """
 
 from leanagent.serve.app import create_app

@@ -101,7 +101,11 @@ def create_app(index: PremiseIndex | PremiseServer, limits: ServeLimits | None =
 
     @app.post("/retrieve")
     async def retrieve(request: Request) -> JSONResponse:
-        body = await _read_body(request, server.limits.max_body_bytes)
-        return JSONResponse(await run_in_threadpool(server.retrieve, _parse(body)))
+        if server.batcher is None:
+            body = await _read_body(request, server.limits.max_body_bytes)
+            return JSONResponse(await run_in_threadpool(server.retrieve, _parse(body)))
+        with server.batcher.arriving() as arrival:  # a pass waits a moment for a request on its way
+            body = await _read_body(request, server.limits.max_body_bytes)
+            return JSONResponse(await run_in_threadpool(server.retrieve, _parse(body), arrival))
 
     return app

@@ -34,14 +34,14 @@ def _to_stderr(line: str) -> None:
 
 def serve_index(folder: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, device: str = "cpu",
                 model: str | None = None, force: bool = False, limits: ServeLimits | None = None,
-                access_log: bool = False, log: Callable[[str], None] = _to_stderr) -> int:
+                access_log: bool = False, log: Callable[[str], None] = _to_stderr, dtype: str = "auto") -> int:
     """Serve the index in `folder` until a signal stops it; the retrievals answered.
 
-    `model` and `force` are `PremiseIndex.load`'s (another path to the same weights; a changed model,
+    `model`, `force` and `dtype` are `PremiseIndex.load`'s (another path to the same weights; a changed model,
     warned about). Raises ServeError, before anything listens, for an index or an address that cannot be used.
     """
     try:
-        index = PremiseIndex.load(Path(folder), device=device, model=model, force=force)
+        index = PremiseIndex.load(Path(folder), device=device, model=model, force=force, dtype=dtype)
     except PremiseIndexError as exc:
         raise ServeError(str(exc)) from None
     for warning in index.warnings:
@@ -60,7 +60,7 @@ def serve_index(folder: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
         # Ours until uvicorn takes the signals over, and again after: it shuts down gracefully, then re-raises
         # the signal it got, which ours turns into Interrupted. A signal during start-up stops as cleanly.
         with interrupt_on_signals():
-            log(f"serving {len(index)} premises of {folder} at {url}; in Lean: set_option "
+            log(f"serving {len(index)} premises of {folder} ({index.dtype}) at {url}; in Lean: set_option "
                 f"premiseSelection.apiBaseUrl \"{url}\"  (Ctrl-C stops)")
             uvicorn.Server(config).run(sockets=[sock])
     except Interrupted as exc:

@@ -16,6 +16,16 @@ class ServeLimits(BaseModel):
     max_decl_chars: int = Field(100_000, gt=0, description="per new premise; the model reads its first 512 bytes")
     max_body_bytes: int = Field(64 << 20, gt=0, description="a request body beyond this is refused unread")
     cache_size: int = Field(16_384, ge=0, description="new-premise embeddings kept (least recently used go first)")
+    # Off by default: over HTTP on a loaded 2-core CPU it measured slower (docs/serving.md), in process faster.
+    batching: bool = Field(False, description="concurrent requests share encoder passes (--batching)")
+    batch_tokens: int = Field(32 * 1024, gt=0, description="tokens (bytes) one shared pass takes at most; a request "
+                                                           "over it has a pass of its own")
+    batch_wait_ms: float = Field(2.0, ge=0, description="how long a pass waits for requests still arriving")
+
+
+DEFAULT_K = 32  # the reference server's default; the Lean client always sends k
+# A premise or module as a position in the list the client cached, or by its name (a user's curl, LeanHammer).
+NameOrPosition = StrictInt | StrictStr
 
 
 class NewPremise(BaseModel):
@@ -31,14 +41,16 @@ class RetrieveRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     state: StrictStr
-    local_premises: list[StrictInt] | None = None  # indices into GET /indexed-premises
-    imported_modules: list[StrictInt] | None = None  # indices into GET /indexed-modules
+    # Each entry a position in GET /indexed-premises (what the Lean client sends) or a premise's name, as
+    # LeanHammer's server also takes them; one list may mix both.
+    local_premises: list[NameOrPosition] | None = None
+    imported_modules: list[NameOrPosition] | None = None  # positions in GET /indexed-modules, or module names
     new_premises: list[NewPremise] | None = None
-    k: StrictInt = 32  # the reference server's default; the Lean client always sends it
+    k: StrictInt = DEFAULT_K
     # Sent by clients of Lean's module system; its modules are accessible like `imported_modules`' (an index does
     # not tell private declarations apart), and whether the caller is a module changes nothing here.
     caller_in_module_system: StrictBool | None = None
-    imported_all_modules: list[StrictInt] | None = None
+    imported_all_modules: list[NameOrPosition] | None = None
 
 
 class RequestError(Exception):

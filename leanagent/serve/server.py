@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,6 +18,8 @@ import torch
 from leanagent.data.corpus import serialize_premise
 from leanagent.index import PremiseIndex
 from leanagent.model.topk import top_k_accessible
+from leanagent.serve.batching import Arrival, EncoderBatcher
+from leanagent.serve.cache import EmbeddingCache
 from leanagent.serve.names import lean_name, module_name, name_key
 from leanagent.serve.schemas import RequestError, RetrieveRequest, ServeLimits
 
@@ -40,40 +41,6 @@ class _Groups:
         return self.flat[shift + np.arange(int(lengths.sum()))]
 
 
-class _EmbeddingCache:
-    """New-premise embeddings by serialized text, least recently used dropped beyond `capacity`."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._rows: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.hits = self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def lookup(self, texts: Sequence[str]) -> tuple[dict[str, torch.Tensor], list[str]]:
-        found, missing = {}, []
-        for text in dict.fromkeys(texts):
-            row = self._rows.get(text)
-            if row is None:
-                missing.append(text)
-            else:
-                self._rows.move_to_end(text)
-                found[text] = row
-        self.hits += len(found)
-        self.misses += len(missing)
-        return found, missing
-
-    def store(self, texts: Sequence[str], rows: torch.Tensor) -> None:
-        if not self.capacity:
-            return
-        for text, row in zip(texts, rows, strict=True):
-            self._rows[text] = row
-            self._rows.move_to_end(text)
-        while len(self._rows) > self.capacity:
-            self._rows.popitem(last=False)
-
-
 class PremiseServer:
     """The protocol over one loaded `PremiseIndex`; `retrieve` is safe to call from many threads at once."""
 
@@ -81,7 +48,12 @@ class PremiseServer:
         self.index = index
         self.limits = limits or ServeLimits()
         self._encoder = threading.Lock()
-        self._cache = _EmbeddingCache(self.limits.cache_size)
+        self._cache = EmbeddingCache(self.limits.cache_size)
+        self._stats = threading.Lock()
+        # Batched: one thread runs the encoder for every request (see batching.py); unbatched (the default):
+        # each request's own passes, one request at a time under the encoder lock.
+        self.batcher = EncoderBatcher(index, self._cache, self.limits.batch_tokens,
+                                      self.limits.batch_wait_ms / 1000) if self.limits.batching else None
         premises = index.premises
         self.row_names = [lean_name(p["full_name"]) for p in premises]
         # Premise names, each once (the client maps name -> position), with every row that bears it.
@@ -90,6 +62,8 @@ class PremiseServer:
             by_name.setdefault(name, []).append(row)
         self.premise_names = list(by_name)
         self._names = _Groups(list(by_name.values()))
+        # A request may name premises instead of giving positions: matched as a new premise's name is, by key.
+        self._name_position = {name_key(name): i for i, name in enumerate(self.premise_names)}
         self._key_rows = {name_key(name): rows for name, rows in by_name.items()}
         self._duplicates = len(premises) - len(by_name)
         by_module: dict[str, list[int]] = {}
@@ -97,13 +71,15 @@ class PremiseServer:
             by_module.setdefault(module_name(path), []).extend(range(*info.rows))
         self.module_names = list(by_module)
         self._modules = _Groups(list(by_module.values()))
+        self._module_position = {name: i for i, name in enumerate(self.module_names)}
         self.indexed_premises_json = _json_bytes(self.premise_names)
         self.indexed_modules_json = _json_bytes(self.module_names)
         self.requests = 0
 
     # -- one request --
-    def retrieve(self, request: RetrieveRequest) -> list[dict[str, Any]]:
-        """The reply to a validated `/retrieve` body; raises RequestError for what the limits or tables refuse."""
+    def retrieve(self, request: RetrieveRequest, arrival: Arrival | None = None) -> list[dict[str, Any]]:
+        """The reply to a validated `/retrieve` body; raises RequestError for what the limits or tables refuse.
+        `arrival`: the batcher's count of this request since its body was read (`EncoderBatcher.arriving`)."""
         limits = self.limits
         if request.k <= 0:
             return []
@@ -130,12 +106,21 @@ class PremiseServer:
                 mask = np.ones(len(self.row_names), dtype=bool)
             mask[replaced] = False
         texts = [serialize_premise(p.name, p.decl) for p in uploaded]
-        with self._encoder:
+        with self._stats:
             self.requests += 1
-            state = self.index.encode_state(request.state)
-            new_rows = self._embed(texts)
-            indexed = self._top_indexed(state, mask, k)
+        if self.batcher is None:
+            with self._encoder:
+                state = self.index.encode_state(request.state)
+                new_rows = self._embed(texts)
+                indexed = self._top_indexed(state, mask, k)
+                new_scores = (state.to(new_rows.dtype) @ new_rows.t())[0].tolist() if uploaded else []
             new_scores = (state.to(new_rows.dtype) @ new_rows.t())[0].tolist() if uploaded else []
+        else:
+            def rank(state: torch.Tensor, rows: list[torch.Tensor]) -> tuple[list, list[float]]:
+                top = self._top_indexed(state, mask, k)
+                return top, (state.to(rows[0].dtype) @ torch.stack(rows).t())[0].tolist() if rows else []
+
+            indexed, new_scores = self.batcher.encode(request.state, texts, rank, arrival)
         ranked = indexed + [(score, p.name) for score, p in zip(new_scores, uploaded, strict=True)]
         ranked.sort(key=lambda hit: -hit[0])  # stable: on a tie an indexed premise stays first
         return [{"name": name, "score": score} for score, name in ranked[:k]]
@@ -149,10 +134,14 @@ class PremiseServer:
         for field_name, ids in (("imported_modules", request.imported_modules),
                                 ("imported_all_modules", request.imported_all_modules)):
             if ids:
-                mask[self._modules.rows(_indices(ids, self._modules.count, field_name, "/indexed-modules"))] = True
+                positions = _positions(ids, self._modules.count, self._module_position.get, field_name,
+                                       "/indexed-modules", "module")
+                mask[self._modules.rows(positions)] = True
         if request.local_premises:
-            ids = _indices(request.local_premises, self._names.count, "local_premises", "/indexed-premises")
-            mask[self._names.rows(ids)] = True
+            positions = _positions(request.local_premises, self._names.count,
+                                   lambda name: self._name_position.get(name_key(name)), "local_premises",
+                                   "/indexed-premises", "premise")
+            mask[self._names.rows(positions)] = True
         return mask
 
     def _embed(self, texts: list[str]) -> torch.Tensor:
@@ -187,10 +176,26 @@ class PremiseServer:
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "index": str(self.index.folder), "premises": len(self.premise_names),
                 "modules": len(self.module_names), "max_new_premises": self.limits.max_new_premises,
-                "requests": self.requests, "cached_new_premises": len(self._cache), "warnings": self.index.warnings}
+                "requests": self.requests, "cached_new_premises": len(self._cache),
+                "batching": self.batcher is not None, "encoder_passes": self.batcher.passes if self.batcher else None,
+                "warnings": self.index.warnings}
 
 
-def _indices(values: list[int], count: int, field_name: str, endpoint: str) -> np.ndarray:
+def _positions(values: list[int | str], count: int, position_of: Callable[[str], int | None], field_name: str,
+               endpoint: str, what: str) -> np.ndarray:
+    """Positions in the list GET `endpoint` returns, each value given as a position or as a name (a premise's as
+    Lean writes it, with or without `«»`): the first unknown name or bad position refused, naming it."""
+    if any(isinstance(v, str) for v in values):
+        resolved = []
+        for i, v in enumerate(values):
+            if isinstance(v, str):
+                position = position_of(v)
+                if position is None:
+                    raise RequestError(422, f"{field_name}[{i}]: {json.dumps(v, ensure_ascii=False)} is not a "
+                                            f"{what} name in GET {endpoint}")
+                v = position
+            resolved.append(v)
+        values = resolved
     ids = np.asarray(values, dtype=np.int64)
     bad = np.flatnonzero((ids < 0) | (ids >= count))
     if len(bad):

@@ -90,6 +90,26 @@ def test_new_client_format(live, built) -> None:
     assert [hit["score"] for hit in answer] == sorted((hit["score"] for hit in answer), reverse=True)
 
 
+# A user's or LeanHammer's body: modules and premises by name (a list may mix names and positions).
+BY_NAME = ('{"state":"x y n m : Nat\\n⊢ Eq (HAdd.hAdd (glend 0) (blix (quon x) m)) (HAdd.hAdd 0 (quon (blix x m)))",'
+           '"imported_modules":["Core.Basic",1],"local_premises":["RepoA.vrix_zero",35],"k":100}')
+
+
+def test_names_or_positions_in_imported_modules_and_local_premises(live, built) -> None:
+    index = built["index"]
+    premises = httpx.get(f"{live.url}/indexed-premises").json()
+    assert premises.index("RepoA.vrix_zero") != 35
+    local = [premises.index("RepoA.vrix_zero"), 35]
+    by_position = {**json.loads(BY_NAME), "imported_modules": [0, 1], "local_premises": local}
+    answer = post(live.url, BY_NAME)
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == post(live.url, json.dumps(by_position)).json()
+    rows = sorted(set(rows_of(index, ["Core.Basic", "RepoA.Base"]))
+                  | {r for r, p in enumerate(index.premises) if p["full_name"] in {premises[i] for i in local}})
+    assert_same(answer.json(), expected(index, STATE, rows, [], 100))
+    assert len(answer.json()) == len(rows) > 12 + 11
+
+
 @pytest.mark.parametrize("body", [{"state": STATE, "k": 100},
                                   {"state": STATE, "local_premises": None, "imported_modules": None, "k": 100}])
 def test_no_lists_means_everything_is_accessible(live, built, body) -> None:
@@ -182,8 +202,12 @@ BAD_REQUESTS = [
                                                                  "/indexed-premises (0-37) (and 1 more)"),
     ("live", b'{"state": "s", "imported_modules": [4]}', 422, "imported_modules[0]: 4 is not a position in GET "
                                                               "/indexed-modules (0-3)"),
-    ("live", b'{"state": "s", "imported_modules": ["Core.Basic"]}', 422, "imported_modules.0: Input should be a "
-                                                                         "valid integer"),
+    ("live", b'{"state": "s", "imported_modules": [0, "Core.Nowhere"]}', 422, 'imported_modules[1]: "Core.Nowhere" is '
+                                                                          "not a module name in GET /indexed-modules"),
+    ("live", b'{"state": "s", "local_premises": ["RepoA.nowhere"]}', 422, 'local_premises[0]: "RepoA.nowhere" is not '
+                                                                        "a premise name in GET /indexed-premises"),
+    ("live", b'{"state": "s", "imported_modules": [1.5]}', 422, "imported_modules.0.int: Input should be a valid "
+                                                                "integer"),
     ("live", b'{"state": "s", "new_premises": [{"name": "a"}]}', 422, "new_premises.0.decl: Field required"),
     ("live", b'{"state": "s", "new_premises": {"name": "a"}}', 422, "new_premises: Input should be a valid list"),
     ("strict", json.dumps({"state": "s", "new_premises": [_decl("a"), _decl("b"), _decl("c")]}).encode(), 413,

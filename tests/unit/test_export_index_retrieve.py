@@ -163,6 +163,34 @@ def test_trained_index_ranks_positives_higher_than_untrained(trained, indexes):
     assert abs(trained_metrics["Recall@10"] - best["Recall@10_val"]) <= 5.0, (trained_metrics, best)
 
 
+def _top10(index: PremiseIndex, examples) -> list[list[int]]:
+    return [[h.index for h in index.retrieve(e.context, k=10, file=e.file_path, line=e.theorem_start[0],
+                                             column=e.theorem_start[1])] for e in examples]
+
+
+def test_each_dtype_agrees_with_fp32_on_the_trained_model_and_auto_is_one_that_does(trained, indexes, capsys):
+    """Issue 22's agreement: top-10 overlap >= 0.9 and R@10 within 0.5 points of fp32, on the trained model's
+    validation states, the index (bf16 rows) served at each dtype. `auto` must pick one that agrees."""
+    from leanagent.model.dtypes import resolve
+
+    base = PremiseIndex.load(indexes["trained"], dtype="fp32")
+    assert base.dtype == "fp32"
+    reference, (_, metrics) = _top10(base, trained["val"]), _recall(base, trained["val"])
+    agreement = {}
+    for dtype in ("bf16", "int8"):
+        index = PremiseIndex.load(indexes["trained"], dtype=dtype)
+        assert index.dtype == dtype
+        rows = _top10(index, trained["val"])
+        overlap = sum(len(set(a) & set(b)) / max(len(a), 1) for a, b in zip(rows, reference, strict=True)) / len(rows)
+        recall = _recall(index, trained["val"])[1]["Recall@10"]
+        agreement[dtype] = (overlap, recall - metrics["Recall@10"])
+    with capsys.disabled():
+        print(f"\nfp32 R@10 {metrics['Recall@10']:.2f}; overlap, R@10 change: {agreement}")
+    agreed = {d for d, (overlap, change) in agreement.items() if overlap >= 0.9 and abs(change) <= 0.5} | {"fp32"}
+    assert resolve("auto", "cpu") in agreed, agreement
+    assert all(0 < overlap <= 1 for overlap, _ in agreement.values()), agreement
+
+
 def test_index_files(trained, indexes):
     meta = json.loads((indexes["trained"] / "index.json").read_text())
     assert meta["checkpoint"] == str(trained["ckpt"].resolve()) and meta["model"] is None

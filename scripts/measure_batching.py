@@ -1,0 +1,59 @@
+"""Batched against unbatched `PremiseServer.retrieve` in process (no HTTP): ms per request, wall and CPU.
+
+    python scripts/measure_batching.py INDEX DATASET [--threads 32] [--rounds 3] [--dtype fp32]
+
+The quick check beside scripts/measure_serve.py (which goes through real `leanagent serve` processes): the test
+split's states of DATASET, k = 32, no lists, once one after another and then from `--threads` threads at once,
+the two servers taking turns `--rounds` times over the same loaded index. CPU time is this process's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from leanagent.index import PremiseIndex  # noqa: E402
+from leanagent.serve import PremiseServer, RetrieveRequest, ServeLimits  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("index", type=Path)
+    parser.add_argument("dataset", type=Path)
+    parser.add_argument("--threads", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="fp32")
+    args = parser.parse_args()
+    index = PremiseIndex.load(args.index, dtype=args.dtype)
+    theorems = json.loads((args.dataset / "random" / "test.json").read_text())
+    requests = [RetrieveRequest(state=t["state_before"], k=32) for th in theorems for t in th["traced_tactics"]]
+    servers = {"unbatched": PremiseServer(index, ServeLimits(batching=False)), "batched": PremiseServer(index)}
+    for server in servers.values():
+        for request in requests[:8]:
+            server.retrieve(request)  # warm-up
+    for rnd in range(args.rounds):
+        for name, server in servers.items():
+            cpu, wall = time.process_time(), time.perf_counter()
+            for request in requests:
+                server.retrieve(request)
+            seq = ((time.perf_counter() - wall) / len(requests) * 1000,
+                   (time.process_time() - cpu) / len(requests) * 1000)
+            cpu, wall = time.process_time(), time.perf_counter()
+            with ThreadPoolExecutor(args.threads) as pool:
+                list(pool.map(server.retrieve, requests * 2))
+            par = ((time.perf_counter() - wall) / len(requests) / 2 * 1000,
+                   (time.process_time() - cpu) / len(requests) / 2 * 1000)
+            passes = server.batcher.passes if server.batcher else None
+            print(f"round {rnd} {name:>9}: one at a time {seq[0]:6.1f} ms/request (CPU {seq[1]:5.1f}); "
+                  f"{args.threads} threads {par[0]:6.1f} ms/request (CPU {par[1]:5.1f}); encoder passes so far "
+                  f"{passes}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Batched requests: concurrent `/retrieve` calls share encoder passes and answer as an unbatched server does (fp32),
+whatever the grouping; the shared pass itself equals the one-at-a-time encodings."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from leanagent.data.corpus import serialize_premise
+from leanagent.serve import ServeLimits, create_app
+
+from .conftest import LiveServer
+
+
+def _bodies(built) -> list[dict]:
+    """The test split's states, a third of them with new premises (some shared across requests, some repeated)."""
+    theorems = json.loads((built["repo"] / "random" / "test.json").read_text())
+    states = [t["state_before"] for th in theorems for t in th["traced_tactics"]]
+    bodies = []
+    for i, state in enumerate((states * 3)[:36]):
+        body = {"state": state, "k": 10 + i % 7}
+        if i % 3 == 0:
+            name = f"RepoA.new{i % 5}"
+            body["new_premises"] = [{"name": name, "decl": f"theorem {name} : Eq (frob {i}) 0"},
+                                    {"name": "RepoA.shared", "decl": "theorem RepoA.shared (x : Nat) : Eq (quon x) x"}]
+        if i % 4 == 1:
+            body["imported_modules"] = ["Core.Basic", 1 + i % 3]
+        bodies.append(body)
+    return bodies
+
+
+def test_batched_answers_equal_unbatched_ones_for_concurrent_requests(built) -> None:
+    bodies = _bodies(built)
+    index = built["index"]
+    with LiveServer(create_app(index, ServeLimits(batching=False))) as plain, httpx.Client(timeout=120) as http:
+        wanted = [http.post(f"{plain.url}/retrieve", json=b).json() for b in bodies]
+    assert all(isinstance(w, list) and w for w in wanted)
+    # A long wait lets passes gather many requests; how many each takes changes no answer.
+    app = create_app(index, ServeLimits(batching=True, batch_wait_ms=50))
+    with LiveServer(app) as batched:
+        def client(c: int) -> list[tuple[int, list]]:
+            with httpx.Client(timeout=120) as client_http:
+                return [(i, client_http.post(f"{batched.url}/retrieve", json=bodies[i]).json())
+                        for i in range(c, len(bodies), 12)]
+
+        with ThreadPoolExecutor(12) as pool:
+            answers = dict(hit for batch in pool.map(client, range(12)) for hit in batch)
+        health = httpx.get(f"{batched.url}/health").json()
+    assert sorted(answers) == list(range(len(bodies)))
+    for i, answer in answers.items():
+        assert [h["name"] for h in answer] == [h["name"] for h in wanted[i]], i
+        assert [h["score"] for h in answer] == pytest.approx([h["score"] for h in wanted[i]], abs=1e-6), i
+    assert health["batching"] is True and 1 <= health["encoder_passes"] <= len(bodies) == health["requests"]
+    with LiveServer(create_app(index)) as plain:  # unbatched unless asked (see ServeLimits.batching)
+        assert httpx.get(f"{plain.url}/health").json()["batching"] is False
+
+
+def test_one_pass_of_states_and_premises_equals_their_own_passes(built) -> None:
+    """The grouping's arithmetic: states and premise texts of several lengths in one sorted pass give each row its
+    own pass's embedding, up to float rounding (padding is masked), premises rounded to bf16 as stored."""
+    index = built["index"]
+    states = [b["state"] for b in _bodies(built)[:9]]
+    texts = [serialize_premise(p["full_name"], p["text"]) for p in index.premises[:7]]
+    together, premises = index.encode_together(states, texts)
+    alone = torch.cat([index.encode_state(s) for s in states])
+    assert together.shape == alone.shape and torch.allclose(together, alone, atol=1e-6)
+    assert torch.allclose(premises, index.encode_premises(texts), atol=1e-2)  # bf16 rows: within its rounding
+    assert (premises == index.encode_premises(texts)).float().mean() > 0.99
