@@ -14,7 +14,7 @@ sending requests one after another. Two bodies are measured:
 - old client: every premise position in `local_premises` (what clients <= v4.30 send: 76,000 integers at
   mathlib scale, about 450 kB), no new premises, k = 32.
 
-Each index is served twice in the same run, with `--batching` and with `--no-batching` (the default), and each
+Each index is served twice in the same run, with `--batching` (the default) and with `--no-batching`, and each
 server's cold start is timed: from starting the command to its first answer. `--json OUT` writes, beside every row, flat
 keys for the mathlib-scale index and the new client's body: `rps_32_batched`, `rps_32_unbatched`,
 `p50_ms_1_batched`, `p50_ms_1_unbatched`, `p99_ms_32_batched`, `p99_ms_32_unbatched`, their ratios and

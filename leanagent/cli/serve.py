@@ -30,8 +30,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="new premises one request may upload, what GET /max-new-premises says (default 2048)")
     p.add_argument("--cache-size", type=int, help="new-premise embeddings kept between requests (default 16384)")
     p.add_argument("--batching", action=argparse.BooleanOptionalAction, default=None,
-                   help="concurrent requests' states and new premises share encoder passes (default --no-batching: "
-                        "one request's passes at a time; batching measured slower over HTTP on a loaded CPU)")
+                   help="concurrent requests' states and new premises share encoder passes (the default; "
+                        "--no-batching: one request's passes at a time, as before)")
     p.add_argument("--batch-tokens", type=int, help="tokens (bytes) one shared pass takes at most (default 32768)")
     p.add_argument("--batch-wait-ms", type=float,
                    help="how long a pass waits for requests still arriving (default 2; a lone client never waits)")

@@ -27,8 +27,8 @@ Why one encoder thread: concurrent requests are parsed, checked and ranked in pa
 one pass at a time, and concurrent requests' states and uncached new premises share it (`batching.py`: one
 pass of 32 states sorted by length costs far less than 32 passes). On a CPU torch already spreads one pass
 over every core, so parallel passes would only compete for them; on a GPU they would queue anyway. The
-new-premise cache belongs to that thread. It is opt-in (`--batching`, `ServeLimits.batching`); the default
-keeps one request's passes at a time under a lock instead (docs/serving.md has the measurements why).
+new-premise cache belongs to that thread. It is the default (`ServeLimits.batching`); `--no-batching` keeps
+one request's passes at a time under a lock instead (docs/serving.md has the measurements).
 
 `create_app(index)` returns a FastAPI app, so a user can mount it in their own (`app.mount("/lean", ...)`).
 

@@ -17,7 +17,7 @@ class ServeLimits(BaseModel):
     max_body_bytes: int = Field(64 << 20, gt=0, description="a request body beyond this is refused unread")
     cache_size: int = Field(16_384, ge=0, description="new-premise embeddings kept (least recently used go first)")
     # Off by default: over HTTP on a loaded 2-core CPU it measured slower (docs/serving.md), in process faster.
-    batching: bool = Field(False, description="concurrent requests share encoder passes (--batching)")
+    batching: bool = Field(True, description="concurrent requests share encoder passes (--no-batching: not)")
     batch_tokens: int = Field(32 * 1024, gt=0, description="tokens (bytes) one shared pass takes at most; a request "
                                                            "over it has a pass of its own")
     batch_wait_ms: float = Field(2.0, ge=0, description="how long a pass waits for requests still arriving")

@@ -50,7 +50,7 @@ class PremiseServer:
         self._encoder = threading.Lock()
         self._cache = EmbeddingCache(self.limits.cache_size)
         self._stats = threading.Lock()
-        # Batched: one thread runs the encoder for every request (see batching.py); unbatched (the default):
+        # Batched (the default): one thread runs the encoder for every request (see batching.py); unbatched:
         # each request's own passes, one request at a time under the encoder lock.
         self.batcher = EncoderBatcher(index, self._cache, self.limits.batch_tokens,
                                       self.limits.batch_wait_ms / 1000) if self.limits.batching else None

@@ -55,8 +55,8 @@ def test_batched_answers_equal_unbatched_ones_for_concurrent_requests(built) -> 
         assert [h["name"] for h in answer] == [h["name"] for h in wanted[i]], i
         assert [h["score"] for h in answer] == pytest.approx([h["score"] for h in wanted[i]], abs=1e-6), i
     assert health["batching"] is True and 1 <= health["encoder_passes"] <= len(bodies) == health["requests"]
-    with LiveServer(create_app(index)) as plain:  # unbatched unless asked (see ServeLimits.batching)
-        assert httpx.get(f"{plain.url}/health").json()["batching"] is False
+    with LiveServer(create_app(index)) as default:  # batched unless told not to (see ServeLimits.batching)
+        assert httpx.get(f"{default.url}/health").json()["batching"] is True
 
 
 def test_one_pass_of_states_and_premises_equals_their_own_passes(built) -> None:

@@ -160,10 +160,9 @@ def test_a_prefect_cancel_of_a_served_run_leaves_no_job_in_the_queue(cluster: Cl
             deployment = served_deployment(client, name, STARTUP_S, serve)
             serving = _tree(serve.pid)  # the runner and its helpers, before the run: not the run's processes
             run = client.create_flow_run_from_deployment(deployment.id, parameters={"config_path": str(config)})
-            # Or `leanagent run` ended (its own failure, shown below), which no wait would change.
-        wait_for(lambda: cli.poll() is not None or _running_job(cluster, train) is not None, 2 * STARTUP_S,
-                 "the training job running")
-        assert cli.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
+            wait_for(lambda: serve.poll() is not None or _running_job(cluster, train) is not None, 2 * STARTUP_S,
+                     "the training job running")
+            assert serve.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
             # The flow-run process and what it started; not the resource tracker that the runner's multiprocessing
             # starts with its first run and keeps for the next.
             flow_processes = [p for p in map(find_process, _tree(serve.pid) - serving)
