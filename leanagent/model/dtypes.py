@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import warnings
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,12 +41,12 @@ class DtypeError(ValueError):
 
 
 def cpu_has_bf16() -> bool:
-    """Whether this CPU has bf16 matmul instructions (AVX-512 BF16 or AMX on x86; Linux's cpuinfo)."""
+    """Whether this CPU runs bf16 matmuls natively (oneDNN's own check: AVX-512 BF16, AMX, or Arm's bf16), asked of
+    torch rather than read from the OS, so that it means the same on Linux and macOS."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve(dtype: str, device: torch.device | str) -> str:
