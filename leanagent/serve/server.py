@@ -114,7 +114,6 @@ class PremiseServer:
                 new_rows = self._embed(texts)
                 indexed = self._top_indexed(state, mask, k)
                 new_scores = (state.to(new_rows.dtype) @ new_rows.t())[0].tolist() if uploaded else []
-            new_scores = (state.to(new_rows.dtype) @ new_rows.t())[0].tolist() if uploaded else []
         else:
             def rank(state: torch.Tensor, rows: list[torch.Tensor]) -> tuple[list, list[float]]:
                 top = self._top_indexed(state, mask, k)
