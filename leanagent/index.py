@@ -38,7 +38,7 @@ from leanagent.config import DataConfig
 from leanagent.data.corpus import Corpus, FileRecord, Premise
 from leanagent.data.dataset import tokenize_texts
 from leanagent.data.theorems import strip_goal_count
-from leanagent.model.dtypes import DtypeError, apply_dtype, precision
+from leanagent.model.dtypes import DtypeError, apply_dtype, precision, resolve
 from leanagent.model.loading import ModelSourceError, load_model
 from leanagent.model.topk import top_k_accessible
 
@@ -205,7 +205,10 @@ class PremiseIndex:
         self.corpus = _accessibility_corpus(premises, files)
         # What `load` let through with `force` (a changed model) or could not check: for the caller to show.
         self.warnings: list[str] = list(warnings or [])
-        self.dtype = "fp32" if self.device.type == "cpu" else "bf16"  # what `load` resolves `--dtype` to
+        self.dtype = resolve("auto", self.device)  # what `load` then resolves `--dtype` to
+        # Where states and premise texts are cut, as the corpus was embedded (a state as evaluation cuts contexts).
+        self.state_max_len = int(meta.get("context_max_len", CONTEXT_MAX_LEN))
+        self.premise_max_len = int(meta["max_seq_len"])
 
     @classmethod
     def load(cls, folder: str | Path, device: str = "cpu", model: str | Path | None = None,
@@ -279,8 +282,7 @@ class PremiseIndex:
     def encode_state(self, state: str) -> torch.Tensor:
         """A proof state's embedding, the state formatted as training and evaluation format it."""
 
-        ids, mask = tokenize_texts(self.retriever.tokenizer, [strip_goal_count(state)],
-                                   int(self.meta.get("context_max_len", CONTEXT_MAX_LEN)))
+        ids, mask = tokenize_texts(self.retriever.tokenizer, [strip_goal_count(state)], self.state_max_len)
         with precision(self.dtype, self.device):
             return self.retriever.encode(ids.to(self.device), mask.to(self.device))
 
@@ -291,13 +293,12 @@ class PremiseIndex:
         a text equal to an indexed premise's scores as that premise does (up to the rounding of padded batches)."""
         out = torch.empty(len(texts), self.embeddings.shape[1], dtype=self.embeddings.dtype, device=self.device)
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        max_len = int(self.meta["max_seq_len"])
         for lo in range(0, len(order), batch_size):
             rows = order[lo:lo + batch_size]
-            ids, mask = tokenize_texts(self.retriever.tokenizer, [texts[i] for i in rows], max_len)
+            ids, mask = tokenize_texts(self.retriever.tokenizer, [texts[i] for i in rows], self.premise_max_len)
             with precision(self.dtype, self.device):
                 emb = self.retriever.encode(ids.to(self.device), mask.to(self.device))
-            out[torch.tensor(rows, device=self.device)] = emb.to(torch.bfloat16).to(self.embeddings.dtype)
+            out[torch.tensor(rows, device=self.device)] = self._as_stored(emb)
         return out
 
     @torch.inference_mode()
@@ -307,18 +308,20 @@ class PremiseIndex:
         longest, so 32 states cost about one pass of their total length, not 32 passes. Padding is masked: each
         row is its own pass's up to float rounding."""
         tokenizer = self.retriever.tokenizer
-        parts = [tokenize_texts(tokenizer, [strip_goal_count(s) for s in states],
-                                int(self.meta.get("context_max_len", CONTEXT_MAX_LEN)))]
+        parts = [tokenize_texts(tokenizer, [strip_goal_count(s) for s in states], self.state_max_len)]
         if texts:
-            parts.append(tokenize_texts(tokenizer, texts, int(self.meta["max_seq_len"])))
+            parts.append(tokenize_texts(tokenizer, texts, self.premise_max_len))
         width = max(ids.shape[1] for ids, _ in parts)
         ids = torch.cat([torch.nn.functional.pad(i, (0, width - i.shape[1])) for i, _ in parts])
         mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for _, m in parts])
         with precision(self.dtype, self.device):
             emb, _ = self.retriever.encode_pool(ids.to(self.device), mask.to(self.device),
                                                 mask.sum(dim=1).tolist(), sort=True)
-        premises = emb[len(states):].to(torch.bfloat16).to(self.embeddings.dtype)
-        return emb[:len(states)], premises
+        return emb[:len(states)], self._as_stored(emb[len(states):])
+
+    def _as_stored(self, emb: torch.Tensor) -> torch.Tensor:
+        """New premises' embeddings rounded to bf16 as the stored rows were, in the rows' dtype: ranked with them."""
+        return emb.to(torch.bfloat16).to(self.embeddings.dtype)
 
     def retrieve(self, state: str, k: int = 10, file: str | None = None, line: int | None = None,
                  column: int = 0) -> list[Hit]:

@@ -59,9 +59,13 @@ def mine_table(model, corpus_emb: torch.Tensor, corpus: Corpus, examples: Sequen
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world > 1 else 0
     distinct, of_example = _distinct_contexts(examples)
-    mine = list(range(rank, len(distinct), world))
-    # Longest contexts first, in batches: little padding, and the largest batch's memory is known at once.
-    mine.sort(key=lambda i: -len(distinct[i].context))
+
+    def owned_by(r: int) -> list[int]:
+        """Rank r's contexts, longest first (in batches: little padding, the largest batch's memory known at once);
+        the order its rows are gathered in."""
+        return sorted(range(r, len(distinct), world), key=lambda i: -len(distinct[i].context))
+
+    mine = owned_by(rank)
     shard_len = -(-len(distinct) // world)
     shard = torch.full((shard_len, pool), -1, dtype=torch.int64, device=corpus_emb.device)
     for lo in range(0, len(mine), batch_size):
@@ -77,7 +81,7 @@ def mine_table(model, corpus_emb: torch.Tensor, corpus: Corpus, examples: Sequen
         gathered = [shard]
     table = torch.full((len(distinct), pool), -1, dtype=torch.int64)
     for r, part in enumerate(gathered):
-        owned = sorted(range(r, len(distinct), world), key=lambda i: -len(distinct[i].context))
+        owned = owned_by(r)
         if owned:
             table[torch.tensor(owned)] = part[: len(owned)].cpu()
     return table[torch.tensor(of_example, dtype=torch.long)].to(torch.int32)

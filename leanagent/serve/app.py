@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import nullcontext
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -101,10 +102,8 @@ def create_app(index: PremiseIndex | PremiseServer, limits: ServeLimits | None =
 
     @app.post("/retrieve")
     async def retrieve(request: Request) -> JSONResponse:
-        if server.batcher is None:
-            body = await _read_body(request, server.limits.max_body_bytes)
-            return JSONResponse(await run_in_threadpool(server.retrieve, _parse(body)))
-        with server.batcher.arriving() as arrival:  # a pass waits a moment for a request on its way
+        # Batched, a pass waits a moment for a request on its way: counted from before its body is read.
+        with server.batcher.arriving() if server.batcher is not None else nullcontext() as arrival:
             body = await _read_body(request, server.limits.max_body_bytes)
             return JSONResponse(await run_in_threadpool(server.retrieve, _parse(body), arrival))
 

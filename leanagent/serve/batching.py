@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from leanagent.index import CONTEXT_MAX_LEN, PremiseIndex
+from leanagent.index import PremiseIndex
 from leanagent.serve.cache import EmbeddingCache
 
 
@@ -55,8 +55,6 @@ class EncoderBatcher:
         self._queue: deque[_Job] = deque()
         self._arriving = 0
         self._thread: threading.Thread | None = None
-        self._state_len = int(index.meta.get("context_max_len", CONTEXT_MAX_LEN))
-        self._premise_len = int(index.meta["max_seq_len"])
 
     @contextmanager
     def arriving(self) -> Iterator[Arrival]:
@@ -79,7 +77,8 @@ class EncoderBatcher:
         team spins against the first one's (the likely cause of the batched server's higher CPU time per request
         over HTTP when ranking ran on the request's thread)."""
         # ByT5 reads a token a byte, cut at the index's lengths: what the job adds to a pass
-        tokens = min(len(state.encode()), self._state_len) + sum(min(len(t.encode()), self._premise_len) for t in texts)
+        tokens = min(len(state.encode()), self.index.state_max_len) + sum(
+            min(len(t.encode()), self.index.premise_max_len) for t in texts)
         job = _Job(state, texts, tokens, finish)
         with self._cond:
             if self._thread is None:

@@ -16,7 +16,7 @@ class ServeLimits(BaseModel):
     max_decl_chars: int = Field(100_000, gt=0, description="per new premise; the model reads its first 512 bytes")
     max_body_bytes: int = Field(64 << 20, gt=0, description="a request body beyond this is refused unread")
     cache_size: int = Field(16_384, ge=0, description="new-premise embeddings kept (least recently used go first)")
-    # Off by default: over HTTP on a loaded 2-core CPU it measured slower (docs/serving.md), in process faster.
+    # On by default; on a CPU oversubscribed several times it measured slower over HTTP (docs/serving.md).
     batching: bool = Field(True, description="concurrent requests share encoder passes (--no-batching: not)")
     batch_tokens: int = Field(32 * 1024, gt=0, description="tokens (bytes) one shared pass takes at most; a request "
                                                            "over it has a pass of its own")

@@ -113,11 +113,11 @@ class PremiseServer:
                 state = self.index.encode_state(request.state)
                 new_rows = self._embed(texts)
                 indexed = self._top_indexed(state, mask, k)
-                new_scores = (state.to(new_rows.dtype) @ new_rows.t())[0].tolist() if uploaded else []
+                new_scores = _scores(state, new_rows) if uploaded else []
         else:
             def rank(state: torch.Tensor, rows: list[torch.Tensor]) -> tuple[list, list[float]]:
                 top = self._top_indexed(state, mask, k)
-                return top, (state.to(rows[0].dtype) @ torch.stack(rows).t())[0].tolist() if rows else []
+                return top, _scores(state, torch.stack(rows)) if rows else []
 
             indexed, new_scores = self.batcher.encode(request.state, texts, rank, arrival)
         ranked = indexed + [(score, p.name) for score, p in zip(new_scores, uploaded, strict=True)]
@@ -178,6 +178,11 @@ class PremiseServer:
                 "requests": self.requests, "cached_new_premises": len(self._cache),
                 "batching": self.batcher is not None, "encoder_passes": self.batcher.passes if self.batcher else None,
                 "warnings": self.index.warnings}
+
+
+def _scores(state: torch.Tensor, rows: torch.Tensor) -> list[float]:
+    """A state's score against each new premise's embedding row (in the rows' dtype, as the indexed rows are)."""
+    return (state.to(rows.dtype) @ rows.t())[0].tolist()
 
 
 def _positions(values: list[int | str], count: int, position_of: Callable[[str], int | None], field_name: str,
