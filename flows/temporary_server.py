@@ -15,12 +15,18 @@ SIGTERM)`, leanagent/supervision.py), and stop it ourselves when the command end
 finds it running (`SubprocessASGIServer()` returns the one instance) and uses it. This module is the
 one place that knows those internals: a no-op with a configured server, or if Prefect's internals are
 not the ones expected.
+
+The child's output reaches the terminal through a pipe that is cut when the stop begins: uvicorn's
+shutdown cancels the server's background services mid-query, and SQLAlchemy logs each connection it
+could not roll back as an ERROR with a 20-line traceback ("Exception during reset or similar"), after
+the command's last word. What the server says while the command runs still reaches the terminal.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -64,13 +70,16 @@ def temporary_server() -> Iterator[None]:
     Before it stops, the logs and events still queued for it are sent (a bounded wait): after, they would fail
     with "--- Error logging to API ---" as the interpreter exits.
     """
-    server = _start()
+    started = _start()
     try:
         yield
     finally:
-        if server is not None:
+        if started is not None:
+            server, output = started
             send_queued()
+            output.cut()
             server.stop()
+            output.close()
 
 
 def send_queued() -> None:
@@ -80,7 +89,45 @@ def send_queued() -> None:
         worker.drain_all(timeout=DRAIN_SECONDS)
 
 
-def _start():  # -> SubprocessASGIServer | None
+class ServerOutput:
+    """A child's stdout and stderr, passed on to this process's stderr (fd 2, as an inherited one would be)
+    until `cut`, then read and dropped until the child exits.
+
+    Give `writer` to each Popen, then call `started` once no more children will be started (the pipe ends
+    when the last child holding it exits); `close` waits a bounded time for that end.
+    """
+
+    def __init__(self, sink_fd: int = 2) -> None:
+        self._reader, self.writer = os.pipe()
+        self._sink = sink_fd
+        self._cut = threading.Event()
+        self._pump = threading.Thread(target=self._pass_on, name="temporary-server-output", daemon=True)
+        self._pump.start()
+
+    def _pass_on(self) -> None:
+        with os.fdopen(self._reader, "rb", buffering=0) as pipe:
+            for line in pipe:  # read to the end whatever happens, so that the child never blocks on a full pipe
+                if not self._cut.is_set():
+                    try:
+                        os.write(self._sink, line)
+                    except OSError:  # this process's stderr is gone: nothing more can be shown
+                        self._cut.set()
+
+    def started(self) -> None:
+        """This process's copy of the write end is closed: the children hold theirs."""
+        if self.writer >= 0:
+            os.close(self.writer)
+            self.writer = -1
+
+    def cut(self) -> None:
+        self._cut.set()
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.started()
+        self._pump.join(timeout)
+
+
+def _start():  # -> tuple[SubprocessASGIServer, ServerOutput] | None
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return None
     import prefect.server.api.server as server_module
@@ -98,7 +145,8 @@ def _start():  # -> SubprocessASGIServer | None
             bound = types.ModuleType(real.__name__)
             bound.__dict__.update(real.__dict__)
             bound.Popen = lambda *args, **kwargs: real.Popen(*args, **{
-                "preexec_fn": preexec, "start_new_session": True, **kwargs,
+                "preexec_fn": preexec, "start_new_session": True, "stdout": output.writer,
+                "stderr": output.writer, **kwargs,
                 "env": {**TEMPORARY_SERVER_DEFAULTS, **(kwargs.get("env") or os.environ)}})
             server_module.subprocess = bound  # only `_run_uvicorn_command` reads it, and only here
             try:
@@ -106,17 +154,21 @@ def _start():  # -> SubprocessASGIServer | None
             finally:
                 server_module.subprocess = real
 
+    output = ServerOutput()
     server = ServerBoundToThisProcess()
     try:
         server.start(timeout=startup_timeout())
     except RuntimeError as exc:  # Prefect's own "Timed out while attempting to connect ...", with the output
         server.stop()
+        output.close()
         reason = (str(exc).strip().splitlines() or ["no reason given"])[0][:300]
         raise TemporaryServerError(
             f"Prefect's temporary server did not start ({reason}); check that PREFECT_HOME "
             f"({PREFECT_HOME.value()}) is a folder it can create and write, or set PREFECT_API_URL to a running "
             f"server (`prefect server start`)") from None
-    return server
+    finally:
+        output.started()
+    return server, output
 
 
 class TemporaryServerError(RuntimeError):
