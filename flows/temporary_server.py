@@ -76,10 +76,12 @@ def temporary_server() -> Iterator[None]:
     finally:
         if started is not None:
             server, output = started
-            send_queued()
-            output.cut()
-            server.stop()
-            output.close()
+            try:
+                send_queued()
+            finally:
+                output.cut()
+                server.stop()
+                output.close()
 
 
 def send_queued() -> None:
