@@ -28,6 +28,7 @@ from leanagent.config import PipelineConfig, RepoConfig
 from leanagent.data.validate import validate_dataset
 from leanagent.job import JobInputError, Program
 from leanagent.launch.registry import launch_problems
+from leanagent.model.options import stored_encoder_config
 
 # A checkpoint holds the fp32 weights (4 bytes per parameter) and AdamW's two moments (8 bytes), plus
 # loop/callback state, hparams and zip records (measured: 32 KB over 12 bytes per parameter on the tiny model).
@@ -288,11 +289,6 @@ def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path
                   checkpoint: Path | None = None, fisher: Path | None = None, validate: bool = True,
                   free_bytes: int | None = None, device_count: int | None = None) -> None:
     """Everything one job needs, checked before it is launched; raises PreflightError listing each problem."""
-    # Reading a checkpoint needs torch and transformers (seconds to import): only a job's checks pay for them, not
-    # `leanagent run`'s, which answer a bad input before Prefect starts.
-    from leanagent.checkpoints import BadFileError, check_fisher
-    from leanagent.model.loading import checkpoint_encoder_config
-
     problems = check_launcher(cfg, device_count)
     checkpoint_config: dict[str, Any] | None = None
     unknown = False  # a bad input file: what it would have told us (architecture, size) is unknown
@@ -303,19 +299,15 @@ def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path
         else:
             # Ours, or a LeanAgent/ReProver checkpoint (file or consolidated DeepSpeed folder) whose weights
             # must fit the architecture found locally.
-            try:
-                checkpoint_config = checkpoint_encoder_config(Path(checkpoint), cfg.model.name_or_path)
-            except BadFileError as exc:
-                problems.append(str(exc))
+            checkpoint_config, problem = start_checkpoint_config(Path(checkpoint), cfg.model.name_or_path)
+            if problem:
+                problems.append(problem)
                 unknown = True
     if fisher is not None:
         if not Path(fisher).is_file():
             problems.append(f"fisher {fisher}: no such file")
         else:
-            try:
-                check_fisher(Path(fisher))
-            except BadFileError as exc:
-                problems.append(str(exc))
+            problems += fisher_problems(Path(fisher))
     model_config: dict[str, Any] | None = checkpoint_config
     if checkpoint is None:  # the job starts from model.name_or_path
         model_config, problem = resolve_model(cfg.model.name_or_path)
@@ -329,6 +321,36 @@ def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path
     if validate:
         problems += check_datasets(datasets, cfg.data.split)
     _raise_if(problems)
+
+
+# Reading a checkpoint or a Fisher file needs torch (~2 s of a core to import), and looking up a LeanAgent/ReProver
+# checkpoint's architecture transformers too (~3 s more). These checks import them when they have such a file to
+# read: a job that starts from the base model, and `leanagent run`'s checks (a bad input answered before Prefect
+# starts), pay nothing; the job's ranks import both anyway.
+
+def start_checkpoint_config(path: Path, name_or_path: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(the architecture a start checkpoint gives, None) or (None, the one-line problem naming the file)."""
+    from leanagent.checkpoints import BadFileError, is_leanagent, read_any_checkpoint
+
+    try:
+        checkpoint = read_any_checkpoint(path)
+        if is_leanagent(checkpoint):  # ours store their architecture
+            return stored_encoder_config(checkpoint["hyper_parameters"]), None
+        from leanagent.model.loading import reference_encoder_config
+
+        return reference_encoder_config(path, checkpoint, name_or_path), None
+    except BadFileError as exc:
+        return None, str(exc)
+
+
+def fisher_problems(path: Path) -> list[str]:
+    from leanagent.checkpoints import BadFileError, check_fisher
+
+    try:
+        check_fisher(path)
+    except BadFileError as exc:
+        return [str(exc)]
+    return []
 
 
 def preflight_run(cfg: PipelineConfig, repos: Sequence[RepoConfig] | None = None,

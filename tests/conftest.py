@@ -36,6 +36,40 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# Session fixtures of real runs whose readers all go to one worker, so that each is computed once.
+SHARED_RUNS = ("lifelong_run3", "ddp_jobs")
+
+
+def _weight(items: list[pytest.Item]) -> int:
+    """How heavy a group of tests is, from its marks: SLURM jobs, then flows of DDP jobs, then DDP jobs."""
+    marks = {mark.name for item in items for mark in item.iter_markers()}
+    return 3 * ("slurm" in marks) + 2 * ("prefect" in marks and "ddp" in marks) + ("ddp" in marks) + ("slow" in marks)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The groups and the order for `scripts/test.sh`'s workers (pytest-xdist, `--dist loadgroup`).
+
+    A module runs on one worker, so its module-scoped fixtures (a SLURM cluster, the README's demo) are built
+    once; the modules that read one of SHARED_RUNS form one group, which computes it once. Most of a DDP test
+    is waiting (for Python to import torch in each rank, for a Prefect server, for SLURM), so two workers
+    keep both cores busy. Heavy groups go first (`--no-loadscope-reorder` keeps this order), so that no
+    minutes-long module starts last. Without xdist the order changes the same way and nothing else does.
+    """
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    groups: dict[str, list[pytest.Item]] = {}
+    for module, members in modules.items():
+        shared = [name for name in SHARED_RUNS if any(name in item.fixturenames for item in members)]
+        groups.setdefault(shared[0] if shared else module, []).extend(members)
+    ordered = sorted(groups.items(), key=lambda group: -_weight(group[1]))  # stable: collection order within
+    items[:] = [item for _, members in ordered for item in members]
+    for name, members in ordered:
+        for item in members:
+            item.add_marker(pytest.mark.xdist_group(name))
+
+
 @pytest.fixture(scope="session")
 def prefect_harness() -> Iterator[None]:
     """A temporary Prefect server and database for the session; request it (usefixtures) where flows run."""
@@ -133,14 +167,19 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def write_cpu_config(demo_assets: DemoAssets) -> Callable[..., Path]:
-    """Write a 2-rank CPU config YAML; call it as `write_cpu_config(path, run_dir, repos, **section_overrides)`."""
+    """Write a 2-rank CPU config YAML; call it as `write_cpu_config(path, run_dir, repos, **section_overrides)`.
+
+    The flows' tests train in fp32 (`32-true`): bf16 autocast on a CPU runs this tiny encoder's steps several times
+    slower, and what these tests check (orchestration, continuation, reruns) is the same in either precision. The
+    seed's bf16-mixed runs in the rank programs' tests (tests/ddp, tests/slurm) and in the README's demo.
+    """
 
     def write(path: Path, run_dir: Path, repos: list[Path], **overrides: Any) -> Path:
         cfg: dict[str, Any] = {
             "model": {"name_or_path": str(demo_assets.model), "warmup_steps": 5, "max_seq_len": 256,
                       "num_retrieved": 100, "lr": 1e-3},
             "data": {"batch_size": 4, "eval_batch_size": 16, "num_workers": 0, "max_seq_len": 256},
-            "trainer": {"accelerator": "cpu", "devices": 2, "precision": "bf16-mixed", "accumulate_grad_batches": 1},
+            "trainer": {"accelerator": "cpu", "devices": 2, "precision": "32-true", "accumulate_grad_batches": 1},
             "lifelong": {"epochs_per_repo": 1, "ewc_lambda": 0.1},
             "run_dir": str(run_dir),
             "repos": [{"path": str(p)} for p in repos],

@@ -13,6 +13,7 @@ import sys
 
 from leanagent.cli import bench, data, jobs, model, report, retrieval, run, serve
 from leanagent.cli.common import EXIT_REFUSED, CommandError
+from leanagent.exit_fast import freeze_for_exit
 
 # In the order `leanagent --help` lists them: the data, a job, the lifelong run, then using a trained model.
 COMMAND_GROUPS = (data, model, jobs, run, report, retrieval, serve, bench)
@@ -37,4 +38,6 @@ def main(argv: list[str] | None = None) -> None:
     except CommandError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = EXIT_REFUSED
+    finally:
+        freeze_for_exit()
     sys.exit(code)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 
+from leanagent.exit_fast import freeze_for_exit
 from leanagent.supervision import (
     ENV_JOB_DIR,
     ENV_SUPERVISOR_PID,
@@ -76,7 +77,10 @@ def main() -> None:
     watch_launcher()
     from torch.distributed.run import main as torchrun_main
 
-    torchrun_main()
+    try:
+        torchrun_main()
+    finally:
+        freeze_for_exit()
 
 
 if __name__ == "__main__":

@@ -150,12 +150,9 @@ def reference_retriever(path: Path, checkpoint: Mapping[str, Any], options: Retr
     return model
 
 
-def checkpoint_encoder_config(path: Path, name_or_path: str) -> dict[str, Any]:
-    """The architecture a start checkpoint gives (ours: stored; a reference: looked up locally, its weights
-    checked against it), for checks before a job is launched. Raises CheckpointError naming the file."""
-    checkpoint = read_any_checkpoint(path)
-    if is_leanagent(checkpoint):
-        return stored_encoder_config(checkpoint["hyper_parameters"])
+def reference_encoder_config(path: Path, checkpoint: Mapping[str, Any], name_or_path: str) -> dict[str, Any]:
+    """The architecture of a LeanAgent/ReProver start checkpoint (read from `path`), looked up locally and its
+    weights checked against it, for checks before a job is launched. Raises CheckpointError naming the file."""
     config, source = reference_architecture(path, checkpoint, name_or_path)
     check_weights(path, reference_state_dict(checkpoint), config, source)
     return config.to_dict()

@@ -21,6 +21,7 @@ from leanagent.checkpoints import BadFileError, epoch_step, read_fisher, save_fi
 from leanagent.config import PipelineConfig, load_config
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.data.errors import DatasetError
+from leanagent.exit_fast import freeze_for_exit
 from leanagent.job import NEEDS_RESUME_FILE, beat, result_filename
 from leanagent.model.fisher import fisher_estimator
 from leanagent.model.loading import load_retriever
@@ -248,6 +249,8 @@ def run_main() -> None:
     except BadFileError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
+    finally:
+        freeze_for_exit()
 
 
 if __name__ == "__main__":

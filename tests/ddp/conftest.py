@@ -1,12 +1,14 @@
-"""Shared fixtures of the DDP tests: one synthetic dataset pair, one tiny encoder, CPU configs."""
+"""Shared fixtures of the DDP tests: CPU configs, the CLI as a user runs it, and one lifelong sequence of jobs."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -35,3 +37,46 @@ def leanagent(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     return subprocess.run([sys.executable, "-m", "leanagent.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO_ROOT)
+
+
+def shown_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """`leanagent ARGS` as a terminal runs it (none of the suite's verbosity or thread settings); it must exit 0."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "LEANAGENT_VERBOSE", "OMP_NUM_THREADS",
+                         "LEANAGENT_PROGRESS")}
+    proc = subprocess.run([sys.executable, "-m", "leanagent.cli", *args], capture_output=True, text=True,
+                          timeout=600, env={**base, **env}, cwd=REPO_ROOT)
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}"
+                                  f"\nstderr:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def ddp_jobs(ddp_assets, tmp_path_factory) -> dict:
+    """Repo A trained from the base model, its Fisher, repo B from A's checkpoint with EWC, B evaluated on A.
+
+    Four real jobs (2 gloo ranks each) through the command line, run once for the tests that read them: the rank
+    programs' results (test_programs) and what a person sees of them (test_logs_progress: A prints progress lines
+    every 0.2 s; the evaluation is `--verbose`). Tests only read these folders. Returns each job's result.json
+    (`a`, `fa`, `b`, `ev`) and what the command printed (`shown_a`, `shown_ev`).
+    """
+    work = tmp_path_factory.mktemp("ddp_jobs")
+    cfg = write_config(work / "cfg.yaml", ddp_assets["model"])
+    repo_a, repo_b = str(ddp_assets["repo_a"]), str(ddp_assets["repo_b"])
+
+    def result(name: str) -> dict:
+        return json.loads((work / name / "result.json").read_text())
+
+    shown_a = shown_cli("train", "--config", str(cfg), "--dataset", repo_a, "--out", str(work / "a"),
+                        LEANAGENT_PROGRESS_INTERVAL="0.2")
+    a = result("a")
+    shown_cli("fisher", "--config", str(cfg), "--dataset", repo_a, "--checkpoint", a["checkpoint"], "--out",
+              str(work / "fa"))
+    fa = result("fa")
+    shown_cli("train", "--config", str(cfg), "--dataset", repo_b, "--checkpoint", a["checkpoint"], "--fisher",
+              fa["fisher"], "--out", str(work / "b"))
+    b = result("b")
+    shown_ev = shown_cli("evaluate", "--config", str(cfg), "--dataset", repo_a, "--checkpoint", b["checkpoint"],
+                         "--out", str(work / "ev"), "--verbose")
+    return {"work": work, "cfg": cfg, "a": a, "fa": fa, "b": b, "ev": result("ev"), "shown_a": shown_a,
+            "shown_ev": shown_ev, "repo_a": Path(repo_a).name}

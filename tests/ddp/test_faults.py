@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -29,6 +28,7 @@ from leanagent.launch.base import LaunchError
 from leanagent.launch.local import LocalLauncher
 from leanagent.supervision import descendants, find_process, is_running, start_time
 from tests.prefect.prefect_api import served_deployment, stop_serving
+from tests.waiting import wait_for
 
 from .conftest import REPO_ROOT, write_config
 
@@ -116,16 +116,6 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subp
 
 def _log(proc: subprocess.Popen) -> str:
     return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
-
-
-def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"the supervising process exited ({proc.returncode}) before {what}:\n{_log(proc)[-3000:]}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout_s:.0f} s")
-        time.sleep(0.2)
 
 
 def _wait_gone(procs: dict[int, float], timeout_s: float = GONE_S) -> float:
@@ -233,7 +223,7 @@ def test_sigkill_of_the_supervisor_leaves_nothing(tmp_path, probe, leftovers, op
     out = tmp_path / "job"
     sup = _spawn([sys.executable, "-c", SUPERVISOR, str(out), str(probe), options], tmp_path / "supervisor.log")
     leftovers[sup.pid] = start_time(sup.pid)
-    _wait_for(lambda: _ranks_ready(out), STARTUP_S, "both ranks started", sup)
+    wait_for(lambda: _ranks_ready(out), STARTUP_S, "both ranks started", sup, lambda: _log(sup)[-3000:])
     job = {**_tree(sup.pid), **_rank_pids(out)}
     leftovers.update(job)
     assert len(job) >= 3, f"expected torchrun and two ranks under the supervisor, found {job}"
@@ -275,8 +265,8 @@ def test_sigterm_to_leanagent_train_ends_the_job_and_exits_143(tmp_path, ddp_ass
     cli = _cli(tmp_path / "cli.log", "train", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]),
                "--out", str(out))
     leftovers[cli.pid] = start_time(cli.pid)
-    _wait_for(lambda: len(_pid_records(out / "pids")) == 2 and (out / "heartbeat" / "rank1.json").is_file(),
-              STARTUP_S, "both ranks running", cli)
+    wait_for(lambda: len(_pid_records(out / "pids")) == 2 and (out / "heartbeat" / "rank1.json").is_file(),
+             STARTUP_S, "both ranks running", cli, lambda: _log(cli)[-3000:])
     time.sleep(2.0)
     job = {**_tree(cli.pid), **_pid_records(out / "pids")}
     leftovers.update(job)
@@ -326,7 +316,8 @@ def _run_until_training(tmp_path: Path, ddp_assets, leftovers) -> tuple[subproce
     cfg, run_dir = _run_config(tmp_path, ddp_assets)
     cli = _cli(tmp_path / "cli.log", "run", "--config", str(cfg), env=_own_prefect_home(tmp_path))
     leftovers[cli.pid] = start_time(cli.pid)
-    _wait_for(lambda: len(_train_pids(run_dir)) == 2, 2 * STARTUP_S, "the training job's ranks running", cli)
+    wait_for(lambda: len(_train_pids(run_dir)) == 2, 2 * STARTUP_S, "the training job's ranks running", cli,
+              lambda: _log(cli)[-3000:])
     time.sleep(2.0)
     job = {**_tree(cli.pid), **_train_pids(run_dir)}
     leftovers.update(job)
@@ -395,7 +386,8 @@ def test_cancelling_a_served_deployment_run_ends_its_job(tmp_path, ddp_assets, l
         with get_client(sync_client=True) as client:
             deployment = served_deployment(client, name, STARTUP_S, serve)
             run = client.create_flow_run_from_deployment(deployment.id, parameters={"config_path": str(cfg)})
-            _wait_for(lambda: len(_train_pids(run_dir)) == 2, 2 * STARTUP_S, "the training job's ranks running", serve)
+            wait_for(lambda: len(_train_pids(run_dir)) == 2, 2 * STARTUP_S, "the training job's ranks running",
+                     serve, lambda: _log(serve)[-3000:])
             time.sleep(2.0)
             job = {**_flow_run_tree(serve.pid), **_train_pids(run_dir)}
             leftovers.update(job)
@@ -404,8 +396,8 @@ def test_cancelling_a_served_deployment_run_ends_its_job(tmp_path, ddp_assets, l
             client.set_flow_run_state(run.id, Cancelling(message="cancelled by test_faults"))
             cancelled = time.monotonic()
             elapsed = _wait_gone(job, timeout_s=90)  # the runner's own SIGKILL comes 30 s after its SIGTERM
-            _wait_for(lambda: client.read_flow_run(run.id).state.type == StateType.CANCELLED, 120,
-                      "the flow run shown as Cancelled")
+            wait_for(lambda: client.read_flow_run(run.id).state.type == StateType.CANCELLED, 120,
+                     "the flow run shown as Cancelled")
             shown = time.monotonic() - cancelled
         stage = _manifest_stage(run_dir, "train")
         assert stage["status"] == "interrupted", f"{stage}\n{_log(serve)[-5000:]}"

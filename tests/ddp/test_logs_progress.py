@@ -3,18 +3,12 @@ output is not a terminal, the rank log files complete, and TensorBoard runs that
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from leanagent.launch.quiet import NOISE
-
-from .conftest import REPO_ROOT, write_config
 
 pytestmark = pytest.mark.ddp
 
@@ -28,40 +22,20 @@ PROGRESS_LINE = re.compile(r"^\[progress\] train (\S+)(?: \((validate)\))?: epoc
                            r"step (\d+)/(\d+) \(\d+%\)(, [\d.]+ examples/s)?(, ETA \S+)?$")
 
 
-def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "LEANAGENT_VERBOSE", "OMP_NUM_THREADS",
-                         "LEANAGENT_PROGRESS")}
-    proc = subprocess.run([sys.executable, "-m", "leanagent.cli", *args], capture_output=True, text=True,
-                          timeout=600, env={**base, **env}, cwd=REPO_ROOT)
-    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}"
-                                  f"\nstderr:\n{proc.stderr[-4000:]}")
-    return proc
-
-
 def _rank_logs(job: Path) -> str:
     files = sorted((job / "logs").rglob("*.log"))
     assert files, f"no rank log file under {job / 'logs'}"
     return "\n".join(f.read_text(errors="replace") for f in files)
 
 
-@pytest.fixture(scope="module")
-def jobs(ddp_assets, tmp_path_factory) -> dict:
-    """Repo A from the base model, repo B from A's checkpoint (both quiet), and a --verbose evaluation."""
-    work = tmp_path_factory.mktemp("logs_progress")
-    cfg = write_config(work / "cfg.yaml", ddp_assets["model"])
-    a = _cli("train", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]), "--out", str(work / "a"),
-             LEANAGENT_PROGRESS_INTERVAL="0.2")
-    a_result = json.loads((work / "a" / "result.json").read_text())
-    b = _cli("train", "--config", str(cfg), "--dataset", str(ddp_assets["repo_b"]), "--checkpoint",
-             a_result["checkpoint"], "--out", str(work / "b"))
-    ev = _cli("evaluate", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]), "--out", str(work / "ev"),
-              "--verbose")
-    return {"work": work, "a": a, "b": b, "ev": ev, "a_result": a_result, "repo_a": Path(ddp_assets["repo_a"]).name}
+@pytest.fixture
+def jobs(ddp_jobs) -> dict:
+    """Repo A from the base model, repo B from A's checkpoint (both quiet), and a --verbose evaluation (conftest)."""
+    return ddp_jobs
 
 
 def test_known_warnings_are_not_shown_but_stay_in_the_rank_logs(jobs):
-    shown = jobs["a"].stdout + jobs["a"].stderr
+    shown = jobs["shown_a"].stdout + jobs["shown_a"].stderr
     for pattern in NOISE:
         assert not pattern.search(shown), f"{pattern.pattern!r} was shown:\n{shown[-3000:]}"
     assert OMP_BANNER not in shown
@@ -71,16 +45,16 @@ def test_known_warnings_are_not_shown_but_stay_in_the_rank_logs(jobs):
 
 
 def test_verbose_shows_everything(jobs):
-    shown = jobs["ev"].stdout + jobs["ev"].stderr
+    shown = jobs["shown_ev"].stdout + jobs["shown_ev"].stderr
     assert "`isinstance(treespec, LeafSpec)` is deprecated" in shown
     assert "Using `DistributedSampler` with the dataloaders" in shown
     assert OMP_BANNER in shown
 
 
 def test_plain_progress_lines_when_not_on_a_terminal(jobs):
-    shown = [line for line in jobs["a"].stdout.splitlines() if line.startswith("[progress]")]
+    shown = [line for line in jobs["shown_a"].stdout.splitlines() if line.startswith("[progress]")]
     lines = [m for m in map(PROGRESS_LINE.match, shown) if m]
-    assert lines and len(lines) == len(shown), f"[progress] lines not as expected:\n{jobs['a'].stdout[-3000:]}"
+    assert lines and len(lines) == len(shown), f"[progress] lines not as expected:\n{jobs['shown_a'].stdout[-3000:]}"
     assert len(set(shown)) == len(shown), "the same progress line printed twice"
     assert {m.group(1) for m in lines} == {jobs["repo_a"]}
     assert all(int(m.group(4)) == 1 for m in lines)  # epochs_per_repo: 1
@@ -108,5 +82,5 @@ def test_tensorboard_one_run_per_repository_with_continuing_steps(jobs):
     for scalars in (a, b):
         assert "loss_train_step" in scalars and any(t.startswith("lr-") for t in scalars), sorted(scalars)
         assert "Recall@10_val" in scalars
-    assert max(a["loss_train_step"]) <= jobs["a_result"]["global_step"]
+    assert max(a["loss_train_step"]) <= jobs["a"]["global_step"]
     assert min(b["loss_train_step"]) >= max(a["loss_train_step"]), "repository B's steps restart instead of continuing"

@@ -33,20 +33,10 @@ def _out_of(proc: subprocess.CompletedProcess) -> str:
     return proc.args[proc.args.index("--out") + 1]
 
 
-@pytest.fixture(scope="module")
-def lifelong(ddp_assets, tmp_path_factory) -> dict:
-    """Repo A from the base model, its Fisher, then repo B from A's checkpoint with EWC, then evaluate."""
-    work = tmp_path_factory.mktemp("lifelong")
-    cfg = write_config(work / "cfg.yaml", ddp_assets["model"])
-    a = _ok(leanagent("train", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]), "--out",
-                      str(work / "a")))
-    fa = _ok(leanagent("fisher", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]), "--checkpoint",
-                       a["checkpoint"], "--out", str(work / "fa")))
-    b = _ok(leanagent("train", "--config", str(cfg), "--dataset", str(ddp_assets["repo_b"]), "--checkpoint",
-                      a["checkpoint"], "--fisher", fa["fisher"], "--out", str(work / "b")))
-    ev = _ok(leanagent("evaluate", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]), "--checkpoint",
-                       b["checkpoint"], "--out", str(work / "ev")))
-    return {"work": work, "cfg": cfg, "a": a, "fa": fa, "b": b, "ev": ev}
+@pytest.fixture
+def lifelong(ddp_jobs) -> dict:
+    """Repo A from the base model, its Fisher, then repo B from A's checkpoint with EWC, then evaluate (conftest)."""
+    return ddp_jobs
 
 
 def test_training_continues_epochs_across_repositories(lifelong):

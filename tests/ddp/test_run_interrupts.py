@@ -1,10 +1,12 @@
 """A terminal's Ctrl-C on `leanagent run`, in any stage, then a rerun: the same recall matrix as no interruption.
 
-Real `leanagent run` with Prefect's temporary server, 2 repositories, 2 gloo ranks, EWC on. A terminal sends
-SIGINT to the whole foreground process group; here rank 0 of the chosen stage's job does it from inside a
-Trainer hook (`tests/ddp_scripts/faults/sitecustomize.py`, `SIGINT-group`), so the point is exact. Each time
-`leanagent run` must exit 130 soon, with the rerun hint and no traceback, record the stage `interrupted`, and
-leave no process behind, the temporary server included; the rerun after the last one finishes the curriculum.
+Real `leanagent run`, 2 repositories, 2 gloo ranks, EWC on. A terminal sends SIGINT to the whole foreground
+process group; here rank 0 of the chosen stage's job does it from inside a Trainer hook
+(`tests/ddp_scripts/faults/sitecustomize.py`, `SIGINT-group`), so the point is exact. Each time `leanagent run`
+must exit 130 soon, with the rerun hint and no traceback, record the stage `interrupted`, and leave no process
+behind. Two of the interrupted runs start Prefect's temporary server, which must be stopped too; the others, the
+uninterrupted reference and the rerun that finishes the curriculum talk to the session's Prefect server, as a
+user's `leanagent run` with PREFECT_API_URL set does (the same flow; a temporary server costs ~14 s to start).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from prefect.settings import PREFECT_API_URL
 
 from leanagent.report import load_run
 
@@ -27,18 +30,22 @@ from .conftest import REPO_ROOT, SCRIPTS, write_config
 pytestmark = pytest.mark.ddp
 
 ENDED_S = 30.0  # measured: ~3 s; a busy 2-core machine gets ten times that
-# (part of the job folder the fault is limited to, where in that job, part of the stages then interrupted):
-# the untrained evaluation, the first Fisher pass, the second repository's training between its two epochs
-INTERRUPTIONS = [("untrained/", "test:0", "eval-untrained"), ("/fisher", "batch:1", "00-"),
-                 ("01-", "epoch_start:3", "01-")]
+# (part of the job folder the fault is limited to, where in that job, part of the stages then interrupted, whether
+# `leanagent run` starts its temporary server): the untrained evaluation, the first Fisher pass, the second
+# repository's training between its two epochs
+INTERRUPTIONS = [("untrained/", "test:0", "eval-untrained", True), ("/fisher", "batch:1", "00-", False),
+                 ("01-", "epoch_start:3", "01-", True)]
 
 
-def _env(tmp_path: Path, fault: str | None = None) -> dict[str, str]:
+def _env(tmp_path: Path, fault: str | None = None, temporary_server: bool = False) -> dict[str, str]:
+    """`leanagent run`'s environment: the session's Prefect server, or none (then it starts its temporary one)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
                                                            "PREFECT_API_URL")}
     (tmp_path / "prefect-home").mkdir(parents=True, exist_ok=True)
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
                DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    if not temporary_server:
+        env["PREFECT_API_URL"] = PREFECT_API_URL.value()
     if fault is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPTS / "faults"), str(REPO_ROOT),
                                                           env.get("PYTHONPATH")]))
@@ -82,6 +89,7 @@ def _stages(run_dir: Path) -> dict[str, str]:
             for stage, entry in repo["stages"].items()}
 
 
+@pytest.mark.usefixtures("prefect_harness")
 def test_group_ctrl_c_in_any_stage_then_rerun_gives_the_uninterrupted_recall_matrix(ddp_assets, tmp_path):
     whole_dir = tmp_path / "whole"
     whole = _run(_config(tmp_path / "whole.yaml", ddp_assets, whole_dir), _env(tmp_path / "a"))
@@ -89,8 +97,9 @@ def test_group_ctrl_c_in_any_stage_then_rerun_gives_the_uninterrupted_recall_mat
 
     run_dir = tmp_path / "interrupted"
     config = _config(tmp_path / "interrupted.yaml", ddp_assets, run_dir)
-    for job, where, stages in INTERRUPTIONS:
-        env = _env(tmp_path / "b", f"{where}:SIGINT-group:{job}")
+    for i, (job, where, stages, temporary_server) in enumerate(INTERRUPTIONS):
+        home = tmp_path / f"b{i}"
+        env = _env(home, f"{where}:SIGINT-group:{job}", temporary_server)
         mark = Path(env["LEANAGENT_TEST_FAULT_MARK"])
         mark.unlink(missing_ok=True)
         stopped = _run(config, env)
@@ -102,8 +111,10 @@ def test_group_ctrl_c_in_any_stage_then_rerun_gives_the_uninterrupted_recall_mat
         assert "Traceback" not in stopped.stderr and "Error logging to API" not in stopped.stderr, stopped.stderr
         interrupted = [stage for stage, status in _stages(run_dir).items() if status == "interrupted"]
         assert interrupted and all(stages in stage for stage in interrupted), _stages(run_dir)
-        assert not _servers_of(tmp_path / "b" / "prefect-home")  # the temporary server was stopped
-    finished = _run(config, _env(tmp_path / "b"))
+        # The temporary server's database is in the Prefect home: it was started there, and then stopped.
+        assert (home / "prefect-home" / "prefect.db").is_file() == temporary_server
+        assert not _servers_of(home / "prefect-home")
+    finished = _run(config, _env(tmp_path / "c"))
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert set(_stages(run_dir).values()) == {"done"}
     mine, theirs = load_run(run_dir), load_run(whole_dir)

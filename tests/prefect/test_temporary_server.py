@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
 from flows.temporary_server import STARTUP_FLOOR_S, ServerOutput, startup_timeout
+from tests.waiting import wait_for
 
 
 def test_prefects_20_s_default_is_raised_to_the_floor(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,10 +35,8 @@ def test_the_servers_output_is_shown_until_the_stop_begins_then_dropped(tmp_path
              "print('Exception during reset or similar', file=sys.stderr, flush=True)"],
             stdin=subprocess.PIPE, stdout=output.writer, stderr=output.writer)
         output.started()
-        deadline = time.monotonic() + 120
-        while b"while running" not in shown.read_bytes():
-            assert child.poll() is None and time.monotonic() < deadline, shown.read_bytes()
-            time.sleep(0.05)
+        wait_for(lambda: b"while running" in shown.read_bytes(), 120, "the line printed while running", child,
+                 shown.read_text)
         output.cut()
         child.communicate(b"stop\n", timeout=120)
         output.close(timeout=120)

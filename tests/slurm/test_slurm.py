@@ -23,6 +23,7 @@ from leanagent.config import load_config
 from leanagent.launch.base import LaunchError
 from leanagent.launch.slurm import SlurmLauncher
 from tests.slurm.cluster import Cluster
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -78,14 +79,6 @@ def losses(job: Path) -> dict[int, float]:
 
 def job_ids(job: Path) -> list[int]:
     return json.loads((job / "slurm" / "job.json").read_text())["job_ids"]
-
-
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 # ---- refusals before anything is submitted ------------------------------------------------------------
@@ -155,9 +148,21 @@ def test_a_failing_rank_is_named_with_its_lines(cluster, ddp_assets, tmp_path):
 
 # ---- requeue, time limits, lost nodes ---------------------------------------------------------------------
 
-def start_train(cfg: Path, dataset: Path, out: Path, log: Path) -> subprocess.Popen:
+def held_at(step: int, mark: Path, release: Path | None = None) -> dict[str, str]:
+    """The environment that holds a job's rank 0 after optimizer step `step` (tests/ddp_scripts/faults, HOLD), until
+    `release` exists or, without one, until the job's stop file does; `mark` appears when the hold begins."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS / "faults"), str(REPO_ROOT),
+                                                       os.environ.get("PYTHONPATH")])),
+           "LEANAGENT_TEST_FAULT": f"step:{step}:HOLD", "LEANAGENT_TEST_FAULT_MARK": str(mark)}
+    if release is not None:
+        env["LEANAGENT_TEST_FAULT_RELEASE"] = str(release)
+    return env
+
+
+def start_train(cfg: Path, dataset: Path, out: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`leanagent train` in the background, its output in a file the test can read as it grows."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")},
+           **(env or {})}
     env["OMP_NUM_THREADS"] = "1"
     with open(log, "w") as f:
         return subprocess.Popen([sys.executable, "-m", "leanagent.cli", "train", "--config", str(cfg), "--dataset",
@@ -233,18 +238,16 @@ def test_a_stop_signal_before_the_time_limit_checkpoints_resubmits_and_finishes(
 
 
 def test_a_real_time_limit_with_a_signal_lead_is_survived(cluster, ddp_assets, tmp_path):
-    """SLURM's own signal before a time limit: once training is under way the test shortens the job's limit
-    (`scontrol update TimeLimit`) to a minute or two from now, within `signal_lead_s`; SLURM signals the job at
-    its next look (about every 30 s), the ranks stop at a step boundary, the job is submitted again (with the
-    script's full limit) and finishes."""
-    # Early stopping off (patience longer than the job): it trains all its epochs. 90 of them take several times
-    # the at most ~30 s that SLURM needs to signal (30 could end first on an idle machine).
-    cfg = write_config(tmp_path / "cfg.yaml", ddp_assets["model"], lifelong={"epochs_per_repo": 90},
-                       trainer={"early_stopping_patience": 100},
+    """SLURM's own signal before a time limit: the job is held after its 4th step (spending no CPU while SLURM's
+    clock runs, and there however slow the machine), the test shortens its limit (`scontrol update TimeLimit`) to
+    a minute or two from now, within `signal_lead_s`; SLURM signals the job at its next look (about every 30 s),
+    which creates the stop file and so ends the hold; the ranks stop at their next step, the job is submitted
+    again (with the script's full limit) and finishes."""
+    cfg = write_config(tmp_path / "cfg.yaml", ddp_assets["model"], lifelong={"epochs_per_repo": 3},
                        slurm={"time": "00:10:00", "signal_lead_s": 120})
-    out, log = tmp_path / "job", tmp_path / "train.log"
-    proc = start_train(cfg, ddp_assets["repo_a"], out, log)
-    wait_for(lambda: checkpoint_step(out / "checkpoints" / "last.ckpt") >= 10, STARTUP_S, "training under way")
+    out, log, held = tmp_path / "job", tmp_path / "train.log", tmp_path / "held"
+    proc = start_train(cfg, ddp_assets["repo_a"], out, log, env=held_at(4, held))
+    wait_for(held.exists, STARTUP_S, "training held at step 4", proc, lambda: log.read_text()[-4000:])
     [first] = job_ids(out)
     elapsed = cluster.run("squeue", "-h", "-j", str(first), "-o", "%M").stdout.strip()  # [[D-]H:]M:SS
     seconds = sum(int(x) * 60**k for k, x in enumerate(reversed(elapsed.replace("-", ":").split(":"))))
@@ -254,7 +257,7 @@ def test_a_real_time_limit_with_a_signal_lead_is_survived(cluster, ddp_assets, t
     text = log.read_text()
     assert f"slurm: job {first} has 120 s left: asking the ranks to checkpoint and stop" in text, text[-3000:]
     assert f"slurm: job {first}: its ranks stopped to be resumed; submitting it again" in text
-    assert result["epoch"] == 90 and len(job_ids(out)) == 2 and result["start_global_step"] > 0, job_ids(out)
+    assert result["epoch"] == 3 and len(job_ids(out)) == 2 and result["start_global_step"] >= 4, job_ids(out)
     assert not cluster.jobs()
 
 

@@ -20,7 +20,8 @@ from flows.lifelong import lifelong_retrieval
 from leanagent.supervision import descendants, find_process, running
 from tests.prefect.prefect_api import served_deployment, stop_serving
 from tests.slurm.cluster import Cluster
-from tests.slurm.test_slurm import REPO_ROOT, STARTUP_S, job_ids, wait_for
+from tests.slurm.test_slurm import REPO_ROOT, STARTUP_S, held_at, job_ids
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.prefect]
 
@@ -100,24 +101,29 @@ def _running_job(cluster: Cluster, job_dir: Path) -> int | None:
 def test_a_sigkilled_leanagent_run_is_rerun_and_reattaches_to_its_job(cluster: Cluster, demo_assets,
                                                                      write_cpu_config, tmp_path):
     run_dir = tmp_path / "run"
-    # Long enough that the rerun, which starts its own Prefect server first, finds the job still running.
-    config = slurm_config(write_cpu_config, tmp_path / "cfg.yaml", run_dir, demo_assets.repos[:1],
-                          epochs_per_repo=30)
+    config = slurm_config(write_cpu_config, tmp_path / "cfg.yaml", run_dir, demo_assets.repos[:1])
     train = run_dir / "jobs" / "00-repo_0" / "train"
-    cli = _cli(tmp_path / "first.log", config, _env(tmp_path))
+    # The training job is held after its first step until the rerun has reattached to it: still running then,
+    # however long the rerun takes to start its own Prefect server.
+    held, release = tmp_path / "held", tmp_path / "release"
+    env = {**_env(tmp_path), **held_at(1, held, release)}
+    cli = _cli(tmp_path / "first.log", config, env)
     try:
-        # Or `leanagent run` ended (its own failure, shown below), which no wait would change.
-        wait_for(lambda: cli.poll() is not None or _running_job(cluster, train) is not None, 2 * STARTUP_S,
-                 "the training job running")
-        assert cli.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
+        wait_for(held.exists, 2 * STARTUP_S, "the training job held", cli,
+                 lambda: (tmp_path / "first.log").read_text()[-4000:])
         job_id = _running_job(cluster, train)
         os.killpg(cli.pid, signal.SIGKILL)  # the flow, the temporary server: all of `leanagent run`, at once
         cli.wait(timeout=30)
     finally:
         if cli.poll() is None:
             os.killpg(cli.pid, signal.SIGKILL)
-    assert cluster.jobs() == [str(job_id)]  # nothing could cancel it: the job goes on
-    rerun = _cli(tmp_path / "rerun.log", config, _env(tmp_path))
+    assert job_id is not None and cluster.jobs() == [str(job_id)]  # nothing could cancel it: the job goes on
+    rerun = _cli(tmp_path / "rerun.log", config, env)
+    try:
+        wait_for(lambda: "slurm: reattached to job" in (tmp_path / "rerun.log").read_text(), 2 * STARTUP_S,
+                 "the rerun reattached", rerun, lambda: (tmp_path / "rerun.log").read_text()[-4000:])
+    finally:
+        release.touch()
     rerun.wait(timeout=1800)
     log = (tmp_path / "rerun.log").read_text()
     assert rerun.returncode == 0, log[-4000:]
@@ -160,9 +166,8 @@ def test_a_prefect_cancel_of_a_served_run_leaves_no_job_in_the_queue(cluster: Cl
             deployment = served_deployment(client, name, STARTUP_S, serve)
             serving = _tree(serve.pid)  # the runner and its helpers, before the run: not the run's processes
             run = client.create_flow_run_from_deployment(deployment.id, parameters={"config_path": str(config)})
-            wait_for(lambda: serve.poll() is not None or _running_job(cluster, train) is not None, 2 * STARTUP_S,
-                     "the training job running")
-            assert serve.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            wait_for(lambda: _running_job(cluster, train) is not None, 2 * STARTUP_S, "the training job running",
+                     serve, lambda: (tmp_path / "serve.log").read_text()[-4000:])
             # The flow-run process and what it started; not the resource tracker that the runner's multiprocessing
             # starts with its first run and keeps for the next.
             flow_processes = [p for p in map(find_process, _tree(serve.pid) - serving)

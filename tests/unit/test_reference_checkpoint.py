@@ -14,7 +14,7 @@ from transformers import ByT5Tokenizer, T5EncoderModel
 
 from leanagent.checkpoints import CheckpointError, epochs_completed, read_any_checkpoint, read_checkpoint
 from leanagent.config import PipelineConfig
-from leanagent.model.loading import checkpoint_encoder_config, load_retriever
+from leanagent.model.loading import load_retriever, reference_encoder_config
 from leanagent.model.presets import encoder_config
 from leanagent.preflight import PreflightError, preflight_job
 from leanagent.train.plan import TrainPlan, ewc_anchor, plan_training
@@ -120,7 +120,7 @@ def test_mismatched_keys_are_refused_in_one_line_naming_the_file(assets, tmp_pat
     state["generator.lm_head.weight"] = torch.zeros(3, 3)
     torch.save({"state_dict": state, "hyper_parameters": reference_hparams(), "epoch": 0}, bad)
     for load in (lambda: load_retriever(config(assets), bad),
-                 lambda: checkpoint_encoder_config(bad, str(assets["model_dir"]))):
+                 lambda: reference_encoder_config(bad, read_any_checkpoint(bad), str(assets["model_dir"]))):
         with pytest.raises(CheckpointError, match="missing encoder.encoder.block.1.layer.1.DenseReluDense.wo.weight"
                                                   ", unexpected generator.lm_head.weight") as info:
             load()

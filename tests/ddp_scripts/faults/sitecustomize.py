@@ -12,7 +12,11 @@ It acts only in a rank (RANK is set) whose environment has LEANAGENT_TEST_FAULT=
 - SIGNAL is what it does there to the launcher (the `leanagent train|run` process, LEANAGENT_SUPERVISOR_PID):
   `SIGINT` (Ctrl-C, to that process), `SIGINT-group` (a terminal's Ctrl-C: to its whole process group) or
   `SIGKILL` (a crash). Rank 0 then waits where it is. With LEANAGENT_TEST_FAULT_MARK=FILE it first writes
-  the time into FILE.
+  the time into FILE;
+- or SIGNAL is `HOLD`: no signal; rank 0 waits there (the other ranks at their next collective), spending no
+  CPU, until the file LEANAGENT_TEST_FAULT_RELEASE names exists, or, without one, the job's stop file (what
+  SLURM's signal before a time limit creates), then trains on. A job that must still be running when the test
+  acts is held, not made long: it is there however slow the machine.
 
 Every rank takes SIGTERM's default action (death at once, wherever it is, like a crash), so an interrupted
 job ends as soon as the launcher signals it, not after the grace period; nothing else of the job is changed:
@@ -35,11 +39,16 @@ if _SPEC:
         _WHERE = "nowhere"
 
     def _interrupt() -> None:
-        launcher = int(os.environ["LEANAGENT_SUPERVISOR_PID"])
         mark = os.environ.get("LEANAGENT_TEST_FAULT_MARK")
-        if mark:  # when the signal went out, for the test to time the ending from
+        if mark:  # when the signal went out (or the hold began), for the test to time the ending from
             with open(mark, "w") as f:
                 f.write(repr(time.time()))
+        if _SIGNAL == "HOLD":
+            release = os.environ.get("LEANAGENT_TEST_FAULT_RELEASE") or os.environ["LEANAGENT_STOP_FILE"]
+            while not os.path.exists(release):
+                time.sleep(0.1)
+            return
+        launcher = int(os.environ["LEANAGENT_SUPERVISOR_PID"])
         if _SIGNAL == "SIGKILL":
             os.kill(launcher, signal.SIGKILL)
         elif _SIGNAL == "SIGINT-group":
