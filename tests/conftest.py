@@ -36,8 +36,19 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# Session fixtures of real runs whose readers all go to one worker, so that each is computed once.
-SHARED_RUNS = ("lifelong_run3", "ddp_jobs")
+# The modules that read a session fixture of real runs, by the fixture: each group runs on one worker, which computes
+# the fixture once. Checked at collection against the fixtures the modules use (`_check_shared_runs`).
+SHARED_RUNS = {
+    "lifelong_run3": ("tests/prefect/test_prefect_continue.py", "tests/prefect/test_prefect_lifelong.py",
+                      "tests/prefect/test_prefect_merge_all.py", "tests/prefect/test_prefect_recipes.py",
+                      "tests/prefect/test_prefect_schedule.py", "tests/slurm/test_slurm_flow.py"),
+    "ddp_jobs": ("tests/ddp/test_logs_progress.py", "tests/ddp/test_programs.py"),
+}
+GROUP_OF = {module: fixture for fixture, modules in SHARED_RUNS.items() for module in modules}
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::")[0]
 
 
 def _weight(items: list[pytest.Item]) -> int:
@@ -46,28 +57,48 @@ def _weight(items: list[pytest.Item]) -> int:
     return 3 * ("slurm" in marks) + 2 * ("prefect" in marks and "ddp" in marks) + ("ddp" in marks) + ("slow" in marks)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The groups and the order for `scripts/test.sh`'s workers (pytest-xdist, `--dist loadgroup`).
+def _check_shared_runs(modules: dict[str, list[pytest.Item]]) -> None:
+    for module, members in modules.items():
+        used = {name for name in SHARED_RUNS if any(name in item.fixturenames for item in members)}
+        if used != ({GROUP_OF[module]} if module in GROUP_OF else set()):
+            raise pytest.UsageError(f"{module} reads {sorted(used) or 'no shared run'}; SHARED_RUNS in "
+                                    f"tests/conftest.py must list it under exactly those")
 
-    A module runs on one worker, so its module-scoped fixtures (a SLURM cluster, the README's demo) are built
-    once; the modules that read one of SHARED_RUNS form one group, which computes it once. Most of a DDP test
-    is waiting (for Python to import torch in each rank, for a Prefect server, for SLURM), so two workers
-    keep both cores busy. Heavy groups go first (`--no-loadscope-reorder` keeps this order), so that no
-    minutes-long module starts last. Without xdist the order changes the same way and nothing else does.
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The order for `scripts/test.sh`'s workers (pytest-xdist, scheduled by `ModuleGroups` below): heavy groups first.
+
+    Most of a DDP test is waiting (for Python to import torch in each rank, for a Prefect server, for SLURM), so
+    two workers keep both cores busy; a minutes-long group that started last would leave one of them idle at the
+    end. Without xdist the order changes the same way and nothing else does.
     """
     modules: dict[str, list[pytest.Item]] = {}
     for item in items:
-        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+        modules.setdefault(_module(item.nodeid), []).append(item)
+    _check_shared_runs(modules)
     groups: dict[str, list[pytest.Item]] = {}
     for module, members in modules.items():
-        shared = [name for name in SHARED_RUNS if any(name in item.fixturenames for item in members)]
-        groups.setdefault(shared[0] if shared else module, []).extend(members)
-    ordered = sorted(groups.items(), key=lambda group: -_weight(group[1]))  # stable: collection order within
-    items[:] = [item for _, members in ordered for item in members]
-    for name, members in ordered:
-        for item in members:
-            item.add_marker(pytest.mark.xdist_group(name))
+        groups.setdefault(GROUP_OF.get(module, module), []).extend(members)
+    ordered = sorted(groups.values(), key=lambda members: -_weight(members))  # stable: collection order within
+    items[:] = [item for members in ordered for item in members]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadscope`, with a module (or the modules of one shared run) as the unit sent to a worker.
+
+    A module's module-scoped fixtures (a SLURM cluster, the README's demo) are then built once, and each of
+    SHARED_RUNS once. Units go out in collection order (`--no-loadscope-reorder`), which puts heavy ones first.
+    """
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return GROUP_OF.get(_module(nodeid), _module(nodeid))
+
+    return ModuleGroups(config, log)
 
 
 @pytest.fixture(scope="session")
