@@ -14,7 +14,4 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
   fi
 fi
 .venv/bin/ruff check .
-# Two workers (pytest-xdist), one module (or the modules sharing a session run) each at a time: a DDP test mostly
-# waits, for imports in its ranks, a Prefect server or SLURM, so two keep both cores busy. LEANAGENT_TEST_WORKERS=0
-# runs everything in this process.
-.venv/bin/python -m pytest -n "${LEANAGENT_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder "$@"
+.venv/bin/python -m pytest "$@"

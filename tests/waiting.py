@@ -1,8 +1,8 @@
 """The suite's one way to wait: poll a condition until it holds, or fail naming what was awaited.
 
-Every wait in a test is for an event (a file, a log line, a queue state), never a fixed sleep, and its deadline is
-generous (a busy 2-core machine); `proc`, when given, is the process that should bring the event about: its end
-fails the wait at once, with `output()` (what it printed), instead of after the deadline.
+A test waits for an event (a file, a log line, a queue state) by polling for it, with a generous deadline (a busy
+2-core machine); `proc`, when given, is the process that should bring the event about: its end fails the wait at
+once, with `output()` (what it printed), instead of after the deadline.
 """
 
 from __future__ import annotations
