@@ -32,6 +32,19 @@ def write_config(path: Path, model: Path, devices: int = 2, **overrides) -> Path
     return path
 
 
+def fault_env(fault: str, mark: Path | None = None, release: Path | None = None) -> dict[str, str]:
+    """What a command's environment needs for `tests/ddp_scripts/faults` to act in its ranks: the hook on PYTHONPATH
+    and LEANAGENT_TEST_FAULT=`fault`; `mark` is written when it acts, `release` ends a HOLD (see the hook)."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS / "faults"), str(REPO_ROOT),
+                                                       os.environ.get("PYTHONPATH")])),
+           "LEANAGENT_TEST_FAULT": fault}
+    if mark is not None:
+        env["LEANAGENT_TEST_FAULT_MARK"] = str(mark)
+    if release is not None:
+        env["LEANAGENT_TEST_FAULT_RELEASE"] = str(release)
+    return env
+
+
 def leanagent(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """The installed console script's code path, in a subprocess as a user would run it."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}

@@ -20,13 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import REPO_ROOT, SCRIPTS, leanagent, write_config
+from .conftest import REPO_ROOT, fault_env, leanagent, write_config
 
 pytestmark = pytest.mark.ddp
 
 EPOCHS = 3
 EVERY = 2
-FAULTS = SCRIPTS / "faults"
 
 
 def _ok(proc: subprocess.CompletedProcess, job: Path) -> dict:
@@ -38,8 +37,7 @@ def _ok(proc: subprocess.CompletedProcess, job: Path) -> dict:
 def _interrupted(cfg: Path, dataset: Path, job: Path, fault: str) -> subprocess.CompletedProcess:
     """`leanagent train` with the fault in its ranks, in a session of its own (a group SIGINT reaches only it)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env["LEANAGENT_TEST_FAULT"] = fault
+    env.update(fault_env(fault))
     return subprocess.run([sys.executable, "-m", "leanagent.cli", "train", "--config", str(cfg), "--dataset",
                            str(dataset), "--out", str(job)], capture_output=True, text=True, timeout=900, env=env,
                           cwd=REPO_ROOT, start_new_session=True)

@@ -25,7 +25,7 @@ from prefect.settings import PREFECT_API_URL
 
 from leanagent.report import load_run
 
-from .conftest import REPO_ROOT, SCRIPTS, write_config
+from .conftest import REPO_ROOT, fault_env, write_config
 
 pytestmark = pytest.mark.ddp
 
@@ -47,10 +47,7 @@ def _env(tmp_path: Path, fault: str | None = None, temporary_server: bool = Fals
     if not temporary_server:
         env["PREFECT_API_URL"] = PREFECT_API_URL.value()
     if fault is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPTS / "faults"), str(REPO_ROOT),
-                                                          env.get("PYTHONPATH")]))
-        env["LEANAGENT_TEST_FAULT"] = fault
-        env["LEANAGENT_TEST_FAULT_MARK"] = str(tmp_path / "signalled")
+        env.update(fault_env(fault, mark=tmp_path / "signalled"))
     return env
 
 

@@ -22,6 +22,7 @@ import yaml
 from leanagent.config import load_config
 from leanagent.launch.base import LaunchError
 from leanagent.launch.slurm import SlurmLauncher
+from tests.ddp.conftest import fault_env
 from tests.slurm.cluster import Cluster
 from tests.waiting import wait_for
 
@@ -151,12 +152,7 @@ def test_a_failing_rank_is_named_with_its_lines(cluster, ddp_assets, tmp_path):
 def held_at(step: int, mark: Path, release: Path | None = None) -> dict[str, str]:
     """The environment that holds a job's rank 0 after optimizer step `step` (tests/ddp_scripts/faults, HOLD), until
     `release` exists or, without one, until the job's stop file does; `mark` appears when the hold begins."""
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS / "faults"), str(REPO_ROOT),
-                                                       os.environ.get("PYTHONPATH")])),
-           "LEANAGENT_TEST_FAULT": f"step:{step}:HOLD", "LEANAGENT_TEST_FAULT_MARK": str(mark)}
-    if release is not None:
-        env["LEANAGENT_TEST_FAULT_RELEASE"] = str(release)
-    return env
+    return fault_env(f"step:{step}:HOLD", mark, release)
 
 
 def start_train(cfg: Path, dataset: Path, out: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
