@@ -50,6 +50,12 @@ class ModelConfig(_Section):
                            "infonce: a cross-entropy per context over the similarities / temperature, every column "
                            "marked positive counting as positive, averaged over contexts (leanagent/model/losses.py)")
     temperature: float = Field(0.05, gt=0, description="the similarities are divided by this under loss: infonce")
+    grad_cache: bool = Field(
+        False, description="gradient caching (GradCache): encode the batch without gradients, take the loss's "
+                           "gradient at the embeddings, then encode each sub-batch again (its dropout replayed) and "
+                           "backpropagate it alone: the same gradient with one encoder call's activations in "
+                           "memory, for a large data.batch_size under loss: infonce; each sub-batch is encoded "
+                           "twice (leanagent/model/grad_cache.py)")
     compile: Literal["auto"] | bool = Field(
         "auto", description="torch.compile each T5 block (regional, dynamic lengths): auto = under CUDA only; "
                             "a failed compile falls back to eager with one line")

@@ -15,7 +15,8 @@ import torch
 from leanagent.bench.results import TrainStepFigures, TrainStepRow
 from leanagent.bench.timing import best_of_rounds, sync, to_device
 from leanagent.model.lr_schedule import build_optimizer_and_schedule
-from leanagent.model.retriever import PremiseRetriever, TokenCount
+from leanagent.model.pool_plan import TokenCount
+from leanagent.model.retriever import PremiseRetriever
 from leanagent.perf import mfu, training_flops
 
 # The training step's levers, as the rows of the bench: (name, sort_by_length, one mask, compiled).

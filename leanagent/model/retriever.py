@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,11 +22,13 @@ from transformers import AutoTokenizer, ByT5Tokenizer, T5Config, T5EncoderModel
 
 from leanagent.data.dataset import tokenize_premises
 from leanagent.model.encoder import CompiledBlocks, encoder_hidden
+from leanagent.model.grad_cache import grad_cached_loss
 from leanagent.model.losses import retrieval_loss
 from leanagent.model.lr_schedule import build_optimizer_and_schedule, reference_horizon
 from leanagent.model.metrics import ContextScore, aggregate, score_context
 from leanagent.model.options import RetrieverOptions
-from leanagent.model.sub_batches import call_cost_for, plan_sub_batches
+from leanagent.model.pool_plan import Piece, PoolPlan, TokenCount, plan_pool
+from leanagent.model.sub_batches import call_cost_for
 from leanagent.model.topk import top_k_accessible
 
 BYT5_VOCAB_SIZE = 384
@@ -75,26 +76,6 @@ def token_budget_batches(lengths: np.ndarray, budget: int) -> list[tuple[int, in
     if lo < len(lengths):
         batches.append((lo, len(lengths)))
     return batches
-
-
-@dataclass
-class TokenCount:
-    """Real tokens (the attention masks' ones) and tokens processed (padding included) by the encoder."""
-
-    real: int = 0
-    processed: int = 0
-
-    def __iadd__(self, other: TokenCount) -> TokenCount:
-        self.real += other.real
-        self.processed += other.processed
-        return self
-
-    def __add__(self, other: TokenCount) -> TokenCount:
-        return TokenCount(self.real + other.real, self.processed + other.processed)
-
-    @property
-    def efficiency(self) -> float:
-        return self.real / self.processed if self.processed else 1.0
 
 
 def compile_wanted(setting: str | bool, device: torch.device) -> bool:
@@ -198,43 +179,29 @@ class PremiseRetriever(pl.LightningModule):
         finally:
             self._stock = before
 
+    def plan_pool(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: Sequence[int] | None = None,
+                  sort: bool | None = None, rows_within_budget: bool = False) -> PoolPlan:
+        """How `encode_pool` cuts a pool into encoder calls (`pool_plan.py`): sorted by length into sub-batches
+        under `token_budget` when `sort_by_length` (or `sort`, which overrides it) says so, else padded."""
+        return plan_pool(input_ids, attention_mask, lengths, self.options.sort_by_length if sort is None else sort,
+                         self.options.token_budget, call_cost_for(self.device.type), rows_within_budget)
+
+    def encode_piece(self, piece: Piece) -> torch.Tensor:
+        return self.encode(piece.ids, piece.mask, piece.padded)
+
     def encode_pool(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     lengths: Sequence[int] | None = None, sort: bool | None = None) -> tuple[torch.Tensor, TokenCount]:
         """Embeddings of a pool of sequences (a batch's contexts, or its premises), in the pool's order.
 
-        With `sort_by_length` the pool is sorted by length and cut into sub-batches under `token_budget`
-        (`plan_sub_batches`), each padded to its own longest (a multiple of 8) and encoded on its own; the
-        embeddings are put back in the pool's order, in one autograd graph (one DDP forward). Padding is
-        masked, so they are the padded path's up to float rounding; in training, dropout draws its masks
-        for other shapes. `lengths`: the sequences' real lengths, when known on the host (the collate
-        functions give them), else read from the mask. `sort`: sort whatever `sort_by_length` says (the server's
-        batched pass, which has no training numbers to keep). Also returns the tokens real and processed.
+        With `sort_by_length` the pool is sorted by length and cut into sub-batches under `token_budget`, each
+        padded to its own longest and encoded on its own; the embeddings are put back in the pool's order, in one
+        autograd graph (one DDP forward). Padding is masked, so they are the padded path's up to float rounding;
+        in training, dropout draws its masks for other shapes. `lengths`: the sequences' real lengths, when known
+        on the host. `sort`: sort whatever `sort_by_length` says (the server's batched pass, which has no training
+        numbers to keep). Also returns the tokens real and processed.
         """
-        n, width = input_ids.shape
-        if lengths is None:
-            lengths = attention_mask.sum(dim=1).tolist()
-        lengths = [int(x) for x in lengths]
-        real = sum(lengths)
-        if not (self.options.sort_by_length if sort is None else sort) or n == 0:
-            return self.encode(input_ids, attention_mask, padded=any(x < width for x in lengths)), \
-                TokenCount(real, n * width)
-        plan = plan_sub_batches(lengths, self.options.token_budget, call_cost_for(self.device.type))
-        order = [row for sub in plan for row in sub.rows]
-        perm = torch.tensor(order, dtype=torch.long).to(input_ids.device, non_blocking=True)
-        ids, mask = input_ids.index_select(0, perm), attention_mask.index_select(0, perm)
-        widest = plan[-1].width
-        if widest > width:  # the longest rounded up to a multiple of 8: pad the sorted copies a little more
-            ids, mask = F.pad(ids, (0, widest - width)), F.pad(mask, (0, widest - width))
-        parts, lo = [], 0
-        for sub in plan:
-            hi = lo + len(sub.rows)
-            padded = any(lengths[row] < sub.width for row in sub.rows)
-            parts.append(self.encode(ids[lo:hi, : sub.width], mask[lo:hi, : sub.width], padded))
-            lo = hi
-        inverse = torch.empty(n, dtype=torch.long)
-        inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(n)
-        emb = torch.cat(parts)[inverse.to(input_ids.device, non_blocking=True)]
-        return emb, TokenCount(real, sum(sub.tokens for sub in plan))
+        plan = self.plan_pool(input_ids, attention_mask, lengths, sort)
+        return plan.assemble([self.encode_piece(piece) for piece in plan.pieces]), plan.tokens
 
     def batch_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         context_emb, ctx_tokens = self.encode_pool(batch["context_ids"], batch["context_mask"],
@@ -243,6 +210,17 @@ class PremiseRetriever(pl.LightningModule):
                                                     batch.get("premise_lengths"))
         self.last_tokens = ctx_tokens + prem_tokens
         return retrieval_loss(context_emb, premise_emb, batch["label"], self.options)
+
+    def cached_batch_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`batch_loss` under `model.grad_cache` (`grad_cache.py`): the same value; its backward gives the same
+        gradient with one encoder call's activations alive at a time."""
+        plans = [self.plan_pool(batch[f"{pool}_ids"], batch[f"{pool}_mask"], batch.get(f"{pool}_lengths"),
+                                rows_within_budget=True) for pool in ("context", "premise")]
+        self.last_tokens = plans[0].tokens + plans[1].tokens
+        return grad_cached_loss(self.encode_piece, plans,
+                                lambda contexts, premises: retrieval_loss(contexts, premises, batch["label"],
+                                                                          self.options),
+                                [p for p in self.parameters() if p.requires_grad], self.device)
 
     # ---- EWC ------------------------------------------------------------------------------
     def set_ewc(self, fisher: dict[str, torch.Tensor], ewc_lambda: float,
@@ -313,7 +291,7 @@ class PremiseRetriever(pl.LightningModule):
 
     # ---- training -------------------------------------------------------------------------
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.batch_loss(batch)
+        loss = self.cached_batch_loss(batch) if self.options.grad_cache else self.batch_loss(batch)
         epoch_tokens = self.train_tokens.setdefault(self.current_epoch, TokenCount())
         epoch_tokens += self.last_tokens  # in place: the dict's entry grows
         # Not synced: an all-reduce per step only to log a number; the epoch mean is rank 0's.
