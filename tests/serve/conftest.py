@@ -70,7 +70,8 @@ def built(tmp_path_factory) -> dict:
     repo = write_demo_repos(root / "data", 1)[0]
     model = write_random_encoder(root / "model", "tiny")
     build_index(model, repo, root / "index")
-    return {"root": root, "repo": repo, "index": PremiseIndex.load(root / "index")}
+    # fp32 queries: batched and unbatched answers are compared exactly (other dtypes agree to their rounding).
+    return {"root": root, "repo": repo, "index": PremiseIndex.load(root / "index", dtype="fp32")}
 
 
 def expected(index: PremiseIndex, state: str, rows: list[int] | None, new: list[tuple[str, str]], k: int) -> list:

@@ -27,7 +27,8 @@ from .conftest import OLD_CLIENT, REPO_ROOT, STATE, assert_same, expected, post
 def test_leanagent_serve_answers_and_stops_on_sigterm(built) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "leanagent.cli", "serve", str(built["root"] / "index"),
-                             "--port", "0"], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+                             "--port", "0", "--dtype", "fp32"],  # as the fixture's index: compared exactly
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
     try:
         line = proc.stderr.readline()
         assert line.startswith("serving 38 premises of ") and "set_option premiseSelection.apiBaseUrl" in line, line

@@ -151,7 +151,8 @@ def test_accessibility_by_module_matches_retrieve_file(live, built) -> None:
     answer = post(live.url, json.dumps(body)).json()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
     done = subprocess.run([sys.executable, "-m", "leanagent.cli", "retrieve", str(folder), "--state", STATE,
-                           "--file", "RepoA/Ext.lean", "--line", "500", "-k", "100", "--json"],
+                           "--file", "RepoA/Ext.lean", "--line", "500", "-k", "100", "--json",
+                           "--dtype", "fp32"],  # as the live server's index: the scores are compared exactly
                           capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
     cli = json.loads(done.stdout)["premises"]

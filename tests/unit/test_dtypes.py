@@ -9,7 +9,7 @@ from leanagent.model.dtypes import AUTO_CPU, DtypeError, cpu_has_bf16, resolve
 
 def test_auto_is_bf16_on_a_gpu_and_the_recorded_choice_on_a_cpu() -> None:
     assert resolve("auto", "cuda") == "bf16" and resolve("auto", "mps") == "bf16"
-    assert resolve("auto", "cpu") == AUTO_CPU[cpu_has_bf16()] == "fp32"
+    assert resolve("auto", "cpu") == AUTO_CPU[cpu_has_bf16()] == ("bf16" if cpu_has_bf16() else "fp32")
     assert [resolve(d, "cpu") for d in ("fp32", "bf16", "int8")] == ["fp32", "bf16", "int8"]
 
 
