@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -34,22 +35,21 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[1]
 BATCH, NEGATIVES, IN_FILE, MAX_LEN = 4, 3, 1, 1024
 
 
-def _rss_mb(field: str = "VmRSS") -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+def _rss_mb() -> float:
+    return psutil.Process().memory_info().rss / 2**20
 
 
-def _reset_peak() -> None:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux >= 4.0)
-    except OSError:
-        pass
+def _peak_rss_mb() -> float:
+    """The process's resident high-water mark so far (getrusage: KiB on Linux, bytes on macOS). The child has only
+    imported before the load, so its peak during the load is this less the RSS before it (or more, never less)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def child(dataset: Path, examples_to_run: int, out: Path) -> None:
@@ -66,14 +66,13 @@ def child(dataset: Path, examples_to_run: int, out: Path) -> None:
     result: dict[str, object] = {"leanagent": str(Path(leanagent.__file__).parent)}
 
     gc.collect()
-    _reset_peak()
     before = _rss_mb()
     t0 = time.perf_counter()
     corpus = Corpus.from_jsonl(corpus_file)
     times = [time.perf_counter() - t0]
     gc.collect()
     result["load_rss_mb"] = _rss_mb() - before
-    result["load_peak_mb"] = _rss_mb("VmHWM") - before
+    result["load_peak_mb"] = max(_peak_rss_mb() - before, result["load_rss_mb"])
     for _ in range(2):
         t0 = time.perf_counter()
         Corpus.from_jsonl(corpus_file)

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 NODES = ("n1", "n2")
@@ -155,36 +156,21 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def leftover_processes(self) -> list[int]:
         """slurmstepd processes of this cluster and everything under them (the jobs' processes)."""
-        marker = f"SLURM_CONF={self.conf}".encode()
-        steps = []
-        children: dict[int, list[int]] = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            pid = int(entry)
+        found: list[int] = []
+        for proc in psutil.process_iter(["name"]):
             try:
-                stat = Path(f"/proc/{pid}/stat").read_bytes()
-                ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
-                children.setdefault(ppid, []).append(pid)
-                if Path(f"/proc/{pid}/comm").read_text().strip() == "slurmstepd" and \
-                        marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                    steps.append(pid)
-            except (OSError, ValueError):
+                if proc.info["name"] == "slurmstepd" and proc.environ().get("SLURM_CONF") == str(self.conf):
+                    found += [proc.pid, *(child.pid for child in proc.children(recursive=True))]
+            except psutil.Error:
                 continue
-        found, todo = [], list(steps)
-        while todo:
-            pid = todo.pop()
-            found.append(pid)
-            todo.extend(children.get(pid, []))
         return [p for p in found if _alive(p)]
 
 
 def _alive(pid: int) -> bool:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
-    return stat[stat.rindex(b")") + 2:][:1] != b"Z"
 
 
 def _kill(pid: int, sig: int) -> None:
