@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from leanagent.launch.base import child_environment
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO_ROOT / "tests" / "ddp_scripts"
 
@@ -43,6 +45,18 @@ def fault_env(fault: str, mark: Path | None = None, release: Path | None = None)
     if release is not None:
         env["LEANAGENT_TEST_FAULT_RELEASE"] = str(release)
     return env
+
+
+def run_probe(source: str, folder: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`source` written to FOLDER/probe.py and run under torchrun with 2 gloo ranks on this machine, `args` after
+    it, in the environment a launched job gets; it must exit 0 (its output is shown if not)."""
+    script = folder / "probe.py"
+    script.write_text(source)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script), *args], env=child_environment(), cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    return proc
 
 
 def leanagent(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -9,8 +9,6 @@ batches), and the result is sum over steps of (mean of the ranks' batch gradient
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -21,11 +19,10 @@ from leanagent.checkpoints import load_fisher
 from leanagent.data.corpus import Corpus
 from leanagent.data.examples import build_train_examples
 from leanagent.data.theorems import load_split
-from leanagent.launch.base import child_environment
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
 
-from .conftest import REPO_ROOT, leanagent
+from .conftest import leanagent, run_probe
 
 pytestmark = pytest.mark.ddp
 
@@ -146,14 +143,9 @@ PROBE = textwrap.dedent('''
 
 def test_ddp_averages_the_gradient_before_it_is_squared(demo_assets, tmp_path: Path) -> None:
     num_examples = 26  # 13 per rank, 3 full batches of 4 each, 1 example per rank dropped
-    script = tmp_path / "probe.py"
-    script.write_text(PROBE)
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script), str(demo_assets.repos[0]), str(out), str(num_examples)],
-                          env=child_environment(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    run_probe(PROBE, tmp_path, str(demo_assets.repos[0]), str(out), str(num_examples), timeout=600)
     report = json.loads((out / "probe.json").read_text())
     assert report["steps_per_rank"] == [3, 3] and report["batch_sizes"] == [BATCH_SIZE]
     assert report["num_examples"] == num_examples and report["num_steps"] == 3

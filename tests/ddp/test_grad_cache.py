@@ -5,17 +5,13 @@ each one ready exactly once per micro-batch (tests/unit/test_grad_cache.py cover
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from leanagent.launch.base import child_environment
-
-from .conftest import REPO_ROOT
+from .conftest import run_probe
 
 pytestmark = pytest.mark.ddp
 
@@ -59,12 +55,7 @@ PROBE = textwrap.dedent('''
 
 
 def test_cached_ddp_training_ends_at_the_uncached_weights(ddp_assets, tmp_path: Path) -> None:
-    script = tmp_path / "probe.py"
-    script.write_text(PROBE)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script), str(ddp_assets["model"]), str(ddp_assets["repo_a"]), str(tmp_path)],
-                          env=child_environment(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    run_probe(PROBE, tmp_path, str(ddp_assets["model"]), str(ddp_assets["repo_a"]), str(tmp_path))
     weights = {(c, r): torch.load(tmp_path / f"w{c}_{r}.pt", weights_only=True) for c in (0, 1) for r in (0, 1)}
     start = torch.load(tmp_path / "w_init.pt", weights_only=True)
     for name, plain in weights[0, 0].items():

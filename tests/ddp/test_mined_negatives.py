@@ -5,8 +5,6 @@ torchrun, a fault injected at an exact point)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -14,9 +12,7 @@ import pytest
 import torch
 import yaml
 
-from leanagent.launch.base import child_environment
-
-from .conftest import REPO_ROOT, leanagent, write_config
+from .conftest import leanagent, run_probe, write_config
 from .test_resume import EPOCHS, EVERY, _epoch_files, _interrupted, _losses, _ok, _steps, _weights
 
 pytestmark = pytest.mark.ddp
@@ -55,12 +51,7 @@ PROBE = textwrap.dedent('''
 
 
 def test_every_rank_holds_the_same_mined_table(ddp_assets, tmp_path: Path) -> None:
-    script = tmp_path / "probe.py"
-    script.write_text(PROBE)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script), str(ddp_assets["model"]), str(ddp_assets["repo_a"]), str(tmp_path)],
-                          env=child_environment(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    run_probe(PROBE, tmp_path, str(ddp_assets["model"]), str(ddp_assets["repo_a"]), str(tmp_path), timeout=600)
     t0, t1 = (torch.load(tmp_path / f"table{r}.pt", weights_only=True) for r in (0, 1))
     assert t0.shape[1] == 8 and (t0 >= 0).sum() > t0.numel() // 2
     assert torch.equal(t0, t1)
