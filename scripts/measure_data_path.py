@@ -41,6 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 BATCH, NEGATIVES, IN_FILE, MAX_LEN = 4, 3, 1, 1024
 
 
+# Its own memory helpers, not leanagent.bench.timing's: the child measures another tree's `leanagent` (the baseline
+# archive), which may not have them.
 def _rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 

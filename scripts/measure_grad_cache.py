@@ -17,22 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_STATES = REPO_ROOT.parent / "shared" / "data" / "minif2f-lean4-ld182" / "random" / "test.json"
-
-
-def _peak_mb() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def lengths(states: Path, n: int, seed: int) -> list[int]:
@@ -48,6 +40,7 @@ def child(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(REPO_ROOT))
     from transformers import ByT5Tokenizer, T5EncoderModel
 
+    from leanagent.bench.timing import peak_rss_mb, rss_mb
     from leanagent.model.options import RetrieverOptions
     from leanagent.model.presets import encoder_config
     from leanagent.model.retriever import PremiseRetriever
@@ -84,9 +77,9 @@ def child(args: argparse.Namespace) -> None:
         return time.perf_counter() - start
 
     step()  # warm-up: the allocator's first pools, then the peak counts the step alone
-    before = psutil.Process().memory_info().rss / 2**20
+    before = rss_mb()
     seconds = step()
-    print(json.dumps({"grad_cache": args.cached, "step_s": seconds, "peak_added_mb": _peak_mb() - before}))
+    print(json.dumps({"grad_cache": args.cached, "step_s": seconds, "peak_added_mb": peak_rss_mb() - before}))
 
 
 def main() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import resource
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +15,12 @@ import torch
 def rss_mb() -> float:
     """This process's resident memory, in MiB."""
     return psutil.Process().memory_info().rss / 2**20
+
+
+def peak_rss_mb() -> float:
+    """This process's resident high-water mark so far, in MiB (getrusage: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def rate(fn: Callable[[], int], min_seconds: float, min_calls: int = 3) -> float:
