@@ -2,6 +2,9 @@
 
     python scripts/compare_recipes.py OUT [--repos 2] [--scale 3] [--theorems 90] [--epochs 3]
                                          [--preset tiny|byt5-small] [--accelerator cpu|gpu] [--devices 2]
+                                         [--precision bf16-mixed] [--max-seq-len 256] [--corpus-autocast]
+                                         [--mathlib-scale [--files 1000] [--premises 38000] [--eval-share 0.15]
+                                          [--states ../shared/data/minif2f-lean4-ld182/random/test.json]]
 
 The recipes: `mse + random` (LeanAgent's), `infonce + random` and `infonce + mined` (`model.loss`,
 `data.negatives`; docs/training.md, "Training recipes"). Everything else is the same in the three configs:
@@ -10,6 +13,12 @@ same seed), the curriculum, batch size and epochs, so the three train the same n
 (mining changes which negatives are drawn, not how many). Each is a `leanagent run` (the lifelong flow) in a
 run_dir of its own under OUT; a rerun skips what is done. The data is generated: the figures say which recipe
 learns these synthetic repositories faster, not what it does on LeanDojo data.
+
+`--mathlib-scale` writes each repository as a mathlib-shaped dataset instead (`leanagent.data.synthetic_scale`:
+`--files` files and `--premises` premises each, an import DAG hundreds of files deep, `--theorems` theorems),
+with its hints on, so a state shows words of the premises its tactic uses, and each state's length drawn from
+the real proof states of `--states` (minif2f's test split by default): contexts of real lengths against tens of
+thousands of candidates.
 """
 
 from __future__ import annotations
@@ -22,6 +31,11 @@ from pathlib import Path
 
 import yaml
 
+from leanagent.data.synthetic_scale import ScaleSpec, write_scale_dataset
+from leanagent.data.theorems import format_context, load_split
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_STATES = REPO_ROOT.parent / "shared" / "data" / "minif2f-lean4-ld182" / "random" / "test.json"
 RECIPES = {"mse-random": ("mse", "random"), "infonce-random": ("infonce", "random"),
            "infonce-mined": ("infonce", "mined")}
 
@@ -37,17 +51,35 @@ def write_config(path: Path, args: argparse.Namespace, repos: list[Path], model:
     gpu = args.accelerator == "gpu"
     cfg = {
         "model": {"name_or_path": str(model), "lr": 2e-3 if not gpu else 1e-4, "warmup_steps": 10,
-                  "max_seq_len": 256, "loss": loss},
-        "data": {"batch_size": 8, "eval_batch_size": 32, "max_seq_len": 256, "num_workers": 0,
+                  "max_seq_len": args.max_seq_len, "loss": loss, "corpus_autocast": args.corpus_autocast},
+        "data": {"batch_size": 8, "eval_batch_size": 32, "max_seq_len": args.max_seq_len, "num_workers": 0,
                  "negatives": negatives, "mined_pool": args.mined_pool},
         "trainer": {"accelerator": args.accelerator, "devices": args.devices,
-                    "precision": "bf16-mixed", "accumulate_grad_batches": 1},
+                    "precision": args.precision, "accumulate_grad_batches": 1},
         "lifelong": {"epochs_per_repo": args.epochs, "curriculum": True, "ewc_lambda": 0.0},
         "run_dir": str(path.parent / path.stem),
         "repos": [{"path": str(r)} for r in repos],
     }
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+def state_lengths(split_file: Path) -> tuple[int, ...]:
+    """The byte length of every context (a tactic's state, as the retriever reads it) in a LeanDojo split file."""
+    return tuple(len(format_context(t).encode()) for thm in load_split(split_file) for t in thm.tactics)
+
+
+def write_scale_repos(data: Path, args: argparse.Namespace) -> None:
+    """`args.repos` mathlib-shaped datasets, data/repo_I from seed I, written under a dot-name, then renamed."""
+    lengths = state_lengths(args.states) if args.states.is_file() else ()
+    if not lengths:
+        print(f"no {args.states}: the states take the generator's own lengths", file=sys.stderr)
+    partial = data.with_name(f".{data.name}")
+    for i in range(args.repos):
+        write_scale_dataset(partial / f"repo_{i}", ScaleSpec(files=args.files, premises=args.premises,
+                                                             theorems=args.theorems, seed=i, hinted=True,
+                                                             state_lengths=lengths, eval_share=args.eval_share))
+    partial.rename(data)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,12 +93,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=("tiny", "byt5-small"), default="tiny")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--precision", default="bf16-mixed", help="trainer.precision (the seed's by default)")
+    parser.add_argument("--max-seq-len", type=int, default=256, help="model and data max_seq_len, in bytes")
+    parser.add_argument("--corpus-autocast", action="store_true",
+                        help="model.corpus_autocast: embed the corpus under bf16 autocast (faster on a bf16 CPU)")
+    parser.add_argument("--mathlib-scale", action="store_true",
+                        help="mathlib-shaped repositories with minif2f-length states (see above)")
+    parser.add_argument("--files", type=int, default=1000, help="--mathlib-scale: corpus files per repository")
+    parser.add_argument("--premises", type=int, default=38000, help="--mathlib-scale: premises per repository")
+    parser.add_argument("--eval-share", type=float, default=0.15,
+                        help="--mathlib-scale: the share of theorems in val, and again in test")
+    parser.add_argument("--states", type=Path, default=DEFAULT_STATES,
+                        help="--mathlib-scale: a LeanDojo split file whose states' lengths the contexts take")
     args = parser.parse_args(argv)
     out = args.out.resolve()
     data, model = out / "data", out / f"model-{args.preset}"
     if not data.is_dir():
-        leanagent("demo-data", str(data), "--repos", str(args.repos), "--scale", str(args.scale),
-                  "--theorems", str(args.theorems))
+        if args.mathlib_scale:
+            write_scale_repos(data, args)
+        else:
+            leanagent("demo-data", str(data), "--repos", str(args.repos), "--scale", str(args.scale),
+                      "--theorems", str(args.theorems))
     if not model.is_dir():
         leanagent("init-model", str(model), "--preset", args.preset)
     repos = sorted(p for p in data.iterdir() if p.is_dir())

@@ -14,7 +14,10 @@
 #      mathlib-scale index, so that building it fits), its JSON in $OUT/serve.json;
 #   5. on a GPU (not with --cpu-smoke), the training recipes side by side at byt5-small: mse + random,
 #      infonce + random, infonce + mined on the same generated curriculum at equal steps
-#      (scripts/compare_recipes.py; needs prefect, skipped without it), the report in recipes.log.
+#      (scripts/compare_recipes.py; needs prefect, skipped without it), the report in recipes.log. RECIPE_ARGS
+#      passes more options: the mathlib-scale comparison of docs/training.md is RECIPE_ARGS="--mathlib-scale
+#      --files 500 --premises 19000 --theorems 200 --max-seq-len 512" with RECIPES_S=480, the other parts' time
+#      lowered (BENCH_S, CHECK_S, TESTS_S, SERVE_S) or run on its own.
 # The parts' default timeouts add up to under 600 s, the device's limit for one command: raise one (BENCH_S,
 # CHECK_S, TESTS_S, SERVE_S, RECIPES_S) only with another lowered, or run the script twice.
 #
@@ -60,6 +63,6 @@ timeout ${SERVE_S:-90} $PY scripts/measure_serve.py "$WORK/serve" --device $DEVI
   --serve-args "--dtype $SERVE_DTYPE" $SERVE_ARGS --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | tail -20
 if [ "$DEVICE" = cuda ] && $PY -c "import prefect" 2>/dev/null; then
   timeout ${RECIPES_S:-90} $PY scripts/compare_recipes.py "$WORK/recipes" --preset byt5-small --accelerator gpu \
-    --devices 1 --repos 2 --epochs ${RECIPE_EPOCHS:-2} 2>&1 | tee "$OUT/recipes.log" | tail -40
+    --devices 1 --repos 2 --epochs ${RECIPE_EPOCHS:-2} ${RECIPE_ARGS:-} 2>&1 | tee "$OUT/recipes.log" | tail -40
 fi
 echo "gpu_run done"

@@ -55,8 +55,9 @@ def check_device(device: str) -> None:
 def add_dtype_argument(p: argparse.ArgumentParser) -> None:
     """`--dtype`, one meaning for `index`, `retrieve` and `serve` (`leanagent.model.dtypes`)."""
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "int8"],
-                   help="the encoder's precision (default auto: bf16 on a GPU, fp32 on a CPU until a faster dtype's "
-                        "agreement is recorded; int8: dynamic quantization, CPU only); an index serves at any dtype")
+                   help="the encoder's precision (default auto: bf16 on a GPU or mps, and on a CPU with bf16 "
+                        "matmuls, where it agreed with fp32; fp32 on other CPUs; int8: dynamic quantization, CPU "
+                        "only); an index serves at any dtype")
 
 
 def add_model_check_arguments(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,12 @@ sorted by path, the first tenth of the DAG lives under ``.lake/packages/``), eve
 a premise of its file, and annotations point at premises by position (``def_pos`` on the declared
 name, inside the premise's span) in the theorem's own file before it or in a file it imports.
 Everything is drawn from one seed: the same arguments write the same bytes.
+
+By default nothing in a proof state says which premises its tactic uses, so a retriever can learn nothing
+from it. For comparing training recipes at this scale, `ScaleSpec.hinted` makes each state show a few
+consecutive words of every premise its tactic uses (as a real goal shows the constants of the lemma that
+rewrites it), and `ScaleSpec.state_lengths` draws each state's length in bytes from given ones (real
+minif2f states', say), with filler words around the hints. Both off, the bytes are those of before.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ _KINDS = {"theorem": "commonTheorem", "lemma": "commonTheorem", "def": "definiti
 _ATTRIBUTES = ("@[simp]\n", "@[to_additive]\n", "@[simp, norm_cast]\n", "@[ext]\n")
 _HYPS = ("α : Type u_1", "inst✝ : Group α", "s t : Set α", "n m : ℕ", "f : α → β", "hx : x ∈ s", "h : a ≤ b")
 WORDS_PER_LINE = 12
+HINT_WORDS = 4
 
 
 @dataclass(frozen=True)
@@ -52,11 +59,16 @@ class ScaleSpec:
     premises: int = 76000
     theorems: int | None = None
     seed: int = 0
+    hinted: bool = False  # each state shows HINT_WORDS consecutive words of each premise its tactic uses
+    state_lengths: tuple[int, ...] = ()  # bytes; when given, each state is filled to one drawn from these
+    eval_share: float = 0.05  # of the theorems, in val and again in test
 
     def __post_init__(self) -> None:
         if self.files < 2 or self.premises < self.files:
             raise ValueError(f"need at least 2 files and one premise per file, got {self.files} files "
                              f"and {self.premises} premises")
+        if not 0 < self.eval_share < 0.5:
+            raise ValueError(f"eval_share must be between 0 and 0.5, got {self.eval_share}")
         if self.theorems is not None and self.theorems < 3:
             raise ValueError(f"need at least 3 theorems (one per split), got {self.theorems}")
 
@@ -77,6 +89,7 @@ class _Decl:
     end: tuple[int, int]
     name_pos: tuple[int, int]  # where the declared name starts: annotations point here
     name_len: int
+    hint: tuple[str, ...]  # the first words of its statement: what a goal it rewrites shows (`ScaleSpec.hinted`)
 
 
 def _word(rng: random.Random, parts: int) -> str:
@@ -172,7 +185,8 @@ def _file_decls(path: str, namespace: str, count: int, lengths: np.ndarray, firs
         header = f"{head} {binders} :" if binders else f"{head} :"
         target = int(lengths[k])
         n_words = max(3, (target - len(header)) // word_bytes)
-        body = _lines(_words(rng, vocabulary, n_words), "    ")
+        body_words = _words(rng, vocabulary, n_words)
+        body = _lines(body_words, "    ")
         code = f"{attribute}{header}\n    {body}"
         if keyword in ("theorem", "lemma") and rng.random() < 0.2:
             code += f"\n  exact {short} _"  # the name again in the body: tagged there too, as LeanDojo does
@@ -182,7 +196,7 @@ def _file_decls(path: str, namespace: str, count: int, lengths: np.ndarray, firs
         last = code[code.rfind("\n") + 1 :]
         end = (line + n_lines - 1, len(last) + 1)
         decls.append(_Decl(f"{namespace}.{short}", code, _KINDS[keyword], (line, 1), end, (name_line, name_col),
-                           len(declared)))
+                           len(declared), tuple(body_words[:HINT_WORDS])))
         line += n_lines + 1
     return decls
 
@@ -193,6 +207,22 @@ def _state(rng: random.Random, vocabulary: list[str], np_rng: np.random.Generato
     goal = _lines(_words(rng, vocabulary, n_words), "  ")
     state = "\n".join([*hyps, f"⊢ {goal}"])
     return state
+
+
+def _sized_state(rng: random.Random, vocabulary: list[str], size: int, hints: list[list[str]]) -> str:
+    """A state of about `size` bytes (at least the hints): hypotheses, then a goal of filler words with
+    each hint's words, kept together, at a random place."""
+    hyps = rng.sample(_HYPS, rng.randint(0, 4))
+    used = sum(len(h.encode()) + 1 for h in hyps) + len("⊢ ".encode()) + sum(
+        len(w.encode()) + 1 for hint in hints for w in hint)
+    chunks: list[list[str]] = []
+    while used < size:
+        word = rng.choice(vocabulary)
+        chunks.append([word])
+        used += len(word.encode()) + 1
+    for hint in hints:
+        chunks.insert(rng.randint(0, len(chunks)), hint)
+    return "\n".join([*hyps, f"⊢ {_lines([w for chunk in chunks for w in chunk], '  ')}"])
 
 
 def _walk(file: int, imports: list[list[int]], rng: random.Random) -> int:
@@ -237,7 +267,7 @@ def write_scale_dataset(out: Path, spec: ScaleSpec = MATHLIB_SCALE) -> Path:
             }
             fh.write(json.dumps(record, ensure_ascii=False) + "\n")
     rng.shuffle(theorems)
-    n_eval = max(1, round(0.05 * len(theorems)))
+    n_eval = max(1, round(spec.eval_share * len(theorems)))
     parts = {"val": theorems[:n_eval], "test": theorems[n_eval : 2 * n_eval], "train": theorems[2 * n_eval :]}
     (out / "random").mkdir(exist_ok=True)
     for name, part in parts.items():
@@ -264,7 +294,7 @@ def _theorems(spec: ScaleSpec, paths: list[str], imports: list[list[int]], files
         decl = files[t][k]
         tactics = []
         for _ in range(1 + min(int(rng.expovariate(0.4)), 30)):
-            annotations = []
+            annotations, used = [], []
             for _ in range(rng.choice((0, 1, 1, 1, 2, 2, 3, 4))):
                 if k > 0 and rng.random() < 0.3:
                     target_file, target = t, files[t][rng.randrange(k)]  # own file, strictly before the theorem
@@ -274,12 +304,18 @@ def _theorems(spec: ScaleSpec, paths: list[str], imports: list[list[int]], files
                         continue
                     target = rng.choice(files[target_file])
                 annotations.append(_annotation(paths[target_file], target, rng))
+                used.append(target)
             names = [a["full_name"].rsplit(".", 1)[1] for a in annotations]
             tactic = f"simp [{', '.join(names)}]" if names else rng.choice(("intro x", "ring", "omega", "constructor"))
             annotated = f"simp [{', '.join(f'<a>{n}</a>' for n in names)}]" if names else tactic
-            before = _state(rng, vocabulary, np_rng)
-            if rng.random() < 0.1:
-                before = f"2 goals\n{before}\n\n{_state(rng, vocabulary, np_rng)}"
+            if spec.hinted or spec.state_lengths:
+                size = (rng.choice(spec.state_lengths) if spec.state_lengths
+                        else len(_state(rng, vocabulary, np_rng).encode()))
+                before = _sized_state(rng, vocabulary, size, [list(t.hint) for t in used] if spec.hinted else [])
+            else:
+                before = _state(rng, vocabulary, np_rng)
+                if rng.random() < 0.1:
+                    before = f"2 goals\n{before}\n\n{_state(rng, vocabulary, np_rng)}"
             tactics.append({"tactic": tactic, "annotated_tactic": [annotated, annotations], "state_before": before,
                             "state_after": ""})
         for a, b in zip(tactics, tactics[1:], strict=False):

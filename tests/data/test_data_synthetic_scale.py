@@ -107,3 +107,34 @@ def test_cli_writes_one_dataset(tmp_path: Path) -> None:
     assert _run_cli("demo-data", str(tmp_path / "bad"), "--mathlib-scale", "--repos", "2") == 1
     assert _run_cli("demo-data", str(tmp_path / "bad"), "--files", "10", "--premises", "5") == 1
     assert _run_cli("demo-data", str(out), "--files", "40", "--premises", "600") == 1  # not empty
+
+
+def test_hinted_states_show_their_premises_words_at_the_lengths_asked(tmp_path: Path) -> None:
+    """`hinted` puts the first words of each used premise's statement, together, into the state, and
+    `state_lengths` sizes the state (here one length, so each state's size is known), `eval_share` the val and
+    test splits; the dataset stays valid."""
+    spec = ScaleSpec(files=60, premises=900, theorems=60, seed=5, hinted=True, state_lengths=(300,), eval_share=0.2)
+    out = write_scale_dataset(tmp_path / "ds", spec)
+    assert validate_dataset(out) == []
+    assert [len(load_split(out / "random" / f"{s}.json")) for s in ("train", "val", "test")] == [36, 12, 12]
+    code = {}
+    for line in (out / "corpus.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        for p in record["premises"]:
+            for line_no in range(p["start"][0], p["end"][0] + 1):  # an annotation points inside the span
+                code[(record["path"], line_no)] = p["code"]
+    hinted = 0
+    for theorem in json.loads((out / "random" / "train.json").read_text()):
+        for tactic in theorem["traced_tactics"]:
+            state = tactic["state_before"]
+            assert 300 <= len(state.encode()) <= 360, state
+            words = state.split()
+            for a in tactic["annotated_tactic"][1]:
+                lines = code[(a["def_path"], a["def_pos"][0])].split("\n")
+                statement = lines[2:] if lines[0].startswith("@[") else lines[1:]  # after attribute and header
+                hint = " ".join(statement).split()[:4]
+                assert any(words[i:i + len(hint)] == hint for i in range(len(words))), (hint, state)
+                hinted += 1
+    assert hinted > 50
+    plain = write_scale_dataset(tmp_path / "plain", ScaleSpec(files=60, premises=900, theorems=60, seed=5))
+    assert (plain / "corpus.jsonl").read_bytes() == (out / "corpus.jsonl").read_bytes()
