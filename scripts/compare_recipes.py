@@ -1,7 +1,8 @@
 """Train one curriculum under three recipes and print them side by side with `leanagent report`.
 
     python scripts/compare_recipes.py OUT [--repos 2] [--scale 3] [--theorems 90] [--epochs 3]
-                                         [--preset tiny|byt5-small] [--accelerator cpu|gpu] [--devices 2]
+                                         [--preset tiny|byt5-small | --model PATH] [--accelerator cpu|gpu]
+                                         [--devices 2]
                                          [--precision bf16-mixed] [--max-seq-len 256] [--corpus-autocast]
                                          [--mathlib-scale [--files 1000] [--premises 38000] [--eval-share 0.15]
                                           [--states ../shared/data/minif2f-lean4-ld182/random/test.json]]
@@ -9,7 +10,8 @@
 The recipes: `mse + random` (LeanAgent's), `infonce + random` and `infonce + mined` (`model.loss`,
 `data.negatives`; docs/training.md, "Training recipes"). Everything else is the same in the three configs:
 the generated repositories (`leanagent demo-data`), the encoder (`leanagent init-model`, random weights, the
-same seed), the curriculum, batch size and epochs, so the three train the same number of optimizer steps
+same seed; or `--model`, any checkpoint or Hugging Face model `model.name_or_path` takes), the curriculum,
+batch size and epochs, so the three train the same number of optimizer steps
 (mining changes which negatives are drawn, not how many). Each is a `leanagent run` (the lifelong flow) in a
 run_dir of its own under OUT; a rerun skips what is done. The data is generated: the figures say which recipe
 learns these synthetic repositories faster, not what it does on LeanDojo data.
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=3, help="epochs per repository, the same for every recipe")
     parser.add_argument("--mined-pool", type=int, default=50)
     parser.add_argument("--preset", choices=("tiny", "byt5-small"), default="tiny")
+    parser.add_argument("--model", help="start every recipe from this model (a folder, a checkpoint or a hub id, "
+                                        "as model.name_or_path takes it) instead of a random --preset encoder")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--precision", default="bf16-mixed", help="trainer.precision (the seed's by default)")
@@ -107,14 +111,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="--mathlib-scale: a LeanDojo split file whose states' lengths the contexts take")
     args = parser.parse_args(argv)
     out = args.out.resolve()
-    data, model = out / "data", out / f"model-{args.preset}"
+    data, model = out / "data", args.model or out / f"model-{args.preset}"
     if not data.is_dir():
         if args.mathlib_scale:
             write_scale_repos(data, args)
         else:
             leanagent("demo-data", str(data), "--repos", str(args.repos), "--scale", str(args.scale),
                       "--theorems", str(args.theorems))
-    if not model.is_dir():
+    if args.model is None and not model.is_dir():
         leanagent("init-model", str(model), "--preset", args.preset)
     repos = sorted(p for p in data.iterdir() if p.is_dir())
     run_dirs = []
