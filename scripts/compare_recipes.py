@@ -34,7 +34,7 @@ from pathlib import Path
 import yaml
 
 from leanagent.data.synthetic_scale import ScaleSpec, write_scale_dataset
-from leanagent.data.theorems import format_context, load_split
+from leanagent.data.theorems import load_states
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_STATES = REPO_ROOT.parent / "shared" / "data" / "minif2f-lean4-ld182" / "random" / "test.json"
@@ -66,14 +66,10 @@ def write_config(path: Path, args: argparse.Namespace, repos: list[Path], model:
     return path
 
 
-def state_lengths(split_file: Path) -> tuple[int, ...]:
-    """The byte length of every context (a tactic's state, as the retriever reads it) in a LeanDojo split file."""
-    return tuple(len(format_context(t).encode()) for thm in load_split(split_file) for t in thm.tactics)
-
-
 def write_scale_repos(data: Path, args: argparse.Namespace) -> None:
     """`args.repos` mathlib-shaped datasets, data/repo_I from seed I, written under a dot-name, then renamed."""
-    lengths = state_lengths(args.states) if args.states.is_file() else ()
+    # every context of the split file, as the retriever reads it
+    lengths = tuple(len(s.encode()) for s in load_states([args.states])) if args.states.is_file() else ()
     if not lengths:
         print(f"no {args.states}: the states take the generator's own lengths", file=sys.stderr)
     partial = data.with_name(f".{data.name}")

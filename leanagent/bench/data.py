@@ -22,7 +22,7 @@ from leanagent.data.dataset import (
     tokenize_premises,
     with_lengths,
 )
-from leanagent.data.theorems import format_context, load_split
+from leanagent.data.theorems import load_split
 
 
 def bench_corpus(dataset: Path) -> tuple[Corpus, CorpusFigures]:
@@ -65,12 +65,6 @@ def bench_data(dataset: Path, corpus: Corpus, split: str, min_seconds: float) ->
     figures = DataFigures(num_train_examples=len(train), train_examples_per_s=rate(one_batch, min_seconds),
                           tokenize_premises_per_s=rate(tokenize, min_seconds, min_calls=1))
     return figures, train, evals
-
-
-def load_states(files: list[Path]) -> list[str]:
-    """The contexts of every tactic in LeanDojo split files, formatted as training formats them: real lengths."""
-    return [format_context(tactic) for path in files for theorem in load_split(Path(path))
-            for tactic in theorem.tactics]
 
 
 def bench_batches(corpus, train: list, tokenizer, batches: int, max_len: int, states: list[str] | None = None,

@@ -8,13 +8,14 @@ from pathlib import Path
 import torch
 
 from leanagent.bench.cuda import bench_fixed_length
-from leanagent.bench.data import bench_batches, bench_corpus, bench_data, load_states
+from leanagent.bench.data import bench_batches, bench_corpus, bench_data
 from leanagent.bench.fisher import bench_train_vs_fisher
 from leanagent.bench.launch import bench_launch
 from leanagent.bench.options import BenchOptions
 from leanagent.bench.results import BenchResult, RunInfo
 from leanagent.bench.retrieval import bench_embedding, bench_retrieval
 from leanagent.bench.train_step import bench_train_step, keep_layers
+from leanagent.data.theorems import load_states
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.presets import write_random_encoder
 from leanagent.model.retriever import PremiseRetriever

@@ -145,6 +145,12 @@ def format_context(tactic: Tactic) -> str:
     return strip_goal_count(tactic.state_before)
 
 
+def load_states(files: list[Path]) -> list[str]:
+    """The contexts of every tactic in LeanDojo split files, formatted as training formats them: real lengths."""
+    return [format_context(tactic) for path in files for theorem in load_split(Path(path))
+            for tactic in theorem.tactics]
+
+
 def has_sorry(theorem: Theorem) -> bool:
     """The reference's own test for an unfinished proof: "sorry" anywhere in a tactic (the curriculum's rule)."""
     return any("sorry" in t.tactic for t in theorem.tactics)
