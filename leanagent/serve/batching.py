@@ -5,8 +5,10 @@ one pass of 32 states sorted by length (`PremiseIndex.encode_together`: fewer, l
 One thread owns the encoder and the new-premise cache; a request hands it its state and new premises and waits.
 When the thread is free it takes every waiting request up to a token budget, so under load the passes grow
 by themselves. It waits a little longer (at most `wait_s`, a few ms) only while other requests are still
-arriving (read and checked, not yet handed over), so a lone client never waits. Ranking stays per request,
-on the encoder's thread too (see `encode`).
+arriving (read and checked, not yet handed over), so a lone client never waits. The pass's requests are then
+ranked against the index together (`rank`: one product of all their states with the embeddings, which are read
+once per pass instead of once per request), each with its own mask and k, on the encoder's thread too (see
+`encode`).
 """
 
 from __future__ import annotations
@@ -38,16 +40,22 @@ class _Job:
     state: str
     texts: list[str]
     tokens: int
-    finish: Callable[[torch.Tensor, list[torch.Tensor]], Any]
+    query: Any  # what `rank` reads besides the state (the server's mask and k)
+    finish: Callable[[torch.Tensor, list[torch.Tensor], Any], Any]
     future: Future = field(default_factory=Future)
 
 
 class EncoderBatcher:
-    """The encoder's one thread: `encode(state, texts)` from any thread, answered from a shared pass."""
+    """The encoder's one thread: `encode(state, texts, query, finish)` from any thread, answered from a shared pass.
 
-    def __init__(self, index: PremiseIndex, cache: EmbeddingCache, token_budget: int, wait_s: float) -> None:
+    `rank(states, queries)`: the pass's states (one row each) and their requests' queries, in order, to a ranking
+    per request; one call per pass."""
+
+    def __init__(self, index: PremiseIndex, cache: EmbeddingCache, token_budget: int, wait_s: float,
+                 rank: Callable[[torch.Tensor, list[Any]], list[Any]]) -> None:
         self.index = index
         self.cache = cache
+        self.rank = rank
         self.token_budget = token_budget
         self.wait_s = wait_s
         self.passes = self.batched_requests = 0
@@ -70,16 +78,16 @@ class EncoderBatcher:
                     self._arriving -= 1
                     self._cond.notify_all()
 
-    def encode(self, state: str, texts: list[str], finish: Callable[[torch.Tensor, list[torch.Tensor]], Any],
-               arrival: Arrival | None = None) -> Any:
-        """`finish(state_row, text_rows)` (the request's ranking), run on the encoder's thread after the next pass
-        that takes this request: every torch op on one thread, since on a loaded CPU a second thread's OpenMP
-        team spins against the first one's (the likely cause of the batched server's higher CPU time per request
-        over HTTP when ranking ran on the request's thread)."""
+    def encode(self, state: str, texts: list[str], query: Any,
+               finish: Callable[[torch.Tensor, list[torch.Tensor], Any], Any], arrival: Arrival | None = None) -> Any:
+        """`finish(state_row, text_rows, ranked)`, with `ranked` what `rank` gave this request's `query`, run on the
+        encoder's thread after the next pass that takes this request: every torch op on one thread, since on a
+        loaded CPU a second thread's OpenMP team spins against the first one's (the likely cause of the batched
+        server's higher CPU time per request over HTTP when ranking ran on the request's thread)."""
         # ByT5 reads a token a byte, cut at the index's lengths: what the job adds to a pass
         tokens = min(len(state.encode()), self.index.state_max_len) + sum(
             min(len(t.encode()), self.index.premise_max_len) for t in texts)
-        job = _Job(state, texts, tokens, finish)
+        job = _Job(state, texts, tokens, query, finish)
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="leanagent-encoder", daemon=True)
@@ -113,18 +121,20 @@ class EncoderBatcher:
         while True:
             jobs = self._take()
             try:
-                results = self._pass(jobs)
+                states, rows = self._pass(jobs)
+                ranked = self.rank(states, [job.query for job in jobs])
             except BaseException as exc:  # each waiting request gets the failure (a 500 naming it), not a hang
                 for job in jobs:
                     job.future.set_exception(exc)
             else:
-                for job, (state, rows) in zip(jobs, results, strict=True):
+                for i, job in enumerate(jobs):
                     try:
-                        job.future.set_result(job.finish(state, rows))
+                        job.future.set_result(job.finish(states[i:i + 1], rows[i], ranked[i]))
                     except BaseException as exc:  # this request's own failure
                         job.future.set_exception(exc)
 
-    def _pass(self, jobs: list[_Job]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    def _pass(self, jobs: list[_Job]) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """The jobs' states (a row each) and each job's new-premise rows, from one encoder pass."""
         found, missing = {}, []
         for job in jobs:
             hits, misses = self.cache.lookup(job.texts)
@@ -136,4 +146,4 @@ class EncoderBatcher:
         found.update(zip(missing, rows, strict=True))
         self.passes += 1
         self.batched_requests += len(jobs)
-        return [(states[i:i + 1], [found[t] for t in job.texts]) for i, job in enumerate(jobs)]
+        return states, [[found[t] for t in job.texts] for job in jobs]

@@ -52,8 +52,8 @@ class PremiseServer:
         self._stats = threading.Lock()
         # Batched (the default): one thread runs the encoder for every request (see batching.py); unbatched:
         # each request's own passes, one request at a time under the encoder lock.
-        self.batcher = EncoderBatcher(index, self._cache, self.limits.batch_tokens,
-                                      self.limits.batch_wait_ms / 1000) if self.limits.batching else None
+        self.batcher = EncoderBatcher(index, self._cache, self.limits.batch_tokens, self.limits.batch_wait_ms / 1000,
+                                      self._top_indexed) if self.limits.batching else None
         premises = index.premises
         self.row_names = [lean_name(p["full_name"]) for p in premises]
         # Premise names, each once (the client maps name -> position), with every row that bears it.
@@ -112,14 +112,13 @@ class PremiseServer:
             with self._encoder:
                 state = self.index.encode_state(request.state)
                 new_rows = self._embed(texts)
-                indexed = self._top_indexed(state, mask, k)
+                [indexed] = self._top_indexed(state, [(mask, k)])
                 new_scores = _scores(state, new_rows) if uploaded else []
         else:
-            def rank(state: torch.Tensor, rows: list[torch.Tensor]) -> tuple[list, list[float]]:
-                top = self._top_indexed(state, mask, k)
+            def finish(state: torch.Tensor, rows: list[torch.Tensor], top: list) -> tuple[list, list[float]]:
                 return top, _scores(state, torch.stack(rows)) if rows else []
 
-            indexed, new_scores = self.batcher.encode(request.state, texts, rank, arrival)
+            indexed, new_scores = self.batcher.encode(request.state, texts, (mask, k), finish, arrival)
         ranked = indexed + [(score, p.name) for score, p in zip(new_scores, uploaded, strict=True)]
         ranked.sort(key=lambda hit: -hit[0])  # stable: on a tie an indexed premise stays first
         return [{"name": name, "score": score} for score, name in ranked[:k]]
@@ -155,15 +154,24 @@ class PremiseServer:
             found.update(zip(missing, rows, strict=True))
         return torch.stack([found[t] for t in texts])
 
-    def _top_indexed(self, state: torch.Tensor, mask: np.ndarray | None, k: int) -> list[tuple[float, str]]:
-        """The k best accessible indexed premises as (score, name), each name once (its best row)."""
+    def _top_indexed(self, states: torch.Tensor,
+                     queries: list[tuple[np.ndarray | None, int]]) -> list[list[tuple[float, str]]]:
+        """Per state (a row each) and its (mask, k): the k best accessible indexed premises as (score, name), each
+        name once (its best row). All states in one product with the embeddings, one top-k over them: a batched
+        pass's requests read the embeddings once, not once each."""
         n = len(self.row_names)
         if not n:
-            return []
-        accessible = torch.ones(1, n, dtype=torch.bool) if mask is None else torch.from_numpy(mask)[None]
-        scores, rows = top_k_accessible(state, self.index.embeddings, accessible, min(n, k + self._duplicates))
+            return [[] for _ in queries]
+        everything = np.ones(n, dtype=bool)
+        accessible = torch.from_numpy(np.stack([everything if mask is None else mask for mask, _ in queries]))
+        most = max(k for _, k in queries)
+        scores, rows = top_k_accessible(states, self.index.embeddings, accessible, min(n, most + self._duplicates))
+        return [self._names_of(s, r, k) for s, r, (_, k) in zip(scores.tolist(), rows.tolist(), queries, strict=True)]
+
+    def _names_of(self, scores: list[float], rows: list[int], k: int) -> list[tuple[float, str]]:
+        """The first k distinct names of one ranked row list, with their best scores."""
         out, seen = [], set()
-        for score, row in zip(scores[0].tolist(), rows[0].tolist(), strict=True):
+        for score, row in zip(scores, rows, strict=True):
             name = self.row_names[row]
             if score == float("-inf") or len(out) == k:
                 break

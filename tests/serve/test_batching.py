@@ -7,11 +7,12 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
 from leanagent.data.corpus import serialize_premise
-from leanagent.serve import ServeLimits, create_app
+from leanagent.serve import PremiseServer, RetrieveRequest, ServeLimits, create_app
 
 from .conftest import LiveServer
 
@@ -70,3 +71,22 @@ def test_one_pass_of_states_and_premises_equals_their_own_passes(built) -> None:
     assert together.shape == alone.shape and torch.allclose(together, alone, atol=1e-6)
     assert torch.allclose(premises, index.encode_premises(texts), atol=1e-2)  # bf16 rows: within its rounding
     assert (premises == index.encode_premises(texts)).float().mean() > 0.99
+
+
+def test_a_pass_ranked_together_equals_each_request_ranked_alone(built) -> None:
+    """One product of a pass's states with the index, one top-k: each request keeps its own mask and k (all
+    premises, a module's, or a few rows) and gets the names and scores its own ranking gives."""
+    index = built["index"]
+    server = PremiseServer(index, ServeLimits(batching=False))
+    states, _ = index.encode_together([b["state"] for b in _bodies(built)[:8]], [])
+    n = len(server.row_names)
+    some = np.zeros(n, dtype=bool)
+    some[[0, 3, 5]] = True
+    queries = [(None, 10), (server._accessible(RetrieveRequest(state="s", imported_modules=["Core.Basic"])), 4),
+               (some, 7), (None, 1), (np.ones(n, dtype=bool), 16), (some, 2), (None, n + 5), (None, 3)]
+    together = server._top_indexed(states, queries)
+    alone = [server._top_indexed(states[i:i + 1], [q])[0] for i, q in enumerate(queries)]
+    assert [len(t) for t in together] == [10, 4, 3, 1, 16, 2, len(server.premise_names), 3]
+    for mine, theirs in zip(together, alone, strict=True):
+        assert [name for _, name in mine] == [name for _, name in theirs]
+        assert [s for s, _ in mine] == pytest.approx([s for s, _ in theirs], abs=1e-6)
