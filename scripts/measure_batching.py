@@ -7,7 +7,8 @@ split's states of DATASET, k = 32, no lists, once one after another and then fro
 the two servers taking turns `--rounds` times over the same loaded index. CPU time is this process's. Then the two
 parts of a batched pass, `--threads` states each way: the encoder (one pass of them all against one pass each) and
 the ranking against the index (one product and top-k for them all against one each; also at byt5-small's width,
-1,472, over as many random rows as the index has, since the tiny preset's 64 make the product cheap).
+1,472, over as many random rows as the index has, since the tiny preset's 64 make the product cheap); each the
+best of 3 rounds in which the two ways take turns.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from leanagent.bench.timing import best_of_rounds  # noqa: E402
 from leanagent.index import PremiseIndex  # noqa: E402
 from leanagent.model.topk import top_k_accessible  # noqa: E402
 from leanagent.serve import PremiseServer, RetrieveRequest, ServeLimits  # noqa: E402
@@ -62,27 +64,25 @@ def main() -> None:
     parts(index, [r.state for r in requests[:args.threads]])
 
 
-def _ms(run, repeats: int = 3) -> float:
-    run()  # warm-up
-    start = time.perf_counter()
-    for _ in range(repeats):
-        run()
-    return (time.perf_counter() - start) / repeats * 1000
+def _ms(alone, together) -> tuple[float, float]:
+    """ms of each way, after a warm-up of each: the best of 3 rounds in which they take turns (`best_of_rounds`)."""
+    alone(), together()
+    best, _ = best_of_rounds({"alone": alone, "together": together}, torch.device("cpu"), 0.0, rounds=3)
+    return best["alone"] * 1000, best["together"] * 1000
 
 
 def _ranking(states: torch.Tensor, embeddings: torch.Tensor) -> tuple[float, float]:
     """ms to rank `states` against every row (k = 32): one at a time, then all in one product."""
     everything = torch.ones(len(states), len(embeddings), dtype=torch.bool)
-    alone = _ms(lambda: [top_k_accessible(states[i:i + 1], embeddings, everything[:1], 32)
-                         for i in range(len(states))])
-    return alone, _ms(lambda: top_k_accessible(states, embeddings, everything, 32))
+    return _ms(lambda: [top_k_accessible(states[i:i + 1], embeddings, everything[:1], 32)
+                        for i in range(len(states))],
+               lambda: top_k_accessible(states, embeddings, everything, 32))
 
 
 def parts(index: PremiseIndex, states: list[str]) -> None:
     """A batched pass's encoder and ranking, together against one request at a time."""
     n = len(states)
-    alone = _ms(lambda: [index.encode_state(s) for s in states])
-    together = _ms(lambda: index.encode_together(states, []))
+    alone, together = _ms(lambda: [index.encode_state(s) for s in states], lambda: index.encode_together(states, []))
     print(f"encoder, {n} states: one pass each {alone:.0f} ms, one pass of all {together:.0f} ms "
           f"({alone / together:.1f}x)", flush=True)
     rows = index.embeddings.shape[0]
