@@ -4,6 +4,7 @@
                                          [--preset tiny|byt5-small | --model PATH] [--accelerator cpu|gpu]
                                          [--devices 2]
                                          [--precision bf16-mixed] [--max-seq-len 256] [--corpus-autocast]
+                                         [--lr LR] [--no-compile] [--parallel]
                                          [--mathlib-scale [--files 1000] [--premises 38000] [--eval-share 0.15]
                                           [--states ../shared/data/minif2f-lean4-ld182/random/test.json]]
 
@@ -21,6 +22,10 @@ learns these synthetic repositories faster, not what it does on LeanDojo data.
 with its hints on, so a state shows words of the premises its tactic uses, and each state's length drawn from
 the real proof states of `--states` (minif2f's test split by default): contexts of real lengths against tens of
 thousands of candidates.
+
+`--parallel` runs the three recipes at once, each `leanagent run` with a Prefect home (so a temporary server and
+its database) of its own: on a machine with cores and accelerator memory to spare (a GPU box) the comparison
+takes about the time of one recipe. Each run's output then goes to OUT/NAME.log, not the terminal.
 """
 
 from __future__ import annotations
@@ -42,18 +47,44 @@ RECIPES = {"mse-random": ("mse", "random"), "infonce-random": ("infonce", "rando
            "infonce-mined": ("infonce", "mined")}
 
 
-def leanagent(*args: str) -> None:
+def leanagent_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "leanagent.cli", *args]
+
+
+def leanagent_env(**extra: str) -> dict[str, str]:
     # Each `leanagent run` starts Prefect's temporary server; on a busy machine it takes longer than Prefect's 20 s.
-    env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", **os.environ}
-    subprocess.run([sys.executable, "-m", "leanagent.cli", *args], check=True, env=env)
+    return {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", **os.environ, **extra}
+
+
+def leanagent(*args: str) -> None:
+    subprocess.run(leanagent_argv(*args), check=True, env=leanagent_env())
+
+
+def run_recipes(configs: dict[str, Path], out: Path, parallel: bool) -> None:
+    """`leanagent run` for each recipe's config: one after another, or all at once, each with its own Prefect home
+    (two temporary servers on one SQLite database would lock each other out) and its output in OUT/NAME.log."""
+    if not parallel:
+        for config in configs.values():
+            leanagent("run", "--config", str(config))
+        return
+    running = {}
+    for name, config in configs.items():
+        with open(out / f"{name}.log", "w") as log:
+            running[name] = subprocess.Popen(leanagent_argv("run", "--config", str(config)), stdout=log,
+                                             stderr=subprocess.STDOUT,
+                                             env=leanagent_env(PREFECT_HOME=str(out / f".prefect-{name}")))
+    failed = [name for name, proc in running.items() if proc.wait() != 0]
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)} (see {', '.join(str(out / f'{n}.log') for n in failed)})")
 
 
 def write_config(path: Path, args: argparse.Namespace, repos: list[Path], model: Path, loss: str,
                  negatives: str) -> Path:
     gpu = args.accelerator == "gpu"
     cfg = {
-        "model": {"name_or_path": str(model), "lr": 2e-3 if not gpu else 1e-4, "warmup_steps": 10,
-                  "max_seq_len": args.max_seq_len, "loss": loss, "corpus_autocast": args.corpus_autocast},
+        "model": {"name_or_path": str(model), "lr": args.lr or (2e-3 if not gpu else 1e-4), "warmup_steps": 10,
+                  "max_seq_len": args.max_seq_len, "loss": loss, "corpus_autocast": args.corpus_autocast,
+                  "compile": "auto" if args.compile else False},
         "data": {"batch_size": 8, "eval_batch_size": 32, "max_seq_len": args.max_seq_len, "num_workers": 0,
                  "negatives": negatives, "mined_pool": args.mined_pool},
         "trainer": {"accelerator": args.accelerator, "devices": args.devices,
@@ -97,6 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-seq-len", type=int, default=256, help="model and data max_seq_len, in bytes")
     parser.add_argument("--corpus-autocast", action="store_true",
                         help="model.corpus_autocast: embed the corpus under bf16 autocast (faster on a bf16 CPU)")
+    parser.add_argument("--lr", type=float, help="model.lr (default: 2e-3 on cpu, 1e-4 on gpu)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false",
+                        help="model.compile: false (default: auto, which compiles the encoder's blocks under CUDA)")
+    parser.add_argument("--parallel", action="store_true", help="the three recipes at once (see above)")
     parser.add_argument("--mathlib-scale", action="store_true",
                         help="mathlib-shaped repositories with minif2f-length states (see above)")
     parser.add_argument("--files", type=int, default=1000, help="--mathlib-scale: corpus files per repository")
@@ -117,12 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.model is None and not model.is_dir():
         leanagent("init-model", str(model), "--preset", args.preset)
     repos = sorted(p for p in data.iterdir() if p.is_dir())
-    run_dirs = []
-    for name, (loss, negatives) in RECIPES.items():
-        config = write_config(out / f"{name}.yaml", args, repos, model, loss, negatives)
-        leanagent("run", "--config", str(config))
-        run_dirs.append(str(out / name))
-    leanagent("report", *run_dirs, "--markdown")
+    configs = {name: write_config(out / f"{name}.yaml", args, repos, model, loss, negatives)
+               for name, (loss, negatives) in RECIPES.items()}
+    run_recipes(configs, out, args.parallel)
+    leanagent("report", *(str(out / name) for name in configs), "--markdown")
 
 
 if __name__ == "__main__":

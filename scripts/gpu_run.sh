@@ -1,68 +1,115 @@
 #!/usr/bin/env bash
-# The prepared device check, as one command (the device machine has torch, lightning and transformers,
-# and takes the few missing packages as wheels from .whl/). In order of what matters, each part under its
-# own timeout so that one stuck part leaves the others' figures (the defaults fit 15 minutes of device time
-# with the machine's start):
-#   1. `leanagent bench --device cuda` on a fresh mathlib-scale corpus, contexts from a real LeanDojo split
-#      file when one is at $STATES (their real lengths): the training step padded / sorted / sorted + one
-#      mask / + compiled (examples/s, real tokens/s, token efficiency, MFU on real tokens, compile time cold
-#      and warm), the Fisher loop and vectorised pass against that step, fixed-length rows at L = 512, 1024;
-#   2. the rank programs (train, then Fisher) under torchrun with NCCL and bf16-mixed, on every visible GPU
-#      up to 2 ranks (scripts/gpu_check.py; NCCL runs one rank per GPU);
-#   3. the GPU-only tests (the vectorised Fisher equals the loop on CUDA) and the encoder tests;
-#   4. `leanagent serve` on the device (scripts/measure_serve.py: batched only, --dtype bf16; the tiny preset's
-#      mathlib-scale index, so that building it fits), its JSON in $OUT/serve.json;
-#   5. on a GPU (not with --cpu-smoke), the training recipes side by side at byt5-small: mse + random,
-#      infonce + random, infonce + mined on the same generated curriculum at equal steps
-#      (scripts/compare_recipes.py; needs prefect, skipped without it), the report in recipes.log. RECIPE_ARGS
-#      passes more options: the mathlib-scale comparison of docs/training.md is RECIPE_ARGS="--mathlib-scale
-#      --files 500 --premises 19000 --theorems 200 --max-seq-len 512" with RECIPES_S=480, the other parts' time
-#      lowered (BENCH_S, CHECK_S, TESTS_S, SERVE_S) or run on its own.
-# The parts' default timeouts add up to under 600 s, the device's limit for one command: raise one (BENCH_S,
-# CHECK_S, TESTS_S, SERVE_S, RECIPES_S) only with another lowered, or run the script twice.
+# The prepared device checks (the device machine has torch, lightning and transformers, and takes the missing
+# packages, Prefect's among them, as wheels from .whl/). PARTS picks which run, in this order; each runs under its
+# own timeout, so that a stuck part leaves the others' figures. On a fresh H200 every Python process that imports
+# torch and transformers takes 15-30 s to start (measured 2026-12-04), so the parts do not all fit in the 600 s one
+# device command may take: give each call the parts that fit (the times below), one after another while the
+# machine is warm.
+#   serve    `leanagent serve` on the device, alone on the GPU: scripts/measure_serve.py on the mathlib-scale index
+#            (76,000 premises) of SERVE_PRESET (tiny; byt5-small builds its index in 50 s on an H200), batched and
+#            unbatched, --dtype bf16, the new client's body; its JSON in $OUT/serve.json, its rows in serve.log
+#            [SERVE_S, 300 s]
+#   recipes  the training recipes side by side at byt5-small: mse + random, infonce + random, infonce + mined on the
+#            same generated curriculum at equal steps (scripts/compare_recipes.py --parallel: the three flows at
+#            once on the one GPU, each with its own Prefect temporary server), the report in recipes.md, the runs'
+#            logs and manifests in recipes.tgz. RECIPE_ARGS replaces the curriculum's size (default: 2 demo
+#            repositories, --scale 3 --theorems 60, 2 epochs each, lr 3e-4: 8 jobs per recipe, about 420 s on an
+#            H200, most of it the jobs' start); the mathlib-scale comparison of docs/training.md is
+#            RECIPE_ARGS="--mathlib-scale --files 500 --premises 19000 --theorems 200 --max-seq-len 512", longer.
+#            While they run: the GPU-only tests (the vectorised Fisher equals the loop on CUDA) and the encoder tests,
+#            whose speed does not matter  [RECIPES_S, 480 s; TESTS_S, 120 s]
+#   checks   the rank programs (train, then Fisher) under torchrun with NCCL, bf16-mixed and compiled blocks
+#            (scripts/gpu_check.py: examples/s and MFU; compiling the blocks took over a minute on 2026-12-04)
+#            [CHECK_S, 300 s]
+#   bench    `leanagent bench --device cuda --preset byt5-small` on a fresh mathlib-scale corpus (the rows of
+#            docs/performance.md), in bench.json  [BENCH_S, 300 s]
 #
-#   bash scripts/gpu_run.sh OUT                (OUT: where logs and JSON go; at most 8 files)
-#   bash scripts/gpu_run.sh OUT --cpu-smoke    (the same steps on CPU with the tiny model: checks the script)
+#   PARTS=recipes bash scripts/gpu_run.sh OUT   (OUT: where logs and JSON go: at most 8 files; PARTS default
+#                                                "serve recipes checks")
+#   bash scripts/gpu_run.sh OUT --cpu-smoke     (every part, bench too, on CPU, small, with the tiny model: checks
+#                                                the script)
+#
+# Contexts of real lengths come from $STATES (a LeanDojo split file), when present: ../shared/data's minif2f
+# test split, or .gpu/test.json in a device call (copy it there and name .gpu in the call's carry).
 set -uo pipefail
-OUT=${1:?usage: gpu_run.sh OUT [--cpu-smoke]}
+OUT=${1:?usage: [PARTS="serve recipes checks bench"] gpu_run.sh OUT [--cpu-smoke]}
 SMOKE=${2:-}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+OUT=$(cd "$OUT" && pwd)
+PY=${PYTHON:-python3}
+if [ -d .whl ] && [ "$SMOKE" != "--cpu-smoke" ]; then  # the device's wheels (its Python's), not this machine's
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-STATES=${STATES:-../shared/data/minif2f-lean4-ld182/random/val.json}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+STATES=${STATES:-}
+for f in .gpu/test.json ../shared/data/minif2f-lean4-ld182/random/test.json; do
+  [ -z "$STATES" ] && [ -f "$f" ] && STATES=$f
+done
 if [ "$SMOKE" = "--cpu-smoke" ]; then
-  DEVICE=cpu; PRESET=tiny; MATHLIB="--repos 1"; EXTRA="--train-batches 1 --fisher-examples 4 --embed-sample 16"
-  CHECK_ARGS=--cpu-smoke; TESTS=(tests/unit/test_encoder.py -m "not slow")
-  SERVE_DTYPE=fp32; SERVE_ARGS=--skip-mathlib
+  DEVICE=cpu; ACCEL=cpu; PRESET=tiny; SERVE_DTYPE=fp32; SERVE_ARGS=--skip-mathlib; CHECK_ARGS=--cpu-smoke
+  BENCH_DATA="--repos 1"; BENCH_ARGS="--train-batches 1 --fisher-examples 4 --embed-sample 16"
+  DEFAULT_PARTS="serve recipes checks bench"
+  RECIPE_ARGS=${RECIPE_ARGS:---scale 1 --theorems 30 --epochs 1}
+  TESTS=(tests/unit/test_encoder.py -m "not slow" -k mask)
 else
-  DEVICE=cuda; PRESET=byt5-small; MATHLIB=--mathlib-scale; EXTRA="--embed-sample ${EMBED_SAMPLE:-1024}"
-  CHECK_ARGS=; TESTS=(tests/unit/test_fisher_vectorised.py tests/unit/test_encoder.py -m "not slow" -k "cuda or mask")
-  SERVE_DTYPE=bf16; SERVE_ARGS=
+  DEVICE=cuda; ACCEL=gpu; PRESET=byt5-small; SERVE_DTYPE=bf16; SERVE_ARGS=; CHECK_ARGS=
+  BENCH_DATA=--mathlib-scale; BENCH_ARGS="--embed-sample 1024"
+  DEFAULT_PARTS="serve recipes checks"
+  RECIPE_ARGS=${RECIPE_ARGS:---scale 3 --theorems 60 --epochs 2 --lr 3e-4}
+  TESTS=(tests/unit/test_fisher_vectorised.py tests/unit/test_encoder.py -m "not slow" -k "cuda or mask")
 fi
-STATE_ARGS=
-if [ -f "$STATES" ]; then STATE_ARGS="--states $STATES"; else echo "no $STATES: the bench's contexts are the dataset's"; fi
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"; nproc;
-  $PY -c "import torch, pytorch_lightning, transformers; print('torch', torch.__version__, 'pytorch_lightning', pytorch_lightning.__version__, 'transformers', transformers.__version__)"; } 2>&1 | tee "$OUT/gpu.txt"
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
+  nproc
+  $PY -c "import torch, pytorch_lightning, transformers, prefect; print('torch', torch.__version__, 'pytorch_lightning',
+pytorch_lightning.__version__, 'transformers', transformers.__version__, 'prefect', prefect.__version__)"
+  echo "states: ${STATES:-none}"; } 2>&1 | tee "$OUT/gpu.txt"
 WORK=$(mktemp -d)
-( time $PY -m leanagent.cli demo-data "$WORK/data" $MATHLIB ) 2>&1 | tail -5 | tee "$OUT/demo-data.log"
-DATASET=$(ls -d "$WORK"/data/*/ 2>/dev/null | head -1)
-[ -f "$WORK/data/corpus.jsonl" ] && DATASET="$WORK/data"
-# shellcheck disable=SC2086
-timeout ${BENCH_S:-230} $PY -m leanagent.cli bench --dataset "$DATASET" --preset $PRESET --device $DEVICE \
-  --min-seconds 2 --no-launch $EXTRA $STATE_ARGS --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -45
-# shellcheck disable=SC2086
-timeout ${CHECK_S:-120} $PY scripts/gpu_check.py "$WORK/gpu_check" $CHECK_ARGS 2>&1 | tee "$OUT/gpu_check.log" | tail -30
-timeout ${TESTS_S:-60} $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
-# shellcheck disable=SC2086
-timeout ${SERVE_S:-90} $PY scripts/measure_serve.py "$WORK/serve" --device $DEVICE --modes batched \
-  --serve-args "--dtype $SERVE_DTYPE" $SERVE_ARGS --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | tail -20
-if [ "$DEVICE" = cuda ] && $PY -c "import prefect" 2>/dev/null; then
-  timeout ${RECIPES_S:-90} $PY scripts/compare_recipes.py "$WORK/recipes" --preset byt5-small --accelerator gpu \
-    --devices 1 --repos 2 --epochs ${RECIPE_EPOCHS:-2} ${RECIPE_ARGS:-} 2>&1 | tee "$OUT/recipes.log" | tail -40
+PARTS=${PARTS:-$DEFAULT_PARTS}
+wanted() { [[ " $PARTS " == *" $1 "* ]] && echo "=== $1 ($(date -u +%T))"; }
+
+if wanted serve; then
+  # shellcheck disable=SC2086
+  timeout "${SERVE_S:-300}" $PY scripts/measure_serve.py "$WORK/serve" --preset "${SERVE_PRESET:-tiny}" \
+    --device $DEVICE --modes batched,unbatched --bodies "new client" --serve-args "--dtype $SERVE_DTYPE" $SERVE_ARGS \
+    --json "$OUT/serve.json" > "$OUT/serve.log" 2>&1
+  echo "serve: rc $?"; grep -v '^ *"' "$OUT/serve.log" | tail -12
 fi
-echo "gpu_run done"
+
+if wanted recipes; then
+  STATE_ARG=()
+  [ -n "$STATES" ] && STATE_ARG=(--states "$STATES")
+  # shellcheck disable=SC2086
+  timeout "${RECIPES_S:-480}" $PY scripts/compare_recipes.py "$WORK/recipes" --preset $PRESET --accelerator $ACCEL \
+    --devices 1 --repos 2 --no-compile --parallel "${STATE_ARG[@]}" $RECIPE_ARGS > "$OUT/recipes.md" 2>&1 &
+  RECIPES=$!
+  timeout "${TESTS_S:-120}" $PY -m pytest -q -p no:cacheprovider --basetemp "$WORK/pytest" "${TESTS[@]}" \
+    > "$OUT/tests.log" 2>&1
+  echo "tests: rc $?"; tail -3 "$OUT/tests.log"
+  wait $RECIPES
+  echo "recipes: rc $?"; tail -25 "$OUT/recipes.md"
+  # what a partial run leaves is in the manifests: every finished stage's metrics
+  ( cd "$WORK/recipes" 2>/dev/null && tar czf "$OUT/recipes.tgz" --exclude='*.ckpt' --exclude='*.safetensors' \
+      --exclude='*.pt' --exclude='data' --exclude='model-*' --exclude='.prefect-*' . )
+fi
+
+if wanted checks; then
+  # shellcheck disable=SC2086
+  timeout "${CHECK_S:-300}" $PY scripts/gpu_check.py "$WORK/gpu_check" $CHECK_ARGS > "$OUT/gpu_check.log" 2>&1
+  echo "gpu_check: rc $?"; grep -v '^\[rank' "$OUT/gpu_check.log" | tail -30
+fi
+
+if wanted bench; then
+  # shellcheck disable=SC2086
+  $PY -m leanagent.cli demo-data "$WORK/bench-data" $BENCH_DATA > /dev/null
+  DATASET=$WORK/bench-data  # a mathlib-scale corpus is one dataset; --repos 1 writes repo_0 inside
+  [ -f "$DATASET/corpus.jsonl" ] || DATASET=$WORK/bench-data/repo_0
+  BENCH_STATES=()
+  [ -n "$STATES" ] && BENCH_STATES=(--states "$STATES")
+  # shellcheck disable=SC2086
+  timeout "${BENCH_S:-300}" $PY -m leanagent.cli bench --dataset "$DATASET" --preset $PRESET --device $DEVICE \
+    --min-seconds 2 --no-launch $BENCH_ARGS "${BENCH_STATES[@]}" --json "$OUT/bench.json" > "$WORK/bench.log" 2>&1
+  echo "bench: rc $?"; tail -45 "$WORK/bench.log"  # its table (the 8-file limit: the JSON is what comes back)
+fi
+echo "=== done ($(date -u +%T))"

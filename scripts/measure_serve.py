@@ -2,6 +2,7 @@
 
     python scripts/measure_serve.py WORKDIR [--preset tiny] [--device cpu] [--json OUT] [--skip-mathlib]
                                     [--modes batched,unbatched] [--serve-args "--dtype bf16"]
+                                    [--bodies "new client,old client"]
 
 Builds, under WORKDIR (reused when present): the demo index (the tiny random encoder over the third demo
 repository, as `scripts/demo.sh` writes it and docs/serving.md indexes it: 90 premises) and a mathlib-scale
@@ -44,8 +45,15 @@ REQUESTS = {1: 200, 8: 40, 32: 12}  # per client: 200, 320 and 384 requests per 
 WARMUP = 8
 
 
+def _env() -> dict[str, str]:
+    """This checkout first on the path, and whatever the caller's PYTHONPATH adds (packages installed with
+    `pip --target`, as the device run installs the ones its machine lacks)."""
+    path = os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
+
+
 def _cli(*argv: str) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env = _env()
     subprocess.run([sys.executable, "-m", "leanagent.cli", *argv], check=True, env=env, cwd=REPO_ROOT)
 
 
@@ -80,12 +88,15 @@ class Served:
     """`leanagent serve INDEX --port 0` as a user runs it; its URL from the line it prints, and its cold start:
     the seconds from starting the command to the first answer of a `/retrieve` (a first state, k = 32)."""
 
-    def __init__(self, index: Path, device: str, batching: bool, state: str, extra: tuple[str, ...] = ()) -> None:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
+    def __init__(self, index: Path, device: str, batching: bool, state: str, extra: tuple[str, ...] = (),
+                 cpus: set[int] | None = None) -> None:
+        env = _env()
         argv = [sys.executable, "-m", "leanagent.cli", "serve", str(index), "--port", "0", "--device", device,
                 "--batching" if batching else "--no-batching", *extra]
         start = time.perf_counter()
-        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+        # `cpus`: the server's CPUs, set before it starts, so torch's thread pool is sized to them (Linux only)
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT, preexec_fn=pin)
         line = self.proc.stderr.readline()
         if " at " not in line:
             raise SystemExit(f"leanagent serve did not start: {line}{self.proc.stderr.read()}")
@@ -177,18 +188,34 @@ def main() -> None:
     parser.add_argument("--skip-mathlib", action="store_true")
     parser.add_argument("--modes", default="batched,unbatched", help="which servers to measure, in this order")
     parser.add_argument("--serve-args", default="", help="more `leanagent serve` options, e.g. '--dtype bf16'")
+    parser.add_argument("--bodies", default="new client,old client",
+                        help="which request bodies to measure, in this order (the flat keys are the new client's)")
+    parser.add_argument("--server-cpus", default="",
+                        help="Linux: run the server on these CPUs (e.g. '0') and the clients on the others, so that "
+                             "the load generator does not take the server's cores; default: both share every CPU")
     args = parser.parse_args()
+    server_cpus = {int(c) for c in args.server_cpus.split(",") if c.strip()}
+    client_cpus = set(range(os.cpu_count() or 1)) - server_cpus
+    if server_cpus and not client_cpus:
+        parser.error(f"--server-cpus {args.server_cpus}: leaves no CPU for the clients")
+    kinds = [b.strip() for b in args.bodies.split(",") if b.strip()]
+    if not kinds or set(kinds) - {"new client", "old client"}:
+        parser.error(f"--bodies: 'new client', 'old client' or both, comma-separated; got {args.bodies!r}")
     rows, cold = [], {}
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for name, (index, dataset) in build(args.work, args.preset, args.device, not args.skip_mathlib).items():
+    built = build(args.work, args.preset, args.device, not args.skip_mathlib)
+    if server_cpus:
+        os.sched_setaffinity(0, client_cpus)
+    for name, (index, dataset) in built.items():
         pool = states(dataset)
         premises = json.loads((index / "index.json").read_text())["num_premises"]
         for mode in modes:
-            served = Served(index, args.device, mode == "batched", pool[0], tuple(args.serve_args.split()))
+            served = Served(index, args.device, mode == "batched", pool[0], tuple(args.serve_args.split()),
+                            server_cpus or None)
             cold[f"{name}_{mode}".replace("-", "_")] = served.cold_start_s
             print(f"{name:>14} {mode}: cold start {served.cold_start_s:.1f} s (command to first answer)", flush=True)
             try:
-                for fmt in ("new client", "old client"):
+                for fmt in kinds:
                     payloads = bodies(served.url, pool, fmt, 512)
                     for clients in CLIENTS:
                         row = {"index": name, "premises": premises, "batching": mode == "batched", "body": fmt,
@@ -206,6 +233,7 @@ def main() -> None:
     print(json.dumps(summary, indent=2))
     if args.json:
         args.json.write_text(json.dumps({"device": args.device, "preset": args.preset, "cpus": os.cpu_count(),
+                                         "server_cpus": sorted(server_cpus) or "all",
                                          "serve_args": args.serve_args, **summary, "rows": rows}, indent=2))
 
 

@@ -25,7 +25,7 @@ def _script():
 def test_the_three_configs_differ_in_the_recipe_only(tmp_path: Path) -> None:
     module = _script()
     args = argparse.Namespace(accelerator="cpu", devices=2, epochs=3, mined_pool=50, precision="bf16-mixed",
-                              max_seq_len=256, corpus_autocast=False)
+                              max_seq_len=256, corpus_autocast=False, lr=None, compile=True)
     repos = [tmp_path / "repo_0", tmp_path / "repo_1"]
     configs = {name: load_config(module.write_config(tmp_path / f"{name}.yaml", args, repos, tmp_path / "model",
                                                      loss, negatives))
@@ -36,6 +36,26 @@ def test_the_three_configs_differ_in_the_recipe_only(tmp_path: Path) -> None:
     dumps = [c.model_dump(exclude=recipe) for c in configs.values()]
     assert dumps[0] == dumps[1] == dumps[2]
     assert {c.run_dir.name for c in configs.values()} == set(module.RECIPES)
+
+
+def test_parallel_recipes_each_log_their_own_run_and_failures_are_named(tmp_path: Path) -> None:
+    """`--parallel`: every recipe's `leanagent run` runs (here each is refused: its repository is missing), its
+    output in OUT/NAME.log, and the failure names every failed recipe and its log."""
+    module = _script()
+    args = argparse.Namespace(accelerator="cpu", devices=1, epochs=1, mined_pool=50, precision="32-true",
+                              max_seq_len=256, corpus_autocast=False, lr=None, compile=False)
+    configs = {name: module.write_config(tmp_path / f"{name}.yaml", args, [tmp_path / f"missing_{name}"],
+                                         tmp_path / "model", loss, negatives)
+               for name, (loss, negatives) in module.RECIPES.items()}
+    try:
+        module.run_recipes(configs, tmp_path, parallel=True)
+    except SystemExit as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("three refused runs passed")
+    for name in module.RECIPES:
+        assert f"missing_{name}" in (tmp_path / f"{name}.log").read_text()
+        assert name in message and str(tmp_path / f"{name}.log") in message
 
 
 def test_mathlib_scale_repositories_take_the_states_lengths_of_a_split_file(tmp_path: Path) -> None:
