@@ -66,6 +66,7 @@ fi
 pytorch_lightning.__version__, 'transformers', transformers.__version__, 'prefect', prefect.__version__)"
   echo "states: ${STATES:-none}"; } 2>&1 | tee "$OUT/gpu.txt"
 WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT  # models, checkpoints and indexes: what matters is copied to OUT
 PARTS=${PARTS:-$DEFAULT_PARTS}
 wanted() { [[ " $PARTS " == *" $1 "* ]] && echo "=== $1 ($(date -u +%T))"; }
 
