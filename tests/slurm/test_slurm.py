@@ -194,8 +194,13 @@ def test_a_requeued_job_resumes_from_its_step_checkpoint_and_trains_as_if_never_
              "a step checkpoint in epoch 1")
     [job_id] = job_ids(out)
     cluster.run("scontrol", "requeue", str(job_id))
-    # SLURM holds a requeued job back for a while (BeginTime); let it start again at once.
+    # SLURM holds a requeued job back (BeginTime, the credential lifetime) because the nodes revoked the job's
+    # credential: a restart whose new credential is dated the same second as that revocation (SLURM compares whole
+    # seconds) is killed at once ("Job credential revoked"). The revocation comes before the job is pending again,
+    # so once the clock is past that second, the job may start at once.
     wait_for(lambda: state_of(cluster, job_id) == "PENDING", 60, "the requeued job pending")
+    pending_at = int(time.time())
+    wait_for(lambda: int(time.time()) > pending_at, 5, "the second after the requeue")
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     result = finished(proc, log)
     assert job_ids(out) == [job_id]  # SLURM requeued the same job: nothing was submitted again
