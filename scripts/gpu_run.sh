@@ -47,6 +47,8 @@ STATES=${STATES:-}
 for f in .gpu/test.json ../shared/data/minif2f-lean4-ld182/random/test.json; do
   [ -z "$STATES" ] && [ -f "$f" ] && STATES=$f
 done
+STATE_ARG=()  # what the recipes and the bench pass on
+[ -n "$STATES" ] && STATE_ARG=(--states "$STATES")
 if [ "$SMOKE" = "--cpu-smoke" ]; then
   DEVICE=cpu; ACCEL=cpu; PRESET=tiny; SERVE_DTYPE=fp32; SERVE_ARGS=--skip-mathlib; CHECK_ARGS=--cpu-smoke
   BENCH_DATA="--repos 1"; BENCH_ARGS="--train-batches 1 --fisher-examples 4 --embed-sample 16"
@@ -79,8 +81,6 @@ if wanted serve; then
 fi
 
 if wanted recipes; then
-  STATE_ARG=()
-  [ -n "$STATES" ] && STATE_ARG=(--states "$STATES")
   # shellcheck disable=SC2086
   timeout "${RECIPES_S:-480}" $PY scripts/compare_recipes.py "$WORK/recipes" --preset $PRESET --accelerator $ACCEL \
     --devices 1 --repos 2 --no-compile --parallel "${STATE_ARG[@]}" $RECIPE_ARGS > "$OUT/recipes.md" 2>&1 &
@@ -106,11 +106,9 @@ if wanted bench; then
   $PY -m leanagent.cli demo-data "$WORK/bench-data" $BENCH_DATA > /dev/null
   DATASET=$WORK/bench-data  # a mathlib-scale corpus is one dataset; --repos 1 writes repo_0 inside
   [ -f "$DATASET/corpus.jsonl" ] || DATASET=$WORK/bench-data/repo_0
-  BENCH_STATES=()
-  [ -n "$STATES" ] && BENCH_STATES=(--states "$STATES")
   # shellcheck disable=SC2086
   timeout "${BENCH_S:-300}" $PY -m leanagent.cli bench --dataset "$DATASET" --preset $PRESET --device $DEVICE \
-    --min-seconds 2 --no-launch $BENCH_ARGS "${BENCH_STATES[@]}" --json "$OUT/bench.json" > "$WORK/bench.log" 2>&1
+    --min-seconds 2 --no-launch $BENCH_ARGS "${STATE_ARG[@]}" --json "$OUT/bench.json" > "$WORK/bench.log" 2>&1
   echo "bench: rc $?"; tail -45 "$WORK/bench.log"  # its table (the 8-file limit: the JSON is what comes back)
 fi
 echo "=== done ($(date -u +%T))"

@@ -53,8 +53,7 @@ def _env() -> dict[str, str]:
 
 
 def _cli(*argv: str) -> None:
-    env = _env()
-    subprocess.run([sys.executable, "-m", "leanagent.cli", *argv], check=True, env=env, cwd=REPO_ROOT)
+    subprocess.run([sys.executable, "-m", "leanagent.cli", *argv], check=True, env=_env(), cwd=REPO_ROOT)
 
 
 def build(work: Path, preset: str, device: str, mathlib: bool) -> dict[str, tuple[Path, Path]]:
@@ -90,13 +89,13 @@ class Served:
 
     def __init__(self, index: Path, device: str, batching: bool, state: str, extra: tuple[str, ...] = (),
                  cpus: set[int] | None = None) -> None:
-        env = _env()
         argv = [sys.executable, "-m", "leanagent.cli", "serve", str(index), "--port", "0", "--device", device,
                 "--batching" if batching else "--no-batching", *extra]
         start = time.perf_counter()
         # `cpus`: the server's CPUs, set before it starts, so torch's thread pool is sized to them (Linux only)
         pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT, preexec_fn=pin)
+        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO_ROOT,
+                                     preexec_fn=pin)
         line = self.proc.stderr.readline()
         if " at " not in line:
             raise SystemExit(f"leanagent serve did not start: {line}{self.proc.stderr.read()}")
