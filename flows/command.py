@@ -15,9 +15,11 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
+from leanagent.atomic import read_json
 from leanagent.launch.registry import load_checked_config
-from leanagent.report import RunReport, report_from_manifest
+from leanagent.report import report_from_manifest
 from leanagent.run_plan import BAD_INPUT, plan_run
 from leanagent.run_state import RunLock
 
@@ -42,8 +44,8 @@ def run_from_cli(config_path: str) -> int:
             print(f"warning: {item.line()}", file=sys.stderr)
         print(nothing_new)
         if plan.manifest is not None:
-            print(report_from_manifest(plan.manifest).text())
-            print(f"\nmanifest: {cfg.run_dir / 'manifest.json'}")
+            print(report_from_manifest(plan.manifest).text(time_table=False))
+            print(f"\nmanifest: {cfg.run_dir / 'manifest.json'} (each job's time: leanagent report {cfg.run_dir})")
         return 0
     return _run_flow(config_path)
 
@@ -75,9 +77,9 @@ def _run_flow(config_path: str) -> int:
         print(f"interrupted by {describe_interrupt(exc)}: every job was ended; rerun the same command to resume",
               file=sys.stderr)
         return code
-    report = RunReport(summary["order"], summary["rows"], summary["matrix"], summary["baseline"])
-    print(report.text())
-    print(f"\nmanifest: {summary['manifest']}")
+    # The manifest holds all the report shows, each job's time included: here in one line, by job in the report.
+    print(report_from_manifest(read_json(Path(summary["manifest"]))).text(time_table=False))
+    print(f"\nmanifest: {summary['manifest']} (each job's time: leanagent report {summary['run_dir']})")
     return 0
 
 

@@ -21,7 +21,7 @@ from leanagent.checkpoints import prune_checkpoints
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, resolve_paths
 from leanagent.dataset_strategy import training_datasets
 from leanagent.launch.registry import load_checked_config
-from leanagent.report import RunReport, report_from_manifest
+from leanagent.report import RunReport, job_costs, report_from_manifest
 from leanagent.run_plan import BAD_INPUT, RunPlan, plan_run, progress_line
 from leanagent.run_state import (
     EVAL_UNTRAINED,
@@ -178,6 +178,7 @@ def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoCo
             jobs / repo_key(i, repo.display_name) / "evaluate", checkpoint, options, artifacts,
             timeout_s=options.evaluate_timeout_s, **common)
         report.add_repository(i, train, evaluations)
+        report.costs = job_costs(state.data)  # where each job's time went, this repository's included
         if cfg.lifelong.keep_checkpoints == "best_and_last":  # its stages are done: keep start, best, last
             get_run_logger().info(f"{repo.display_name}: deleted {len(prune_checkpoints(train))} other checkpoint(s)")
         artifacts.repository_done()

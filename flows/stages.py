@@ -20,6 +20,7 @@ from prefect.exceptions import Abort, ExternalSignal
 from flows.artifacts import RunArtifacts
 from leanagent.run_state import RunState
 from leanagent.supervision import HoldSignals
+from leanagent.timings import COST_KEYS
 from tasks.jobs import evaluate_retriever
 from tasks.options import JobOptions
 
@@ -100,14 +101,20 @@ def run_evaluations(state: RunState, stages: list[tuple[str, str, Path]], out: P
     if pending:
         suffix = "-".join(f"{k:02d}" for k, _, _, _ in pending)
         names = [name for _, name, _, _ in pending]
+        result_out = out.with_name(f"{out.name}-{suffix}")
         with recording(state, names, artifacts):
             result = evaluate_retriever.with_options(
                 task_run_name=f"{out.parent.name}/{out.name}-{suffix}", retries=options.retries,
                 retry_delay_seconds=options.retry_delay_s,
-            )(datasets=[d for _, _, _, d in pending], out=out.with_name(f"{out.name}-{suffix}"),
+            )(datasets=[d for _, _, _, d in pending], out=result_out,
               checkpoint=checkpoint, label=f"evaluate {','.join(repo for _, _, repo, _ in pending)}", **kwargs)
+        # The job's cost is the job's, not one repository's: each of its stages records it under "job", with the
+        # folder that tells a report it is one job.
+        job = {"out": f"{result_out.parent.name}/{result_out.name}",
+               **{key: result[key] for key in COST_KEYS if key in result}}
         for name, evaluation in zip(names, result["evaluations"], strict=True):
-            state.record(name, {**evaluation, "checkpoint": result["checkpoint"], "world_size": result["world_size"]})
+            state.record(name, {**evaluation, "checkpoint": result["checkpoint"], "world_size": result["world_size"],
+                                "job": job})
         if artifacts is not None:
             artifacts.stages_done(names)
     return [state.stage_done(name) for name, _, _ in stages]

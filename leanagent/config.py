@@ -36,6 +36,12 @@ class ModelConfig(_Section):
         False, description="embed the corpus for evaluation under the trainer's autocast (bf16 matmuls under "
                            "bf16-mixed): several times faster on a GPU, embeddings differ by bf16 rounding. "
                            "False: in fp32 outside autocast, as LeanAgent does")
+    embed_premises: Literal["needed", "all"] = Field(
+        "needed", description="which premises validation and evaluation embed. needed: only those some context "
+                              "of the job may use (a premise no context may use is never ranked), each distinct "
+                              "premise (same path, name and code) once per job, however many of the job's "
+                              "datasets carry it: the same metrics. all: every premise of each dataset's corpus, "
+                              "once per dataset, as LeanAgent re-embeds them")
     sort_by_length: bool = Field(
         True, description="encode a step's contexts, and its premises, as length-sorted sub-batches each padded to "
                           "its own longest (training, both Fisher estimators, evaluation's contexts): the same loss "

@@ -7,6 +7,7 @@ a finished job folder) are the same for both, and so is the launcher the config 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from leanagent.config import PipelineConfig
 from leanagent.job import JobFinishedError, JobInputError, Program, as_datasets, program_argv, result_filename
 from leanagent.launch.registry import launcher_for
 from leanagent.preflight import preflight_job
+from leanagent.timings import WALL_SECONDS
 
 
 def check_job(cfg: PipelineConfig, program: Program, dataset: Path | Sequence[Path], checkpoint: Path | None = None,
@@ -45,7 +47,7 @@ def run_job(
     validate: bool = True,
     label: str | None = None,
 ) -> dict:
-    """Check, launch, return `result.json`.
+    """Check, launch, return `result.json`, with the wall time the caller waited for it (`wall_seconds`).
 
     `config_path` must hold `cfg` as YAML: each rank reads it. A job folder with a result is
     returned as is when `reuse_finished`, refused otherwise. A folder with checkpoints but no
@@ -60,7 +62,11 @@ def run_job(
             return read_json(result_file)
         raise JobFinishedError(f"{result_file} exists: this job is finished; choose a new output folder "
                                f"(nothing was overwritten)")
+    started = time.monotonic()
     check_job(cfg, program, dataset, checkpoint, fisher, validate=validate, out=out)
     argv = program_argv(program, config_path, dataset, out, checkpoint, fisher)
-    return launcher_for(cfg).launch(argv, out, on_line=on_line, timeout_s=timeout_s,
-                                    heartbeat_timeout_s=heartbeat_timeout_s, label=label)
+    result = launcher_for(cfg).launch(argv, out, on_line=on_line, timeout_s=timeout_s,
+                                      heartbeat_timeout_s=heartbeat_timeout_s, label=label)
+    # The job as its caller waited for it: the checks, the launch (torchrun, a SLURM queue) and the ranks' own time.
+    result[WALL_SECONDS] = round(time.monotonic() - started, 3)
+    return result

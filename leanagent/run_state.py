@@ -44,12 +44,14 @@ LOCK_NAME = ".lock"
 MANIFEST_VERSION = 2
 # Where the run's repositories come from: the sequence, which may grow, not the experiment.
 SEQUENCE_KEYS = ("repos", "repos_dir")
-# Dotted keys that do not change what a run computes; see the module docstring. Not model.sort_by_length,
+# Dotted keys that do not change what a run computes; see the module docstring (model.embed_premises: which
+# premises are embedded, never what a premise's embedding or a context's ranking is). Not model.sort_by_length,
 # model.token_budget or model.compile: beyond float rounding they change which dropout masks training draws.
 RUN_IRRELEVANT_KEYS = (
     "run_dir",
     "launcher",
     "data.num_workers",
+    "model.embed_premises",
     "trainer.log_every_n_steps",
     "trainer.node_rank",
     "trainer.rdzv_endpoint",

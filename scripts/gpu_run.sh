@@ -21,8 +21,12 @@
 #   checks   the rank programs (train, then Fisher) under torchrun with NCCL, bf16-mixed and compiled blocks
 #            (scripts/gpu_check.py: examples/s and MFU; compiling the blocks took over a minute on 2026-12-04)
 #            [CHECK_S, 300 s]
-#   bench    `leanagent bench --device cuda --preset byt5-small` on a fresh mathlib-scale corpus (the rows of
-#            docs/performance.md), in bench.json  [BENCH_S, 300 s]
+#   bench    `leanagent bench path --device cuda --preset byt5-small` on a fresh mathlib-scale corpus (the rows of
+#            docs/performance.md: MFU on real tokens, embedding in fp32 against bf16), in bench.json  [BENCH_S, 300 s]
+#   curriculum `leanagent bench curriculum` on the GPU: a curriculum of repositories sharing a dependency, run twice
+#            (re-embedding every corpus, as LeanAgent, then embedding once), where each run's time went, in
+#            curriculum.json. CURRICULUM_ARGS sizes it (default: 2 repositories, byt5-small, a dependency of 10,000
+#            premises: 7 jobs per run, most of their time the jobs' start on a fresh machine)  [CURRICULUM_S, 540 s]
 #
 #   PARTS=recipes bash scripts/gpu_run.sh OUT   (OUT: where logs and JSON go: at most 8 files; PARTS default
 #                                                "serve recipes checks")
@@ -32,7 +36,7 @@
 # Contexts of real lengths come from $STATES (a LeanDojo split file), when present: ../shared/data's minif2f
 # test split, or .gpu/test.json in a device call (copy it there and name .gpu in the call's carry).
 set -uo pipefail
-OUT=${1:?usage: [PARTS="serve recipes checks bench"] gpu_run.sh OUT [--cpu-smoke]}
+OUT=${1:?usage: [PARTS="serve recipes checks curriculum bench"] gpu_run.sh OUT [--cpu-smoke]}
 SMOKE=${2:-}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -52,14 +56,16 @@ STATE_ARG=()  # what the recipes and the bench pass on
 if [ "$SMOKE" = "--cpu-smoke" ]; then
   DEVICE=cpu; ACCEL=cpu; PRESET=tiny; SERVE_DTYPE=fp32; SERVE_ARGS=--skip-mathlib; CHECK_ARGS=--cpu-smoke
   BENCH_DATA="--repos 1"; BENCH_ARGS="--train-batches 1 --fisher-examples 4 --embed-sample 16"
-  DEFAULT_PARTS="serve recipes checks bench"
+  DEFAULT_PARTS="serve recipes checks curriculum bench"
   RECIPE_ARGS=${RECIPE_ARGS:---scale 1 --theorems 30 --epochs 1}
+  CURRICULUM_ARGS=${CURRICULUM_ARGS:---repos 2 --dependency-files 10 --dependency-premises 200 --theorems 20}
   TESTS=(tests/unit/test_encoder.py -m "not slow" -k mask)
 else
   DEVICE=cuda; ACCEL=gpu; PRESET=byt5-small; SERVE_DTYPE=bf16; SERVE_ARGS=; CHECK_ARGS=
   BENCH_DATA=--mathlib-scale; BENCH_ARGS="--embed-sample 1024"
   DEFAULT_PARTS="serve recipes checks"
   RECIPE_ARGS=${RECIPE_ARGS:---scale 3 --theorems 60 --epochs 2 --lr 3e-4}
+  CURRICULUM_ARGS=${CURRICULUM_ARGS:---repos 2 --dependency-files 300 --dependency-premises 10000}
   TESTS=(tests/unit/test_fisher_vectorised.py tests/unit/test_encoder.py -m "not slow" -k "cuda or mask")
 fi
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
@@ -101,13 +107,20 @@ if wanted checks; then
   echo "gpu_check: rc $?"; grep -v '^\[rank' "$OUT/gpu_check.log" | tail -30
 fi
 
+if wanted curriculum; then
+  # shellcheck disable=SC2086
+  timeout "${CURRICULUM_S:-540}" $PY -m leanagent.cli bench curriculum --accelerator $ACCEL --devices 1 \
+    --preset $PRESET $CURRICULUM_ARGS --json "$OUT/curriculum.json" > "$WORK/curriculum.log" 2>&1
+  echo "curriculum: rc $?"; tail -8 "$WORK/curriculum.log"
+fi
+
 if wanted bench; then
   # shellcheck disable=SC2086
   $PY -m leanagent.cli demo-data "$WORK/bench-data" $BENCH_DATA > /dev/null
   DATASET=$WORK/bench-data  # a mathlib-scale corpus is one dataset; --repos 1 writes repo_0 inside
   [ -f "$DATASET/corpus.jsonl" ] || DATASET=$WORK/bench-data/repo_0
   # shellcheck disable=SC2086
-  timeout "${BENCH_S:-300}" $PY -m leanagent.cli bench --dataset "$DATASET" --preset $PRESET --device $DEVICE \
+  timeout "${BENCH_S:-300}" $PY -m leanagent.cli bench path --dataset "$DATASET" --preset $PRESET --device $DEVICE \
     --min-seconds 2 --no-launch $BENCH_ARGS "${STATE_ARG[@]}" --json "$OUT/bench.json" > "$WORK/bench.log" 2>&1
   echo "bench: rc $?"; tail -45 "$WORK/bench.log"  # its table (the 8-file limit: the JSON is what comes back)
 fi

@@ -45,14 +45,20 @@ def prefect_harness() -> Iterator[None]:
         yield
 
 
+# The dependency every test repository carries, as LeanAgent's carry Mathlib (the same files in every corpus, of
+# which each repository imports a part): small, so that a test's evaluation still embeds in a blink.
+TEST_DEPENDENCY = {"files": 12, "premises": 150}
+
+
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> DemoAssets:
-    """Three synthetic LeanDojo repositories and a tiny random ByT5 encoder, built once."""
+    """Three synthetic LeanDojo repositories sharing a dependency, and a tiny random ByT5 encoder, built once."""
     from leanagent.data.synthetic import write_demo_repos
+    from leanagent.data.synthetic_scale import ScaleSpec
     from leanagent.model.presets import write_random_encoder
 
     root = tmp_path_factory.mktemp("demo")
-    repos = write_demo_repos(root / "data", 3)
+    repos = write_demo_repos(root / "data", 3, dependency=ScaleSpec(**TEST_DEPENDENCY))
     model = root / "model"
     write_random_encoder(model, "tiny")
     return DemoAssets(repos=[Path(p) for p in repos], model=model)

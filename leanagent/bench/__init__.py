@@ -27,14 +27,10 @@ width has the same matmuls and attention shapes, so fewer layers keep each step'
 matmuls against attention's and dropout's elementwise work) at a sixth of the time.
 
 One module per concern: `data.py`, `retrieval.py` (embedding and retrieval), `train_step.py`, `fisher.py`,
-`launch.py`, `cuda.py` (fixed-length batches), `table.py`; `options.py` (`BenchOptions`, what a run measures),
-`results.py` (a typed section per measurement, and the flat JSON `--json` writes), `run.py` (`run_bench`).
+`launch.py`, `cuda.py` (fixed-length batches), `table.py`; `options.py` (each section's options, what a run
+measures: light, so the command line builds its flags from them without importing torch), `results.py` (a typed
+section per measurement, and the flat JSON `--json` writes), `run.py` (`run_bench`); `curriculum.py` (a whole
+curriculum twice, and the projection at LeanAgent's scale). Import what you use from its module: this package
+imports nothing, so that reading the options costs nothing.
 """
 
-from leanagent.bench.options import BenchOptions
-from leanagent.bench.results import BenchResult, write_json
-from leanagent.bench.retrieval import leanagent_style_nearest
-from leanagent.bench.run import run_bench
-from leanagent.bench.table import format_table
-
-__all__ = ["BenchOptions", "BenchResult", "format_table", "leanagent_style_nearest", "run_bench", "write_json"]

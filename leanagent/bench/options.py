@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 from leanagent.config import DataConfig
 
 FisherMethod = Literal["loop", "vectorised"]
+# The parts of `leanagent bench path` after the corpus and data figures (which every part needs), in run order.
+PathPart = Literal["embedding", "retrieval", "train_step", "fisher", "cuda", "launch"]
 
 
 class BenchOptions(BaseModel):
@@ -22,20 +24,42 @@ class BenchOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     dataset: Path = Field(description="a LeanDojo dataset (corpus.jsonl and SPLIT/{train,val,test}.json)")
-    model: str | None = Field(None, description="HF model folder or id; None: a random `preset` encoder")
-    preset: Literal["tiny", "byt5-small"] = "tiny"
-    device: Literal["cpu", "cuda"] = "cpu"
-    split: str = "random"
+    model: str | None = Field(None, description="the encoder to measure: an HF model folder or hub id (default: a "
+                                                "random encoder of --preset's shape)")
+    preset: Literal["tiny", "byt5-small"] | None = Field(None, description="the shape of the random encoder "
+                                                                            "measured without --model (default tiny)")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the model runs")
+    split: str = Field("random", description="the split folder the examples come from")
     min_seconds: float = Field(3.0, ge=0, description="time each rate for at least this long")
-    embed_sample: PositiveInt | None = Field(None, description="premises embedded (512 on cpu, 4096 on cuda)")
-    fisher_examples: PositiveInt = 8
-    fisher_methods: tuple[FisherMethod, ...] | None = Field(None, description="loop on cpu, both on cuda")
+    embed_sample: PositiveInt | None = Field(None, description="premises embedded (default: 512 on cpu, 4096 on "
+                                                               "cuda)")
+    fisher_examples: PositiveInt = Field(8, description="examples the Fisher rows run")
+    fisher_methods: tuple[FisherMethod, ...] | None = Field(None, description="the per-example Fisher passes to "
+                                                                            "time (default: loop on cpu, both on "
+                                                                            "cuda)")
     launch: bool = Field(True, description="measure a real job's launch overhead")
-    compile: bool = Field(True, description="the compiled training row (and compile times)")
-    train_max_len: PositiveInt | None = Field(None, description="bytes sequences are cut at (LeanAgent's 1024)")
-    train_layers: PositiveInt | None = Field(None, description="layers the training rows keep (2 on cpu, all on cuda)")
-    train_batches: PositiveInt | None = Field(None, description="batches of 4 the training rows run (4 cpu, 16 cuda)")
-    states: tuple[Path, ...] = Field((), description="LeanDojo split files whose proof states are the contexts")
+    compile: bool = Field(True, description="run the compiled training row (and time the compile)")
+    train_max_len: PositiveInt | None = Field(None, description="bytes the training step and Fisher pass cut "
+                                                                "sequences at (default: LeanAgent's 1024)")
+    train_layers: PositiveInt | None = Field(None, description="layers of the model the training rows keep "
+                                                               "(default: 2 on cpu, byt5-small's width with each "
+                                                               "layer's work as in the full model; all on cuda)")
+    train_batches: PositiveInt | None = Field(None, description="batches of 4 the training rows run (default: 4 on "
+                                                                "cpu, 16 on cuda)")
+    parts: tuple[PathPart, ...] | None = Field(None, description="only these parts, after the corpus and data "
+                                                                 "figures (default: all; cuda runs on cuda only, "
+                                                                 "launch unless --no-launch)")
+    states: tuple[Path, ...] = Field((), description="LeanDojo split files whose proof states are the training "
+                                                     "rows' contexts (their real lengths; premises stay the "
+                                                     "dataset's), e.g. a real benchmark's random/val.json")
+
+    def wants(self, part: str) -> bool:
+        return self.parts is None or part in self.parts
+
+    @property
+    def shape(self) -> str:
+        """The random encoder's preset (without `model`)."""
+        return self.preset or "tiny"
 
     @property
     def on_cuda(self) -> bool:
@@ -61,3 +85,39 @@ class BenchOptions(BaseModel):
     @property
     def methods(self) -> tuple[FisherMethod, ...]:
         return self.fisher_methods or (("loop", "vectorised") if self.on_cuda else ("loop",))
+
+
+class CurriculumOptions(BaseModel):
+    """What `leanagent bench curriculum` runs: the repositories, their shared dependency, the trainer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    repos: PositiveInt = Field(4, description="repositories in the curriculum")
+    dependency_files: PositiveInt = Field(500, description="files of the shared dependency")
+    dependency_premises: PositiveInt = Field(20000, description="premises of the shared dependency")
+    theorems: PositiveInt = Field(60, description="theorems of each repository")
+    epochs: PositiveInt = Field(1, description="lifelong.epochs_per_repo (LeanAgent's 1)")
+    accelerator: Literal["cpu", "gpu"] = Field("cpu", description="where the jobs run")
+    devices: PositiveInt = Field(2, description="ranks per job (on a GPU: GPUs)")
+    preset: Literal["tiny", "byt5-small"] = Field("tiny", description="the random encoder's shape")
+    work: Path | None = Field(None, description="keep the data, model and both runs here (default: a temporary "
+                                                "folder, removed at the end)")
+
+
+class ProjectionOptions(BaseModel):
+    """LeanAgent's curriculum at its scale. Defaults: its 14 repositories, one epoch each, on 4 GPUs, a Mathlib-sized
+    shared dependency; the rates are the bench's on one H200 (byt5-small, bf16)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    repos: PositiveInt = Field(14, description="repositories in the curriculum")
+    epochs_per_repo: PositiveInt = Field(1, description="lifelong.epochs_per_repo")
+    dependency_premises: PositiveInt = Field(100_000, description="premises of the shared dependency (Mathlib's "
+                                                                  "order of magnitude)")
+    own_premises: int = Field(2_000, ge=0, description="premises of each repository's own files")
+    needed_share: float = Field(1.0, gt=0, le=1, description="the share of the premises an evaluation's contexts "
+                                                             "can rank (1: all; the bench measures it)")
+    train_examples: PositiveInt = Field(3_000, description="training examples of each repository")
+    gpus: PositiveInt = Field(4, description="ranks of each job")
+    embed_per_s: float = Field(1_252.0, gt=0, description="premises embedded per second per GPU")
+    step_s_per_example: float = Field(0.058, gt=0, description="seconds of a training step per example per GPU")

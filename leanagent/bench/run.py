@@ -44,29 +44,35 @@ def run_bench(options: BenchOptions) -> BenchResult:
     with tempfile.TemporaryDirectory(prefix="leanagent-bench-") as tmp:
         tmp_path = Path(tmp)
         if options.model is None:
-            model_path = str(write_random_encoder(tmp_path / "model", options.preset))
-            run.model = f"random {options.preset}"
+            model_path = str(write_random_encoder(tmp_path / "model", options.shape))
+            run.model = f"random {options.shape}"
         else:
             model_path = run.model = options.model
         model = PremiseRetriever(RetrieverOptions(name_or_path=model_path)).to(device)
         run.params = sum(p.numel() for p in model.parameters())
         model.eval()
-        result.embedding = bench_embedding(model, corpus, device, options.sample, PRECISION, options.min_seconds)
-        result.retrieval = bench_retrieval(corpus, evals, model.encoder.config.d_model, device, PRECISION,
-                                           options.min_seconds)
-        run.train_model = f"{run.model}, {keep_layers(model, options.layers)}"
-        run.train_step_max_len = options.max_len
-        batches = bench_batches(corpus, train, model.tokenizer, options.batches, options.max_len, state_texts)
-        result.train_step = bench_train_step(model, batches, device, PRECISION, options.min_seconds,
-                                             compiled=options.compile, work=tmp_path, peak_tflops=peak)
-        result.fisher = bench_train_vs_fisher(model, corpus, train, device, PRECISION, options.fisher_examples,
-                                              options.methods, max_len=options.max_len, states=state_texts,
-                                              min_seconds=options.min_seconds)
-        if device.type == "cuda":
+        if options.wants("embedding"):
+            result.embedding = bench_embedding(model, corpus, device, options.sample, PRECISION,
+                                               options.min_seconds)
+        if options.wants("retrieval"):
+            result.retrieval = bench_retrieval(corpus, evals, model.encoder.config.d_model, device, PRECISION,
+                                               options.min_seconds)
+        if options.wants("train_step") or options.wants("fisher") or options.wants("cuda"):
+            run.train_model = f"{run.model}, {keep_layers(model, options.layers)}"
+            run.train_step_max_len = options.max_len
+        if options.wants("train_step"):
+            batches = bench_batches(corpus, train, model.tokenizer, options.batches, options.max_len, state_texts)
+            result.train_step = bench_train_step(model, batches, device, PRECISION, options.min_seconds,
+                                                 compiled=options.compile, work=tmp_path, peak_tflops=peak)
+        if options.wants("fisher"):
+            result.fisher = bench_train_vs_fisher(model, corpus, train, device, PRECISION, options.fisher_examples,
+                                                  options.methods, max_len=options.max_len, states=state_texts,
+                                                  min_seconds=options.min_seconds)
+        if device.type == "cuda" and options.wants("cuda"):
             result.cuda_training = bench_fixed_length(model, device, PRECISION, peak_tflops=peak)
             if options.compile:
                 result.cuda_training += bench_fixed_length(model, device, PRECISION, batch_sizes=(16,),
                                                            peak_tflops=peak, compiled=True)
-        if options.launch:
+        if options.launch and options.wants("launch"):
             result.launch = bench_launch(tmp_path / "launch")
     return result

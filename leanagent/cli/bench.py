@@ -1,65 +1,102 @@
-"""`bench`: how fast each stage of the data and model path runs (the measurements are `leanagent.bench`)."""
+"""`bench`: where the time goes, section by section (the measurements are `leanagent.bench`).
+
+Each section's flags come from its options model (`leanagent.bench`), so a flag, its default and its help are
+written once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
-from pydantic import ValidationError
-
-from leanagent.cli.common import CommandError, check_device, option_error
+from leanagent.cli.common import CommandError, add_model_options, check_device, model_from_args
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="measure the data path, embedding, retrieval, training vs Fisher, launch")
-    p.add_argument("--dataset", required=True, help="a LeanDojo dataset (e.g. from `leanagent demo-data`)")
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--model", help="HF model folder or id (default: a random --preset encoder)")
-    group.add_argument("--preset", default="tiny", choices=["tiny", "byt5-small"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--split", default="random")
-    p.add_argument("--json", help="write every figure here")
-    p.add_argument("--min-seconds", type=float, default=3.0, help="time each rate for at least this long")
-    p.add_argument("--embed-sample", type=int, help="premises embedded (default 512 on cpu, 4096 on cuda)")
-    p.add_argument("--no-launch", action="store_true", help="skip the job-launch measurement")
-    p.add_argument("--states", nargs="+", metavar="SPLIT_JSON",
-                   help="LeanDojo split files whose proof states are the training rows' contexts (their real "
-                        "lengths; premises stay the dataset's), e.g. a real benchmark's random/val.json")
-    p.add_argument("--train-max-len", type=int,
-                   help="bytes the training step and Fisher pass cut sequences at (default LeanAgent's 1024)")
-    p.add_argument("--train-layers", type=int,
-                   help="layers of the model the training rows keep (default 2 on cpu: byt5-small's width, each "
-                        "layer's work as in the full model, a sixth of the time; all on cuda)")
-    p.add_argument("--train-batches", type=int, help="batches of 4 the training step rows run (default 4 cpu, 16 cuda)")
-    p.add_argument("--fisher-examples", type=int, default=8, help="examples the Fisher rows run (default 8)")
-    p.add_argument("--fisher-methods", help="comma-separated: loop, vectorised (default loop on cpu, both on cuda)")
-    p.add_argument("--no-compile", action="store_true", help="skip the compiled training row (and compile times)")
-    p.set_defaults(func=cmd_bench)
+    from leanagent.bench.options import BenchOptions, CurriculumOptions, ProjectionOptions
+
+    p = sub.add_parser("bench", help="measure where the time goes: the data and model path, a curriculum, a "
+                                     "projection at LeanAgent's scale",
+                       description="Benchmarks, one section at a time; each prints a table and can write its "
+                                   "figures as JSON. Compare figures as ratios within one run.")
+    sections = p.add_subparsers(dest="section", required=True, metavar="SECTION")
+
+    path = sections.add_parser("path", help="the data and model path: corpus load, negatives, embedding, retrieval, "
+                                            "the training step, the Fisher pass, a job's launch")
+    add_model_options(path, BenchOptions)
+    path.add_argument("--json", metavar="OUT", help="write every figure here")
+    path.set_defaults(func=cmd_bench_path)
+
+    curriculum = sections.add_parser(
+        "curriculum", help="a whole curriculum on repositories sharing a dependency, run twice: re-embedding every "
+                           "corpus (LeanAgent) and embedding once; where each run's time went",
+        description="Writes repositories that share a dependency and a tiny encoder, then runs `leanagent run` twice "
+                    "in one sitting (model.embed_premises: all, then needed) and reads every job's time by part and "
+                    "the premises it embedded from the two manifests. Minutes on a CPU.")
+    add_model_options(curriculum, CurriculumOptions)
+    curriculum.add_argument("--json", metavar="OUT", help="write the figures here")
+    curriculum.set_defaults(func=cmd_bench_curriculum)
+
+    projection = sections.add_parser(
+        "projection", help="LeanAgent's curriculum at its scale (14 repositories, Mathlib, 4 GPUs), from embedding "
+                           "and step rates: passes and hours, before and after embedding once (arithmetic)")
+    add_model_options(projection, ProjectionOptions)
+    projection.add_argument("--json", metavar="OUT", help="write the figures here")
+    projection.set_defaults(func=cmd_bench_projection)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    dataset = Path(args.dataset)
-    if not (dataset / "corpus.jsonl").is_file():  # before torch is imported: answered at once
-        raise CommandError(f"{dataset}: no corpus.jsonl (write one with `leanagent demo-data OUT --mathlib-scale`)")
+def _write(figures: dict, out: str | None) -> None:
+    if out:
+        Path(out).write_text(json.dumps(figures, indent=2, sort_keys=True, default=str))
 
-    from leanagent.bench import BenchOptions, format_table, run_bench, write_json
 
-    try:
-        options = BenchOptions(dataset=dataset, model=args.model, preset=args.preset, device=args.device,
-                               split=args.split, min_seconds=args.min_seconds, embed_sample=args.embed_sample,
-                               fisher_examples=args.fisher_examples,
-                               fisher_methods=tuple(args.fisher_methods.split(",")) if args.fisher_methods else None,
-                               launch=not args.no_launch, compile=not args.no_compile,
-                               train_max_len=args.train_max_len, train_layers=args.train_layers,
-                               train_batches=args.train_batches, states=tuple(Path(p) for p in args.states or ()))
-    except ValidationError as exc:
-        raise option_error(exc) from None
+def cmd_bench_path(args: argparse.Namespace) -> int:
+    from leanagent.bench.options import BenchOptions
+
+    if args.model is not None and args.preset is not None:
+        raise CommandError("--model and --preset: give one (the preset is a random encoder of that shape)")
+    options = model_from_args(BenchOptions, args)
+    if not (options.dataset / "corpus.jsonl").is_file():  # before torch is imported: answered at once
+        raise CommandError(f"{options.dataset}: no corpus.jsonl (write one with `leanagent demo-data OUT "
+                           f"--mathlib-scale`)")
     missing = [str(p) for p in options.states if not p.is_file()]
     if missing:
         raise CommandError(f"--states: no such file: {', '.join(missing)}")
-    check_device(args.device)
+    check_device(options.device)
+
+    from leanagent.bench.results import write_json
+    from leanagent.bench.run import run_bench
+    from leanagent.bench.table import format_table
+
     result = run_bench(options)
     print(format_table(result))
     if args.json:
         write_json(result, Path(args.json))
+    return 0
+
+
+def cmd_bench_curriculum(args: argparse.Namespace) -> int:
+    from leanagent.bench.curriculum import bench_curriculum, curriculum_table
+    from leanagent.bench.options import CurriculumOptions
+
+    options = model_from_args(CurriculumOptions, args)
+    if options.work is not None and options.work.exists() and any(options.work.iterdir()):
+        raise CommandError(f"--work {options.work}: not empty; give a new folder (nothing was overwritten)")
+    try:
+        figures = bench_curriculum(options)
+    except RuntimeError as exc:
+        raise CommandError(str(exc)) from None
+    print(curriculum_table(figures))
+    _write(figures.flat(), args.json)
+    return 0
+
+
+def cmd_bench_projection(args: argparse.Namespace) -> int:
+    from leanagent.bench.curriculum import project_curriculum, projection_table
+    from leanagent.bench.options import ProjectionOptions
+
+    projection = project_curriculum(model_from_args(ProjectionOptions, args))
+    print(projection_table(projection))
+    _write(projection.flat(), args.json)
     return 0

@@ -16,8 +16,13 @@ Handlers import what they need when they run (torch, Prefect, FastAPI take secon
 from __future__ import annotations
 
 import argparse
+import types
+import typing
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from leanagent.config import format_validation_error
 
@@ -66,3 +71,71 @@ def add_model_check_arguments(p: argparse.ArgumentParser) -> None:
                                    "names (e.g. both moved); it must hold the same weights")
     p.add_argument("--force", action="store_true",
                    help="use the index even when its model changed since it was built (stale embeddings), warning")
+
+
+# ---- flags generated from a pydantic model: one definition of an option, its type, default and help ----------
+
+def _unwrap(annotation: Any) -> Any:
+    """`X` from `X | None` (and from `Optional[X]`)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _choices(annotation: Any) -> list[str] | None:
+    return [str(v) for v in typing.get_args(annotation)] if typing.get_origin(annotation) is Literal else None
+
+
+def add_model_options(p: argparse.ArgumentParser, model: type[BaseModel], skip: Iterable[str] = (),
+                      positional: Iterable[str] = ()) -> None:
+    """One flag per field of `model`: `--field-name` (a `positional` field: an argument of that name), its help the
+    field's description and default, a bool field `--name`/`--no-name`, a tuple field one or more values (each may
+    be comma-separated). Values are left unparsed here: the model validates them (`model_from_args`), so a bad value
+    is refused as every refusal is, in one line naming the flag."""
+    positional = set(positional)
+    for name, field in model.model_fields.items():
+        if name in skip:
+            continue
+        annotation = _unwrap(field.annotation)
+        required = field.is_required()
+        default = None if required else field.get_default(call_default_factory=True)
+        help_text = field.description or ""
+        if default is not None and default != () and name not in positional:
+            help_text += f" (default: {default})" if help_text else f"default: {default}"
+        if name in positional:
+            p.add_argument(name, help=help_text)
+            continue
+        flag = "--" + name.replace("_", "-")
+        if annotation is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            continue
+        item = annotation
+        many = typing.get_origin(annotation) in (tuple, list)
+        if many:
+            item = typing.get_args(annotation)[0]
+        choices = _choices(item)
+        metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
+        p.add_argument(flag, dest=name, nargs="+" if many else None, metavar=metavar, default=None,
+                       required=required, help=help_text)
+
+
+def model_from_args(model: type[BaseModel], args: argparse.Namespace, **given: Any) -> Any:
+    """The `model` the flags of `add_model_options` give (a flag left out: the field's default), with `given`;
+    a value the model refuses is a `CommandError` naming the flag."""
+    values: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            value = tuple(part for item in value for part in str(item).split(",") if part)
+            inner = typing.get_args(_unwrap(field.annotation))
+            if inner and inner[0] is Path:
+                value = tuple(Path(v) for v in value)
+        values[name] = value
+    try:
+        return model(**{**values, **given})
+    except ValidationError as exc:
+        raise option_error(exc) from None

@@ -31,10 +31,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("demo-data", help="write synthetic LeanDojo-format repositories (or one mathlib-size dataset)",
                        description="Without size flags: small, learnable repositories OUT/repo_0, OUT/repo_1, ... "
-                                   "With --mathlib-scale, --files or --premises: ONE dataset in OUT (corpus.jsonl, "
-                                   "random/{train,val,test}.json) shaped like mathlib for measuring the data path: "
-                                   "thousands of files, an import DAG hundreds of files deep, premise code with a "
-                                   "long tail of lengths. Same arguments, same bytes.")
+                                   "With --shared-dependency: the same, each corpus also carrying one shared "
+                                   "dependency (the same files, byte for byte, under .lake/packages/mathlib/), of "
+                                   "which each repository imports a part and uses premises, as LeanAgent's "
+                                   "repositories carry Mathlib. With --mathlib-scale, --files or --premises alone: "
+                                   "ONE dataset in OUT (corpus.jsonl, random/{train,val,test}.json) shaped like "
+                                   "mathlib for measuring the data path: thousands of files, an import DAG hundreds "
+                                   "of files deep, premise code with a long tail of lengths. Same arguments, same "
+                                   "bytes.")
     p.add_argument("out")
     p.add_argument("--repos", type=int, help="small demo: number of repositories (default 3)")
     p.add_argument("--seed", type=int, default=0)
@@ -42,10 +46,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="small demo: theorems per repository (default 40); large dataset: theorems in all "
                         "(default premises // 16)")
     p.add_argument("--scale", type=int, help="small demo: multiplies the premises per repository (default 1)")
+    p.add_argument("--shared-dependency", choices=["small", "mathlib"],
+                   help="small demo: every repository carries one shared dependency: small (60 files, 1,500 "
+                        "premises) or mathlib (2,000 files, 76,000 premises, as --mathlib-scale); --files and "
+                        "--premises size it instead")
     p.add_argument("--mathlib-scale", action="store_true",
                    help="one dataset of 2,000 files and 76,000 premises (about 35 MB, seconds to write)")
-    p.add_argument("--files", type=int, help="large dataset: corpus files (default 2000)")
-    p.add_argument("--premises", type=int, help="large dataset: premises in all (default 76000)")
+    p.add_argument("--files", type=int, help="large dataset (or the shared dependency): corpus files (default 2000)")
+    p.add_argument("--premises", type=int,
+                   help="large dataset (or the shared dependency): premises in all (default 76000)")
     p.set_defaults(func=cmd_demo_data)
 
 
@@ -106,27 +115,33 @@ def cmd_examples(args: argparse.Namespace) -> int:
 
 def cmd_demo_data(args: argparse.Namespace) -> int:
     from leanagent.atomic import refuse_non_empty
-    from leanagent.data.synthetic import write_demo_repos
-    from leanagent.data.synthetic_scale import MATHLIB_SCALE, ScaleSpec, write_scale_dataset
+    from leanagent.data.synthetic import DEPENDENCY_SIZES, write_demo_repos
+    from leanagent.data.synthetic_scale import ScaleSpec, write_scale_dataset
 
     out = Path(args.out)
-    large = args.mathlib_scale or args.files is not None or args.premises is not None
+    sized = args.files is not None or args.premises is not None
+    if args.shared_dependency is not None and args.mathlib_scale:
+        raise CommandError("--shared-dependency and --mathlib-scale do not go together (--shared-dependency "
+                           "mathlib gives the dependency --mathlib-scale's size)")
+    large = args.shared_dependency is None and (args.mathlib_scale or sized)
     if large and (args.repos is not None or args.scale is not None):
         raise CommandError("--repos and --scale are for the small demo; --mathlib-scale/--files/--premises write "
-                           "one dataset")
+                           "one dataset (add --shared-dependency to size a dependency of the small demo instead)")
     try:
-        spec = ScaleSpec(files=MATHLIB_SCALE.files if args.files is None else args.files,
-                         premises=MATHLIB_SCALE.premises if args.premises is None else args.premises,
-                         theorems=args.theorems, seed=args.seed) if large else None
+        base = DEPENDENCY_SIZES[args.shared_dependency or "mathlib"]
+        spec = ScaleSpec(files=base.files if args.files is None else args.files,
+                         premises=base.premises if args.premises is None else args.premises,
+                         theorems=args.theorems if large else None, seed=args.seed)
         refuse_non_empty(out)
     except (ValueError, FileExistsError) as exc:
         raise CommandError(str(exc)) from None
-    if spec is not None:
+    if large:
         print(write_scale_dataset(out, spec))
         return 0
     paths = write_demo_repos(out, 3 if args.repos is None else args.repos, seed=args.seed,
                              theorems_per_repo=40 if args.theorems is None else args.theorems,
-                             scale=1 if args.scale is None else args.scale)
+                             scale=1 if args.scale is None else args.scale,
+                             dependency=spec if args.shared_dependency else None)
     for p in paths:
         print(p)
     return 0

@@ -305,6 +305,33 @@ class Corpus:
             out.append(data)
         return out
 
+    def premise_texts(self, indices: Iterable[int]) -> list[str]:
+        """Each premise's `text` (what the retriever encodes), for a tokenizer that takes strings."""
+        return [self.premises[i].text for i in indices]
+
+    def accessible_union(self, positions: Iterable[tuple[str, Pos]]) -> np.ndarray:
+        """A boolean mask of the premises accessible at one or more of `positions` ((corpus path, position) each):
+        the only premises a retrieval over those positions can ever rank.
+
+        Per file: everything it imports (the same for every position in it), and its own premises up to its
+        furthest position (the in-file cut is monotone in the position), as `accessible_mask` decides each."""
+        furthest: dict[str, Pos] = {}
+        for path, pos in positions:
+            pos = tuple(pos)
+            if path not in furthest or pos > furthest[path]:
+                furthest[path] = pos
+        mask = np.zeros(len(self.premises), dtype=bool)
+        for path, pos in furthest.items():
+            self._mark_accessible(mask, path, pos)
+        return mask
+
+    def _mark_accessible(self, mask: np.ndarray, path: str, pos: Pos) -> None:
+        """Set `mask` at every premise accessible at `pos` of `path`: its imports range by range, then its own."""
+        union = self.imported_ranges(path)
+        for lo, hi in zip(union.starts.tolist(), union.stops.tolist(), strict=True):
+            mask[lo:hi] = True
+        mask[np.asarray(self.in_file_indices(path, pos), dtype=np.int64)] = True
+
     def _imported_array(self, path: str) -> np.ndarray:
         arr = self._imported.get(path)
         if arr is not None:
@@ -329,10 +356,7 @@ class Corpus:
     def accessible_mask(self, path: str, start: Pos) -> torch.Tensor:
         """`accessible_indices` as a boolean mask over the corpus, filled range by range (no index array)."""
         mask = np.zeros(len(self.premises), dtype=bool)
-        union = self.imported_ranges(path)
-        for lo, hi in zip(union.starts.tolist(), union.stops.tolist(), strict=True):
-            mask[lo:hi] = True
-        mask[np.asarray(self.in_file_indices(path, start), dtype=np.int64)] = True
+        self._mark_accessible(mask, path, start)
         import torch
 
         return torch.from_numpy(mask)

@@ -27,6 +27,8 @@ from leanagent.data.dataset import (
     with_lengths,
 )
 from leanagent.data.errors import DatasetError
+from leanagent.data.premise_table import PremiseTable
+from leanagent.data.records import Pos
 from leanagent.data.theorems import Theorem, load_split
 
 
@@ -78,6 +80,7 @@ class RetrievalDataModule(pl.LightningDataModule):
         self.test_examples = build_eval_examples(self.corpus, self.test_theorems)
         self.mined: np.ndarray | None = None  # `data.negatives: mined`: the table (`set_mined`), None before it
         self._train_ds: TrainDataset | None = None
+        self._tables: dict[tuple[str, bool], PremiseTable] = {}
 
     @staticmethod
     def _load_optional(path: Path) -> list[Theorem]:
@@ -203,6 +206,27 @@ class RetrievalDataModule(pl.LightningDataModule):
         """Batches per epoch of the training loader before DDP shards it: LeanAgent's LR horizon unit."""
         return len(self.train_examples) // self.cfg.batch_size
 
+    # ---- what a validation or test embeds ---------------------------------------------------------
+    def retrieval_positions(self, split: str) -> list[tuple[str, Pos]]:
+        """(file, theorem start) of every context a `split` ("val" or "test") evaluation ranks premises for.
+
+        Validation under `data.negatives: mined` also ranks the training contexts' premises (mining reuses its
+        embedding), so their positions count too."""
+        examples: list = list(self.val_examples if split == "val" else self.test_examples)
+        if split == "val" and self.cfg.negatives == "mined":
+            examples += self.train_examples
+        return [(e.file_path, e.theorem_start) for e in examples]
+
+    def premise_table(self, split: str, needed_only: bool) -> PremiseTable:
+        """The premises a `split` evaluation embeds (`PremiseTable`): with `needed_only`, those accessible to at
+        least one of its contexts (`retrieval_positions`), which are all it can rank; else the whole corpus, as
+        LeanAgent re-embeds it. Built once per data module (it does not depend on the weights)."""
+        key = (split, needed_only)
+        if key not in self._tables:
+            wanted = self.corpus.accessible_union(self.retrieval_positions(split)) if needed_only else None
+            self._tables[key] = PremiseTable([self.corpus], None if wanted is None else [wanted])
+        return self._tables[key]
+
     def _eval_loader(self, examples: list) -> DataLoader:
         ds = EvalDataset(self.corpus, examples, self.tokenizer, self.cfg.max_seq_len)
         return self._loader(ds, ds.collate, self.cfg.eval_batch_size, shuffle=False)
@@ -212,3 +236,10 @@ class RetrievalDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._eval_loader(self.test_examples)
+
+
+def union_table(datamodules: list[RetrievalDataModule], split: str) -> PremiseTable:
+    """The premises evaluations of `split` over several data modules need, each distinct premise once
+    (`PremiseTable`): corpus k is data module k's, and its rows are the premises its contexts may use."""
+    return PremiseTable([dm.corpus for dm in datamodules],
+                        [dm.corpus.accessible_union(dm.retrieval_positions(split)) for dm in datamodules])

@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 from leanagent.data.corpus import Corpus
 from leanagent.data.examples import EvalExample, TrainExample, build_eval_examples, build_train_examples
 from leanagent.data.negatives import sample_negatives
+from leanagent.data.premise_table import PremiseTable
 from leanagent.data.tokenize import byt5_spec, tokenize, tokenize_encoded
 
 __all__ = [
@@ -41,17 +42,18 @@ def tokenize_texts(tokenizer: Any, texts: list[str], max_len: int) -> tuple[torc
 
 
 def tokenize_premises(
-    tokenizer: Any, corpus: Corpus, indices: Sequence[int], max_len: int
+    tokenizer: Any, source: Corpus | PremiseTable, indices: Sequence[int], max_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared by collate and by corpus embedding so that training and retrieval see the same bytes.
 
-    For ByT5 the premises' UTF-8 bytes come from the corpus, encoded once per process.
+    `source`: a corpus (indices are its premises) or a premise table (indices are its rows, each read from a corpus
+    that holds it). For ByT5 the premises' UTF-8 bytes come from the corpus, encoded once per process.
     """
     idx = indices.tolist() if isinstance(indices, np.ndarray) else [int(i) for i in indices]
     spec = byt5_spec(tokenizer) if idx and max_len >= 2 else None
     if spec is None:
-        return tokenize_texts(tokenizer, [corpus.premises[i].text for i in idx], max_len)
-    return tokenize_encoded(tokenizer, spec, corpus.premise_utf8(idx), None, max_len)
+        return tokenize_texts(tokenizer, source.premise_texts(idx), max_len)
+    return tokenize_encoded(tokenizer, spec, source.premise_utf8(idx), None, max_len)
 
 
 def with_lengths(batch: Any) -> Any:

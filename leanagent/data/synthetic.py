@@ -5,6 +5,12 @@ state that uses it shows the lemma's left-hand side, so a byte-level retriever c
 match from shared substrings within a CPU epoch or two. Repositories share one core library
 file, import their own files in a DAG, and differ in how many short proofs they have, so the
 curriculum order is not simply the repository order.
+
+With a `dependency` (a `ScaleSpec`), every repository also carries one shared dependency, as LeanAgent's
+repositories nearly all carry Mathlib: the same files, byte for byte, under `.lake/packages/NAME/` in every
+corpus (mathlib-shaped: `synthetic_scale.py`), of which each repository's first file imports a few (so it sees
+their import closure, a part of the dependency); a share of its tactics use those premises, each state showing
+a few words of the premise it needs, beside its own lemmas. Its theorems stay its own.
 """
 
 from __future__ import annotations
@@ -16,7 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CORE_PATH = ".lake/packages/core/Core/Basic.lean"
+import numpy as np
+
+from leanagent.data.synthetic_scale import MATHLIB_SCALE, Decl, ScaleFiles, ScaleSpec, decl_annotation, scale_files
+
+_LAKE_PACKAGES = ".lake/packages/"
+CORE_PATH = f"{_LAKE_PACKAGES}core/Core/Basic.lean"
 CORE_UNARY = ("frob", "zark", "quon")
 CORE_BINARY = ("blix",)
 _ONSETS = ("gl", "tr", "sn", "pl", "vr", "kw", "dr", "fl", "sk", "br", "gr", "st", "cl", "pr", "sm", "th")
@@ -25,6 +36,11 @@ _CODAS = ("m", "x", "nd", "rk", "v", "sp", "lt", "g", "mp", "z")
 _VARS = ("x", "y", "n", "m")
 _SHORT_FRACTIONS = (0.45, 0.1, 0.3, 0.2, 0.4, 0.05, 0.35, 0.15)  # mean < 1/3, so p33 separates one-step proofs
 _HYPS = "x y n m : Nat\n"
+DEPENDENCY_IMPORTS = 3  # dependency files each repository's first file imports (it sees their import closures)
+DEPENDENCY_SHARE = 0.3  # of a repository's rewriting steps, those that use a dependency premise
+# The shared dependency's sizes `leanagent demo-data --shared-dependency` offers: a test-size one, and one as large as
+# `--mathlib-scale` (Mathlib's order of magnitude).
+DEPENDENCY_SIZES = {"small": ScaleSpec(files=60, premises=1500), "mathlib": MATHLIB_SCALE}
 
 
 @dataclass
@@ -145,26 +161,41 @@ def _tactic(before: str, tactic: str, annotated: str, annotations: list[dict[str
     return {"tactic": tactic, "annotated_tactic": [annotated, annotations], "state_before": before, "state_after": ""}
 
 
+def _dependency_step(choice: tuple[str, Decl], rng: random.Random) -> tuple[str, str, str, list[dict[str, Any]]]:
+    """(goal, tactic, annotated tactic, annotations) for a step that uses one premise of the dependency: the goal
+    shows the first words of its statement, as a goal shows the constants of the lemma that rewrites it."""
+    path, decl = choice
+    name = decl.full_name.rsplit(".", 1)[1]
+    return (" ".join(decl.hint), f"simp [{name}]", f"simp [<a>{name}</a>]", [decl_annotation(path, decl, rng)])
+
+
 def _proof(
-    accessible: list[_Lemma], own: list[_Lemma], length: int, multi_goal: bool, rng: random.Random
+    accessible: list[_Lemma], own: list[_Lemma], length: int, multi_goal: bool, rng: random.Random,
+    dependency: list[tuple[str, Decl]] | None = None,
 ) -> tuple[list[dict[str, Any]], str]:
-    """Traced tactics of one theorem and its statement; each step's state shows the lemmas it needs."""
+    """Traced tactics of one theorem and its statement; each step's state shows the lemmas it needs. With
+    `dependency` (the premises of the shared dependency the theorem can see), a share of the steps use one."""
 
     def pick() -> list[_Lemma]:
         pool = own if own and rng.random() < 0.7 else accessible
         k = 2 if rng.random() < 0.3 and len(pool) >= 2 else 1
         return rng.sample(pool, k)
 
+    def step() -> tuple[str, str, str, list[dict[str, Any]]]:
+        if dependency and rng.random() < DEPENDENCY_SHARE:
+            return _dependency_step(rng.choice(dependency), rng)
+        return _rewrite_step(pick(), rng)
+
     tactics: list[dict[str, Any]] = []
     if multi_goal:
-        g1, t1, a1, n1 = _rewrite_step(pick(), rng)
-        g2, t2, a2, n2 = _rewrite_step(pick(), rng)
+        g1, t1, a1, n1 = step()
+        g2, t2, a2, n2 = step()
         statement = f"({g1}) ∧ ({g2})"
         tactics.append(_tactic(f"{_HYPS}⊢ {statement}", "constructor", "constructor", []))
         tactics.append(_tactic(f"2 goals\n{_HYPS}⊢ {g1}\n\n{_HYPS}⊢ {g2}", f"· {t1}", f"· {a1}", n1))
         tactics.append(_tactic(f"{_HYPS}⊢ {g2}", t2, a2, n2))
     else:
-        steps = [_rewrite_step(pick(), rng) for _ in range(length)]
+        steps = [step() for _ in range(length)]
         statement = steps[0][0]
         if length > 1 and rng.random() < 0.3:
             tactics.append(_tactic(f"⊢ ∀ (x y n m : Nat), {statement}", "intro x y n m", "intro x y n m", []))
@@ -177,7 +208,8 @@ def _proof(
 
 
 def _repo_theorems(
-    ns: str, index: int, files: list[_File], core: _File, count: int, short: float, seed: int, rng: random.Random
+    ns: str, index: int, files: list[_File], core: _File, count: int, short: float, seed: int, rng: random.Random,
+    dependency: list[tuple[str, Decl]] | None = None,
 ) -> list[dict[str, Any]]:
     shares = (0.25, 0.35, 0.40)
     per_file = [round(count * s) for s in shares[:-1]]
@@ -197,7 +229,7 @@ def _repo_theorems(
         for k in range(n):
             accessible = visible + file.lemmas[: slots[k]]
             own = [lem for lem in accessible if not lem.name.startswith("Core.")]
-            tactics, statement = _proof(accessible, own, lengths[k], k == multi, rng)
+            tactics, statement = _proof(accessible, own, lengths[k], k == multi, rng, dependency)
             name = f"{ns}.demo_{len(theorems)}"
             start, end = spans[k]
             theorems.append(
@@ -216,12 +248,21 @@ def _repo_theorems(
     return theorems
 
 
-def _write_dataset(out: Path, files: list[_File], theorems: list[dict[str, Any]], rng: random.Random) -> None:
+def _write_dataset(out: Path, files: list[_File], theorems: list[dict[str, Any]], rng: random.Random,
+                   dependency_lines: list[str] | None = None) -> None:
+    """`dependency_lines`: the shared dependency's corpus lines, written as they are after the `.lake` files."""
     out.mkdir(parents=True, exist_ok=True)
+    lake = [f for f in files if f.path.startswith(".lake/")] if dependency_lines else files
     with open(out / "corpus.jsonl", "w", encoding="utf-8") as fh:
-        for f in files:
+        for f in lake:
             record = {"path": f.path, "imports": f.imports, "premises": [lem.premise() for lem in f.lemmas]}
             fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        for line in dependency_lines or ():
+            fh.write(line + "\n")
+        for f in (files if dependency_lines else []):
+            if f not in lake:
+                record = {"path": f.path, "imports": f.imports, "premises": [lem.premise() for lem in f.lemmas]}
+                fh.write(json.dumps(record, ensure_ascii=False) + "\n")
     shuffled = list(theorems)
     rng.shuffle(shuffled)
     n_train, n_val = round(0.7 * len(shuffled)), round(0.15 * len(shuffled))
@@ -240,11 +281,13 @@ def _repo_namespace(i: int) -> str:
 
 
 def write_demo_repos(out: Path, num_repos: int, seed: int = 0, theorems_per_repo: int = 40,
-                     scale: int = 1) -> list[Path]:
+                     scale: int = 1, dependency: ScaleSpec | None = None,
+                     dependency_name: str = "mathlib") -> list[Path]:
     """Write `num_repos` complete LeanDojo datasets ``out/repo_{i}``; identical output for identical arguments.
 
     `scale` multiplies the function symbols (and so the premises) of each repository's files: a larger
-    corpus makes retrieval harder for an untrained encoder, so training visibly helps.
+    corpus makes retrieval harder for an untrained encoder, so training visibly helps. `dependency`: every
+    repository carries this shared dependency under `.lake/packages/{dependency_name}/` (the module docstring).
     """
     out = Path(out)
     master = random.Random(seed)
@@ -253,16 +296,35 @@ def write_demo_repos(out: Path, num_repos: int, seed: int = 0, theorems_per_repo
     _place(core, 1, [], [])
     fractions = list(_SHORT_FRACTIONS)
     master.shuffle(fractions)
+    shared = _dependency(dependency, dependency_name) if dependency is not None else None
+    lines = shared.corpus_lines() if shared is not None else None
     dirs = []
     for i in range(num_repos):
         rng = random.Random(f"repo-{seed}-{i}")
         ns = _repo_namespace(i)
         files = _repo_files(ns, namer, rng, scale)
-        theorems = _repo_theorems(ns, i, files, core, theorems_per_repo, fractions[i % len(fractions)], seed, rng)
+        seen = _import_dependency(files[0], shared, random.Random(f"imports-{seed}-{i}")) if shared else None
+        theorems = _repo_theorems(ns, i, files, core, theorems_per_repo, fractions[i % len(fractions)], seed, rng,
+                                  seen)
         target = out / f"repo_{i}"
-        _write_dataset(target, [core, *files], theorems, rng)
+        _write_dataset(target, [core, *files], theorems, rng, lines)
         dirs.append(target)
     return dirs
+
+
+def _dependency(spec: ScaleSpec, name: str) -> ScaleFiles:
+    """The shared dependency's files, under `.lake/packages/NAME/Name/` (drawn from `spec.seed` alone)."""
+    rng = random.Random(f"dependency-{spec.seed}")
+    return scale_files(spec, rng, np.random.default_rng([spec.seed, 2]),
+                       root=f"{_LAKE_PACKAGES}{name}/{name[:1].upper()}{name[1:]}/")
+
+
+def _import_dependency(first: _File, dependency: ScaleFiles, rng: random.Random) -> list[tuple[str, Decl]]:
+    """`first` (a repository's first file, which the others import) imports DEPENDENCY_IMPORTS files of the
+    dependency; the premises it sees through them, (path, declaration) each."""
+    picked = sorted(rng.sample(range(len(dependency.paths)), min(DEPENDENCY_IMPORTS, len(dependency.paths))))
+    first.imports = first.imports + [dependency.paths[t] for t in picked]
+    return [(dependency.paths[t], d) for t in dependency.closure(picked) for d in dependency.decls[t]]
 
 
 def _core_file(rng: random.Random) -> _File:

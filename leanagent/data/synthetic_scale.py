@@ -81,7 +81,7 @@ MATHLIB_SCALE = ScaleSpec()
 
 
 @dataclass
-class _Decl:
+class Decl:
     full_name: str
     code: str
     kind: str
@@ -132,16 +132,18 @@ def plan_imports(num_files: int, seed: int) -> list[list[int]]:
     return imports
 
 
-def _file_paths(num_files: int, rng: random.Random) -> list[str]:
+def _file_paths(num_files: int, rng: random.Random, root: str | None = None) -> list[str]:
+    """A tenth under `.lake/packages/lean4/` and the rest under `Mathlib/`, as a traced Mathlib; with `root`, every
+    file under it (a dependency as another repository's corpus carries it: `.lake/packages/NAME/Name/`)."""
     namer = _syllable_namer(rng)
-    lake = max(1, num_files // 10)
+    lake = max(1, num_files // 10) if root is None else 0
     paths = []
     for t in range(num_files):
         stem = namer(2).capitalize()
         if t < lake:
             paths.append(f"{LAKE_ROOT}Init/{rng.choice(_SUBDIRS)}/{stem}.lean")
         else:
-            paths.append(f"Mathlib/{rng.choice(_DIRS)}/{rng.choice(_SUBDIRS)}/{stem}.lean")
+            paths.append(f"{root or 'Mathlib/'}{rng.choice(_DIRS)}/{rng.choice(_SUBDIRS)}/{stem}.lean")
     return paths
 
 
@@ -170,8 +172,8 @@ def _lines(words: list[str], indent: str) -> str:
 
 
 def _file_decls(path: str, namespace: str, count: int, lengths: np.ndarray, first_line: int,
-                vocabulary: list[str], word_bytes: int, rng: random.Random) -> list[_Decl]:
-    decls: list[_Decl] = []
+                vocabulary: list[str], word_bytes: int, rng: random.Random) -> list[Decl]:
+    decls: list[Decl] = []
     line = first_line
     for k in range(count):
         keyword = rng.choice(_KEYWORDS)
@@ -195,7 +197,7 @@ def _file_decls(path: str, namespace: str, count: int, lengths: np.ndarray, firs
         n_lines = code.count("\n") + 1
         last = code[code.rfind("\n") + 1 :]
         end = (line + n_lines - 1, len(last) + 1)
-        decls.append(_Decl(f"{namespace}.{short}", code, _KINDS[keyword], (line, 1), end, (name_line, name_col),
+        decls.append(Decl(f"{namespace}.{short}", code, _KINDS[keyword], (line, 1), end, (name_line, name_col),
                            len(declared), tuple(body_words[:HINT_WORDS])))
         line += n_lines + 1
     return decls
@@ -236,18 +238,52 @@ def _walk(file: int, imports: list[list[int]], rng: random.Random) -> int:
     return current
 
 
-def write_scale_dataset(out: Path, spec: ScaleSpec = MATHLIB_SCALE) -> Path:
-    """Write ``out/corpus.jsonl`` and ``out/random/{train,val,test}.json``; return `out`."""
-    out = Path(out)
-    rng = random.Random(f"scale-{spec.seed}")
-    np_rng = np.random.default_rng([spec.seed, 0])
+@dataclass
+class ScaleFiles:
+    """The corpus files of a spec, by topological number: their paths, imports (numbers) and declarations, and
+    the words their code is made of (what hinted states show)."""
+
+    paths: list[str]
+    imports: list[list[int]]
+    decls: list[list[Decl]]
+    vocabulary: list[str]
+
+    def corpus_lines(self) -> list[str]:
+        """corpus.jsonl's lines (without newlines), sorted by path as LeanDojo writes them."""
+        lines = []
+        for t in sorted(range(len(self.paths)), key=lambda t: self.paths[t]):
+            record = {
+                "path": self.paths[t],
+                "imports": [self.paths[j] for j in self.imports[t]],
+                "premises": [{"full_name": d.full_name, "code": d.code, "start": list(d.start), "end": list(d.end),
+                              "kind": d.kind} for d in self.decls[t]],
+            }
+            lines.append(json.dumps(record, ensure_ascii=False))
+        return lines
+
+    def closure(self, files: list[int]) -> list[int]:
+        """`files` and every file they import, transitively, in topological order."""
+        seen: set[int] = set()
+        todo = list(files)
+        while todo:
+            t = todo.pop()
+            if t not in seen:
+                seen.add(t)
+                todo.extend(self.imports[t])
+        return sorted(seen)
+
+
+def scale_files(spec: ScaleSpec, rng: random.Random, np_rng: np.random.Generator, root: str | None = None
+                ) -> ScaleFiles:
+    """The files of `spec`, drawn from `rng` and `np_rng` (`write_scale_dataset` goes on drawing its theorems from
+    them); `root`: every path under it (`_file_paths`)."""
     imports = plan_imports(spec.files, spec.seed)
-    paths = _file_paths(spec.files, rng)
+    paths = _file_paths(spec.files, rng, root)
     counts = _premise_counts(spec, np_rng)
     lengths = _code_lengths(spec.premises, np_rng)
     vocabulary = [_word(rng, rng.randint(1, 3)) for _ in range(3000)] + list(_SYMBOLS) * 20
     word_bytes = round(sum(len(w.encode()) + 1 for w in vocabulary) / len(vocabulary))
-    files: list[list[_Decl]] = []
+    files: list[list[Decl]] = []
     offset = 0
     for t in range(spec.files):
         namespace = paths[t].rsplit("/", 1)[1][: -len(".lean")]
@@ -255,17 +291,20 @@ def write_scale_dataset(out: Path, spec: ScaleSpec = MATHLIB_SCALE) -> Path:
         files.append(_file_decls(paths[t], namespace, n, lengths[offset : offset + n], 3 + len(imports[t]),
                                  vocabulary, word_bytes, rng))
         offset += n
-    theorems = _theorems(spec, paths, imports, files, vocabulary, rng, np_rng)
+    return ScaleFiles(paths, imports, files, vocabulary)
+
+
+def write_scale_dataset(out: Path, spec: ScaleSpec = MATHLIB_SCALE) -> Path:
+    """Write ``out/corpus.jsonl`` and ``out/random/{train,val,test}.json``; return `out`."""
+    out = Path(out)
+    rng = random.Random(f"scale-{spec.seed}")
+    np_rng = np.random.default_rng([spec.seed, 0])
+    built = scale_files(spec, rng, np_rng)
+    theorems = _theorems(spec, built.paths, built.imports, built.decls, built.vocabulary, rng, np_rng)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "corpus.jsonl", "w", encoding="utf-8") as fh:
-        for t in sorted(range(spec.files), key=lambda t: paths[t]):
-            record = {
-                "path": paths[t],
-                "imports": [paths[j] for j in imports[t]],
-                "premises": [{"full_name": d.full_name, "code": d.code, "start": list(d.start), "end": list(d.end),
-                              "kind": d.kind} for d in files[t]],
-            }
-            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        for line in built.corpus_lines():
+            fh.write(line + "\n")
     rng.shuffle(theorems)
     n_eval = max(1, round(spec.eval_share * len(theorems)))
     parts = {"val": theorems[:n_eval], "test": theorems[n_eval : 2 * n_eval], "train": theorems[2 * n_eval :]}
@@ -275,7 +314,7 @@ def write_scale_dataset(out: Path, spec: ScaleSpec = MATHLIB_SCALE) -> Path:
     return out
 
 
-def _annotation(path: str, decl: _Decl, rng: random.Random) -> dict[str, Any]:
+def decl_annotation(path: str, decl: Decl, rng: random.Random) -> dict[str, Any]:
     line, col = decl.name_pos
     # A few annotations name a generated declaration (to_additive and the like) that is not in the corpus:
     # only the position finds the premise.
@@ -283,7 +322,7 @@ def _annotation(path: str, decl: _Decl, rng: random.Random) -> dict[str, Any]:
     return {"full_name": name, "def_path": path, "def_pos": [line, col], "def_end_pos": [line, col + decl.name_len]}
 
 
-def _theorems(spec: ScaleSpec, paths: list[str], imports: list[list[int]], files: list[list[_Decl]],
+def _theorems(spec: ScaleSpec, paths: list[str], imports: list[list[int]], files: list[list[Decl]],
               vocabulary: list[str], rng: random.Random, np_rng: np.random.Generator) -> list[dict[str, Any]]:
     """Theorems of the repository's own files (not ``.lake``), each one of its file's premises."""
     own = [t for t in range(spec.files) if not paths[t].startswith(".lake/")]
@@ -303,7 +342,7 @@ def _theorems(spec: ScaleSpec, paths: list[str], imports: list[list[int]], files
                     if target_file < 0:
                         continue
                     target = rng.choice(files[target_file])
-                annotations.append(_annotation(paths[target_file], target, rng))
+                annotations.append(decl_annotation(paths[target_file], target, rng))
                 used.append(target)
             names = [a["full_name"].rsplit(".", 1)[1] for a in annotations]
             tactic = f"simp [{', '.join(names)}]" if names else rng.choice(("intro x", "ring", "omega", "constructor"))

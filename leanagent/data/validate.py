@@ -45,8 +45,10 @@ class _Report:
         self.add(where if sep else "", message if sep else where)
 
 
-def _read_corpus(path: Path, report: _Report) -> tuple[Corpus | None, list[str]]:
-    """The corpus of the lines that parse, and where the others are (`corpus.jsonl:4`)."""
+def _read_corpus(path: Path, report: _Report) -> tuple[Corpus | None, list[str], int]:
+    """The corpus of the lines that parse, where the others are (`corpus.jsonl:4`), and how many imports name files
+    it lacks when some lines are unreadable (most likely files on those lines: counted for one summary, not
+    listed)."""
     records: list[FileRecord] = []
     lines: dict[str, int] = {}
     unreadable: list[str] = []
@@ -68,7 +70,7 @@ def _read_corpus(path: Path, report: _Report) -> tuple[Corpus | None, list[str]]
                     report.add(where, f"premise {p.full_name} starts at {list(p.start)} after it ends at {list(p.end)}")
     except OSError as exc:
         report.add("corpus.jsonl", f"cannot be read: {exc}")
-        return None, unreadable
+        return None, unreadable, 0
     missing_imports = 0
     for rec in records:
         for imp in rec.imports:
@@ -77,12 +79,9 @@ def _read_corpus(path: Path, report: _Report) -> tuple[Corpus | None, list[str]]
                     missing_imports += 1
                 else:
                     report.add(f"corpus.jsonl:{lines[rec.path]}", f"imports {imp} which is not in the corpus")
-    if missing_imports:
-        report.add("corpus.jsonl", f"{missing_imports} import(s) of files not in the corpus, probably those on the "
-                                   f"unreadable line(s) above; fix those first")
     for cycle in _import_cycles({r.path: r.imports for r in records}):
         report.add(f"corpus.jsonl:{lines[cycle[0]]}", "import cycle: " + " -> ".join(cycle + [cycle[0]]))
-    return Corpus(records), unreadable
+    return Corpus(records), unreadable, missing_imports
 
 
 def _import_cycles(graph: dict[str, list[str]]) -> list[list[str]]:
@@ -129,16 +128,23 @@ def _read_split(path: Path, report: _Report) -> list[Theorem]:
 
 @dataclass
 class _Missing:
-    """What refers to files a corpus with unreadable lines lacks: counted, for one summary line."""
+    """What refers to files a corpus with unreadable lines lacks (its own imports, the splits' theorems and
+    annotations): counted, for one summary line after the unreadable lines themselves."""
 
+    imports: int = 0
     theorems: int = 0
     annotations: int = 0
 
+    def __bool__(self) -> bool:
+        return bool(self.imports or self.theorems or self.annotations)
+
     def summary(self) -> str:
-        parts = [f"{n} {what}" for n, what in ((self.theorems, "theorem(s)"), (self.annotations,
-                                                                             "premise annotation(s)")) if n]
-        return (f"{' and '.join(parts)} of the splits refer to files not in the corpus, probably those on its "
-                f"unreadable line(s); fix those first")
+        parts = [f"{n} {what}" for n, what in ((self.imports, "import(s) in the corpus"),
+                                               (self.theorems, "theorem(s) of the splits"),
+                                               (self.annotations, "premise annotation(s) of the splits")) if n]
+        listed = ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
+        return (f"{listed} refer to files not in the corpus, probably those on its unreadable line(s); fix those "
+                f"first")
 
 
 def _check_theorems(theorems: list[Theorem], corpus: Corpus, report: _Report, missing: _Missing | None = None) -> int:
@@ -180,14 +186,17 @@ def _validate(dataset_dir: Path, split: str) -> list[Problem]:
     corpus_file = dataset_dir / "corpus.jsonl"
     corpus: Corpus | None = None
     unreadable: list[str] = []
+    missing_imports = 0
     if corpus_file.is_file():
-        corpus, unreadable = _read_corpus(corpus_file, report)
+        corpus, unreadable, missing_imports = _read_corpus(corpus_file, report)
     else:
         report.add("corpus.jsonl", "missing (every dataset needs its premise corpus)")
-    missing = _Missing() if unreadable else None
+    missing = _Missing(imports=missing_imports) if unreadable else None
     split_dir = dataset_dir / split
     if not split_dir.is_dir():
         report.add(split, "split folder is missing")
+        if missing:
+            report.add("", missing.summary())
         return report.problems
     for name in SPLIT_FILES:
         path = split_dir / name
@@ -200,6 +209,6 @@ def _validate(dataset_dir: Path, split: str) -> list[Problem]:
         labelled = _check_theorems(theorems, corpus, report, missing)
         if name == "train.json" and labelled == 0 and missing is None:
             report.add(f"{split}/{name}", "no training example: no tactic has a premise annotation found in the corpus")
-    if missing is not None and (missing.theorems or missing.annotations):
+    if missing:
         report.add("", missing.summary())
     return report.problems

@@ -2,8 +2,9 @@
 
 ANCE-style mining: a context's negatives come from the top `data.mined_pool` premises the model itself ranks
 highest among those the context may use, its positives left out. The ranking is refreshed at every validation
-from the corpus embedding validation computes anyway (`PremiseRetriever.corpus_embedding`), so the corpus is
-embedded no extra time; what mining adds is one no-grad pass over the training *contexts* (each distinct one
+from the premise embedding validation computes anyway (`PremiseRetriever.corpus_embedding`, which then holds the
+premises the training contexts may use too: `RetrievalDataModule.retrieval_positions`), so no premise is
+embedded an extra time; what mining adds is one no-grad pass over the training *contexts* (each distinct one
 once) and a top-k against that embedding. Before the first validation there is no table and the negatives
 are LeanAgent's random ones.
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from leanagent.data.corpus import Corpus
 from leanagent.data.dataset import TrainExample, tokenize_texts
-from leanagent.model.topk import top_k_accessible
+from leanagent.model.evaluation import CorpusEmbedding
 
 
 def _distinct_contexts(examples: Sequence[TrainExample]) -> tuple[list[TrainExample], list[int]]:
@@ -51,11 +52,11 @@ def _with_positives(ex: TrainExample, positives: set[int]) -> TrainExample:
 
 
 @torch.no_grad()
-def mine_table(model, corpus_emb: torch.Tensor, corpus: Corpus, examples: Sequence[TrainExample], pool: int,
+def mine_table(model, embedding: CorpusEmbedding, corpus: Corpus, examples: Sequence[TrainExample], pool: int,
                context_max_len: int, batch_size: int, progress: Callable[[str], None] | None = None) -> torch.Tensor:
     """(len(examples), pool) int32 on the CPU: row e is example e's top `pool` accessible non-positive premises by
-    `model`, best first, -1 where it has fewer. The same on every rank (see the module docstring). `progress`:
-    called after each batch (the heartbeat a watchdog reads)."""
+    `model` against `embedding` (of `corpus`'s premises), best first, -1 where it has fewer. The same on every rank
+    (see the module docstring). `progress`: called after each batch (the heartbeat a watchdog reads)."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world > 1 else 0
     distinct, of_example = _distinct_contexts(examples)
@@ -67,10 +68,10 @@ def mine_table(model, corpus_emb: torch.Tensor, corpus: Corpus, examples: Sequen
 
     mine = owned_by(rank)
     shard_len = -(-len(distinct) // world)
-    shard = torch.full((shard_len, pool), -1, dtype=torch.int64, device=corpus_emb.device)
+    shard = torch.full((shard_len, pool), -1, dtype=torch.int64, device=embedding.emb.device)
     for lo in range(0, len(mine), batch_size):
         picked = mine[lo : lo + batch_size]
-        shard[lo : lo + len(picked)] = _mine_batch(model, corpus_emb, corpus, [distinct[i] for i in picked], pool,
+        shard[lo : lo + len(picked)] = _mine_batch(model, embedding, corpus, [distinct[i] for i in picked], pool,
                                                    context_max_len)
         if progress is not None:
             progress("mine-negatives")
@@ -87,10 +88,11 @@ def mine_table(model, corpus_emb: torch.Tensor, corpus: Corpus, examples: Sequen
     return table[torch.tensor(of_example, dtype=torch.long)].to(torch.int32)
 
 
-def _mine_batch(model, corpus_emb: torch.Tensor, corpus: Corpus, batch: list[TrainExample], pool: int,
+def _mine_batch(model, embedding: CorpusEmbedding, corpus: Corpus, batch: list[TrainExample], pool: int,
                 context_max_len: int) -> torch.Tensor:
+    device = embedding.emb.device
     ids, mask = tokenize_texts(model.tokenizer, [ex.context for ex in batch], context_max_len)
-    context_emb, _ = model.encode_pool(ids.to(corpus_emb.device), mask.to(corpus_emb.device), mask.sum(dim=1).tolist())
+    context_emb, _ = model.encode_pool(ids.to(device), mask.to(device), mask.sum(dim=1).tolist())
     cache: dict[tuple, torch.Tensor] = {}
     rows = []
     for ex in batch:
@@ -100,7 +102,7 @@ def _mine_batch(model, corpus_emb: torch.Tensor, corpus: Corpus, batch: list[Tra
         allowed = cache[key].clone()
         allowed[torch.tensor(ex.all_pos_premises, dtype=torch.long)] = False
         rows.append(allowed)
-    scores, idx = top_k_accessible(context_emb, corpus_emb, torch.stack(rows), pool)
+    scores, idx = embedding.top_k(context_emb, torch.stack(rows), pool)
     idx = idx.masked_fill(~torch.isfinite(scores), -1)
     if idx.shape[1] < pool:  # a corpus smaller than the pool
         idx = torch.cat([idx, idx.new_full((len(batch), pool - idx.shape[1]), -1)], dim=1)

@@ -4,32 +4,31 @@ Follows ReProver's dense retriever (Yang et al., 2023): masked mean pooling, L2 
 an MSE loss between the context-premise similarity matrix and the 0/1 label matrix (or, as an option,
 InfoNCE over it: `losses.py`), AdamW with a cosine schedule after linear warmup. LeanAgent adds an
 EWC penalty that anchors the parameters to their values at the start of training on a new repository,
-weighted by a diagonal Fisher.
+weighted by a diagonal Fisher (`ewc.py`). Validation and test (embedding premises, ranking, metrics) are
+`evaluation.py`; this module holds the encoder, the training step and the Lightning hooks that call them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoTokenizer, ByT5Tokenizer, T5Config, T5EncoderModel
 
-from leanagent.data.dataset import tokenize_premises
 from leanagent.model.encoder import CompiledBlocks, encoder_hidden
+from leanagent.model.evaluation import CorpusEmbedding, RetrievalEvaluation, embed_premises
+from leanagent.model.ewc import EWC
 from leanagent.model.grad_cache import grad_cached_loss
 from leanagent.model.losses import retrieval_loss
 from leanagent.model.lr_schedule import build_optimizer_and_schedule, reference_horizon
-from leanagent.model.metrics import ContextScore, aggregate, score_context
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.pool_plan import Piece, PoolPlan, TokenCount, plan_pool
 from leanagent.model.sub_batches import call_cost_for
-from leanagent.model.topk import top_k_accessible
+from leanagent.timings import JobClock, no_clock
 
 BYT5_VOCAB_SIZE = 384
 
@@ -39,43 +38,6 @@ def load_tokenizer(name_or_path: str, vocab_size: int):
     if vocab_size == BYT5_VOCAB_SIZE:
         return ByT5Tokenizer()
     return AutoTokenizer.from_pretrained(name_or_path)
-
-
-def premise_token_lengths(corpus, max_len: int) -> np.ndarray:
-    """ByT5 tokens of each premise (its UTF-8 bytes and `</s>`), capped at `max_len`."""
-    encoded = corpus.premise_utf8(range(len(corpus)))  # cached per corpus: tokenization reuses these bytes
-    return np.minimum(np.fromiter((len(b) + 1 for b in encoded), dtype=np.int64, count=len(encoded)), max_len)
-
-
-def corpus_embedding_dtype(precision: str | None, device: torch.device) -> torch.dtype:
-    """The dtype to keep the corpus embedding in: the one retrieval's product runs in.
-
-    Under bf16 precision the validation step runs in autocast, which rounds both operands of the product
-    to bf16 on every batch (LeanAgent's too): storing them rounded once gives the same scores, half the
-    memory and no per-batch cast of the whole corpus (on a CPU that cast cost as much as the product).
-    Without a trainer (building an index), a GPU keeps bf16 and a CPU fp32.
-    """
-    if precision is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return torch.bfloat16 if str(precision).startswith("bf16") else torch.float32
-
-
-def length_order(corpus, max_len: int) -> np.ndarray:
-    """Premise indices by token length (stable): neighbours in this order pad little against each other."""
-    return np.argsort(premise_token_lengths(corpus, max_len), kind="stable")
-
-
-def token_budget_batches(lengths: np.ndarray, budget: int) -> list[tuple[int, int]]:
-    """[lo, hi) runs of a length-sorted sequence whose padded size (count x longest) stays within `budget`."""
-    batches, lo, longest = [], 0, 0
-    for i, length in enumerate(lengths.tolist()):
-        longest = max(longest, length)
-        if i > lo and (i + 1 - lo) * longest > budget:
-            batches.append((lo, i))
-            lo, longest = i, length
-    if lo < len(lengths):
-        batches.append((lo, len(lengths)))
-    return batches
 
 
 def compile_wanted(setting: str | bool, device: torch.device) -> bool:
@@ -107,15 +69,14 @@ class PremiseRetriever(pl.LightningModule):
         self.tokenizer = load_tokenizer(options.name_or_path, self.encoder.config.vocab_size)
         self._options = options
         self._store_options()
-        self._ewc_fisher: dict[str, torch.Tensor] = {}
-        self._ewc_anchor: dict[str, torch.Tensor] = {}
-        self.ewc_lambda = 0.0
-        self._corpus_emb: torch.Tensor | None = None
-        self._scores: list[ContextScore] = []
+        self.ewc = EWC()
+        self.evaluation = RetrievalEvaluation()
         self.eval_metrics: dict[str, float] = {}
         self.validation_history: list[dict[str, float]] = []
         # Set by the Heartbeat callback: called inside long loops so a watchdog sees progress.
         self.progress_hook: Callable[[str], None] | None = None
+        # Where the job's time goes (`leanagent.timings`): a rank program gives its own; elsewhere nothing is timed.
+        self.clock: JobClock = no_clock()
         # False: transformers' own forward, which builds the attention mask in every layer (the bench's
         # "sorted" row times it); True: `encoder_hidden`, one mask per forward, bit-identical outputs.
         self.one_mask = True
@@ -222,42 +183,18 @@ class PremiseRetriever(pl.LightningModule):
                                                                           self.options),
                                 [p for p in self.parameters() if p.requires_grad], self.device)
 
-    # ---- EWC ------------------------------------------------------------------------------
+    # ---- EWC (`ewc.py`) ----------------------------------------------------------------------
     def set_ewc(self, fisher: dict[str, torch.Tensor], ewc_lambda: float,
                 anchor: dict[str, torch.Tensor] | None = None) -> None:
         """Arm the EWC penalty. theta* is `anchor` when given (a retry resuming mid-repository), otherwise
         the parameters in on_fit_start, after the starting checkpoint is restored."""
-        params = dict(self.named_parameters())
-        missing = sorted(set(params) - set(fisher))
-        unknown = sorted(set(fisher) - set(params))
-        if missing or unknown:
-            raise ValueError(
-                f"Fisher does not match the model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                f"unexpected {unknown[:5]}{'...' if len(unknown) > 5 else ''}"
-            )
-        for name, value in fisher.items():
-            if value.shape != params[name].shape:
-                raise ValueError(f"Fisher entry {name} has shape {tuple(value.shape)}, parameter has "
-                                 f"{tuple(params[name].shape)}")
-        self._ewc_fisher = dict(fisher)
-        self.ewc_lambda = float(ewc_lambda)
-        self._ewc_anchor = {n: anchor[n].detach().float().clone() for n in fisher} if anchor is not None else {}
+        self.ewc.set(dict(self.named_parameters()), fisher, ewc_lambda, anchor)
 
     def ewc_penalty(self) -> torch.Tensor:
-        total = torch.zeros((), device=self.device)
-        if not self._ewc_fisher or self.ewc_lambda == 0.0:
-            return total
-        for name, param in self.named_parameters():
-            total = total + (self._ewc_fisher[name] * (param.float() - self._ewc_anchor[name]) ** 2).sum()
-        return self.ewc_lambda * total
+        return self.ewc.penalty(self.named_parameters(), self.device)
 
     def on_fit_start(self) -> None:
-        if self._ewc_fisher:
-            self._ewc_fisher = {n: f.to(self.device, torch.float32) for n, f in self._ewc_fisher.items()}
-            if self._ewc_anchor:
-                self._ewc_anchor = {n: a.to(self.device) for n, a in self._ewc_anchor.items()}
-            else:
-                self._ewc_anchor = {n: p.detach().float().clone() for n, p in self.named_parameters()}
+        self.ewc.fit_start(self.named_parameters(), self.device)
 
     # The validation history rides in checkpoints so that a resumed job reports its best epoch's metrics.
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -299,7 +236,7 @@ class PremiseRetriever(pl.LightningModule):
         # Synced once, at the epoch's end (on_step=False): the mean over all ranks' steps.
         self.log("train_token_efficiency", self.last_tokens.efficiency, on_step=False, on_epoch=True,
                  batch_size=len(batch["index"]), sync_dist=True)
-        if self._ewc_fisher and self.ewc_lambda > 0:
+        if self.ewc.active:
             penalty = self.ewc_penalty()
             self.log("ewc_penalty", penalty, on_step=True, on_epoch=False, batch_size=len(batch["index"]))
             loss = loss + penalty
@@ -315,97 +252,25 @@ class PremiseRetriever(pl.LightningModule):
         return build_optimizer_and_schedule(self.parameters(), self.options.lr, self.options.warmup_steps,
                                             horizon, gradient_clip_val=trainer.gradient_clip_val)
 
-    # ---- retrieval evaluation (validation and test share it) ------------------------------
-    @torch.no_grad()
-    def embed_corpus(self, corpus, batch_tokens: int | None = None) -> torch.Tensor:
-        """Every premise's embedding, in corpus order, on every rank.
-
-        Premises are ordered by length and dealt round-robin to the ranks, so each rank gets a
-        similar share of long ones; each rank encodes its share in token-budget batches of similar
-        lengths, so little compute goes to padding (taken in corpus order, about a quarter of the
-        tokens of a real corpus are padding). The shards are then gathered and put back in corpus
-        order. Embeddings are the same as unsorted batching up to float tolerance: padding is masked.
-        They are stored in the dtype retrieval multiplies them in (`corpus_embedding_dtype`). `batch_tokens`:
-        the padded-token budget of one batch (default: `options.embed_batch_tokens`, as evaluation embeds).
-        """
-
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        rank = dist.get_rank() if world > 1 else 0
-        max_len = self.options.max_seq_len
-        n = len(corpus)
-        order = length_order(corpus, max_len)
-        shards = [order[r::world] for r in range(world)]
-        mine = shards[rank]
-        shard_len = -(-n // world)
-        dim = self.encoder.config.d_model
-        trainer = self._trainer
-        dtype = corpus_embedding_dtype(trainer.precision if trainer is not None else None, self.device)
-        shard = torch.zeros(shard_len, dim, device=self.device, dtype=dtype)
-        lengths = premise_token_lengths(corpus, max_len)
-        for lo, hi in token_budget_batches(lengths[mine], batch_tokens or self.options.embed_batch_tokens):
-            ids, mask = tokenize_premises(self.tokenizer, corpus, mine[lo:hi], max_len)
-            padded = not bool(mask.all())  # read on the host, before the copy: no device sync
-            shard[lo:hi] = self.encode(ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True),
-                                       padded=padded).to(dtype)
-            if self.progress_hook is not None:
-                self.progress_hook("embed-corpus")
-        full = torch.empty(n, dim, device=self.device, dtype=dtype)
-        if world == 1:
-            full[torch.from_numpy(mine).to(self.device)] = shard[: len(mine)]
-            return full
-        gathered = [torch.empty_like(shard) for _ in range(world)]
-        dist.all_gather(gathered, shard)
-        for part, idx in zip(gathered, shards, strict=True):
-            full[torch.from_numpy(idx).to(self.device)] = part[: len(idx)]
-        return full
-
-    def _start_eval(self) -> None:
-        self._scores = []
-        # Epoch-start hooks run outside Lightning's autocast, so by default the corpus is embedded in fp32,
-        # as LeanAgent's `reindex_corpus` (in `on_validation_start`) does; `corpus_autocast` opts into
-        # the trainer's own autocast (the validation step's).
-        autocast = self.trainer.precision_plugin.forward_context() if self.options.corpus_autocast \
-            else nullcontext()
-        with autocast:
-            self._corpus_emb = self.embed_corpus(self.trainer.datamodule.corpus)
+    # ---- retrieval evaluation (`evaluation.py`; validation and test share it) -------------------
+    def embed_corpus(self, source, batch_tokens: int | None = None) -> torch.Tensor:
+        """Every premise's embedding of `source` (a `Corpus`, or a `PremiseTable`'s rows), in its order, on every
+        rank: `evaluation.embed_premises`."""
+        return embed_premises(self, source, batch_tokens)
 
     @property
-    def corpus_embedding(self) -> torch.Tensor | None:
-        """The corpus embedding of the evaluation in progress (None outside one): mined negatives reuse it."""
-        return self._corpus_emb
-
-    def _eval_step(self, batch: dict[str, Any]) -> None:
-        assert self._corpus_emb is not None
-        context_emb, _ = self.encode_pool(batch["context_ids"], batch["context_mask"], batch.get("context_lengths"))
-        top_scores, top_idx = top_k_accessible(context_emb, self._corpus_emb, batch["accessible_mask"],
-                                               self.options.num_retrieved)
-        for row, index in enumerate(batch["index"].tolist()):
-            # Fewer accessible premises than k is normal (first file of a repo): keep only real hits.
-            retrieved = top_idx[row][torch.isfinite(top_scores[row])].tolist()
-            self._scores.append(score_context(index, retrieved, batch["pos_premises"][row]))
-
-    def _finish_eval(self, suffix: str) -> dict[str, float]:
-        scores = self._scores
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            parts: list[list[ContextScore]] = [[] for _ in range(dist.get_world_size())]
-            dist.all_gather_object(parts, scores)
-            scores = [s for part in parts for s in part]
-        metrics = aggregate(scores)
-        self.log(f"Recall@1{suffix}", metrics["Recall@1"], sync_dist=True)
-        self.log(f"Recall@10{suffix}", metrics["Recall@10"], sync_dist=True)
-        self.log("MRR", metrics["MRR"], sync_dist=True)
-        self._corpus_emb = None
-        self._scores = []
-        return metrics
+    def corpus_embedding(self) -> CorpusEmbedding | None:
+        """The premise embedding of the evaluation in progress (None outside one): mined negatives reuse it."""
+        return self.evaluation.embedding
 
     def on_validation_epoch_start(self) -> None:
-        self._start_eval()
+        self.evaluation.start(self, self.trainer.datamodule, "val")
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        self._eval_step(batch)
+        self.evaluation.step(self, batch)
 
     def on_validation_epoch_end(self) -> None:
-        self.eval_metrics = self._finish_eval("_val")
+        self.eval_metrics = self.evaluation.finish(self, "_val")
         if not self.trainer.sanity_checking:
             self.validation_history.append({
                 "epoch": self.current_epoch, "step": self.global_step,
@@ -414,10 +279,10 @@ class PremiseRetriever(pl.LightningModule):
             })
 
     def on_test_epoch_start(self) -> None:
-        self._start_eval()
+        self.evaluation.start(self, self.trainer.datamodule, "test")
 
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        self._eval_step(batch)
+        self.evaluation.step(self, batch)
 
     def on_test_epoch_end(self) -> None:
-        self.eval_metrics = self._finish_eval("")
+        self.eval_metrics = self.evaluation.finish(self, "")

@@ -14,7 +14,8 @@ Units, as in LeanAgent: Recall@1 and Recall@10 in percent (2 decimals), MRR a fr
 a recall matrix (`load_run`); `comparison_text`, `comparison_json` and `write_png` render them.
 
 One module per concern: `run.py` (one run's report), `compare.py` (runs side by side), `png.py` (the
-figure), `cells.py` (how a number is printed); this package names what the rest of leanagent uses.
+figure), `cells.py` (how a number is printed), `timing.py` (where each job's time went); this package names what
+the rest of leanagent uses.
 """
 
 from leanagent.report.compare import (
@@ -36,7 +37,8 @@ from leanagent.report.run import (
     RunReport,
     report_from_manifest,
 )
+from leanagent.report.timing import JobCost, job_costs, time_markdown, time_text
 
-__all__ = ["GLOSSARY", "MATRIX_METRIC", "METRIC_COLUMNS", "UNTRAINED", "VAL_METRIC", "LifelongRun", "RunReport",
-           "SourceError", "compare", "comparison_json", "comparison_text", "load_run", "report_from_manifest",
-           "run_setup", "write_png"]
+__all__ = ["GLOSSARY", "MATRIX_METRIC", "METRIC_COLUMNS", "UNTRAINED", "VAL_METRIC", "JobCost", "LifelongRun",
+           "RunReport", "SourceError", "compare", "comparison_json", "comparison_text", "job_costs", "load_run",
+           "report_from_manifest", "run_setup", "time_markdown", "time_text", "write_png"]

@@ -16,6 +16,7 @@ from typing import Any
 
 from leanagent.lifelong_metrics import check_matrix, lifelong_metrics
 from leanagent.report.cells import mean, mean_of, metric, mrr, pct
+from leanagent.report.timing import JobCost, job_costs, time_markdown, time_summary, time_text
 from leanagent.run_state import EVAL_UNTRAINED, TRAIN, eval_stage, stage_result
 
 MATRIX_METRIC = "Recall@10"
@@ -37,6 +38,8 @@ class RunReport:
     matrix: list[list[float | None]] = field(default_factory=list)
     # baseline[j]: MATRIX_METRIC of the untrained model (model.name_or_path) on repository j.
     baseline: list[float | None] = field(default_factory=list)
+    # Each finished job's seconds by part and the premises it embedded (`report/timing.py`), in the order they ran.
+    costs: list[JobCost] = field(default_factory=list)
 
     def set_baseline(self, evaluations: list[dict]) -> None:
         self.baseline = [e["metrics"][MATRIX_METRIC] for e in evaluations]
@@ -106,10 +109,11 @@ class RunReport:
                 f"{GLOSSARY}\n\n{self._metrics_markdown()}\n"
                 f"## {MATRIX_METRIC} matrix\n\nRow i: the model after training on repository i; column j: the "
                 f"repository evaluated. Read a column downwards to see forgetting.\n\n{matrix}\n"
-                f"{self._summary_lines()}\n\nManifest: `{manifest}`\n")
+                f"{self._summary_lines()}\n\n{time_markdown(self.costs)}\nManifest: `{manifest}`\n")
 
-    def text(self) -> str:
-        """Plain text for a terminal: the per-repository table, the metrics after each repository, the matrix."""
+    def text(self, time_table: bool = True) -> str:
+        """Plain text for a terminal: the per-repository table, the metrics after each repository, the matrix, then
+        where the time went (a table per job, or with `time_table=False` one line for all of them)."""
         lines = [f"{'repository':<24} {'R@1':>7} {'R@10':>7} {'MRR':>7} {'val R@10':>8} {'epochs':>6}  checkpoint"]
         lines += [f"{r['repository'][:24]:<24} {pct(r.get('R@1')):>7} {pct(r.get('R@10')):>7} "
                   f"{mrr(r.get('MRR')):>7} {pct(r.get('val R@10')):>8} {r.get('epochs')!s:>6}  {r.get('checkpoint')}"
@@ -119,6 +123,8 @@ class RunReport:
                   f"{'':<24} " + " ".join(f"{n[:10]:>10}" for n in self.names)]
         lines += [f"{label[:24]:<24} " + " ".join(f"{pct(v):>10}" for v in row) for label, row in self._matrix_rows()]
         lines += ["", self._summary_lines(), GLOSSARY]
+        if self.costs:
+            lines += ["", time_text(self.costs) if time_table else time_summary(self.costs)]
         return "\n".join(lines)
 
     def _triangle(self) -> list[list[float]]:
@@ -162,7 +168,7 @@ class RunReport:
 def report_from_manifest(manifest: dict) -> RunReport:
     """Rebuild the report of a run (finished or not) from its manifest, as `leanagent report` prints it."""
     names = list(manifest.get("order") or [])
-    report = RunReport(names)
+    report = RunReport(names, costs=job_costs(manifest))
     baseline = [stage_result(manifest, j, name, EVAL_UNTRAINED) for j, name in enumerate(names)]
     if names and all(b is not None for b in baseline):
         report.set_baseline(baseline)

@@ -5,7 +5,8 @@
 - `MinedNegatives`: `data.negatives: mined`, the table refreshed at each validation;
 - `StepCheckpoint`: `last.ckpt` during an epoch as well, for a mid-epoch resume;
 - `RandomState`: every rank's RNG in every checkpoint, so that a resumed run draws what an uninterrupted one did;
-- `Heartbeat`: liveness and progress for the launcher's watchdog and display (`leanagent.job.beat`).
+- `Heartbeat`: liveness and progress for the launcher's watchdog and display (`leanagent.job.beat`);
+- `JobTimings`: where the training loop's time goes, for result.json's `timings`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from leanagent.job import beat
 from leanagent.model.mining import mine_table
 from leanagent.ranks import global_rank
+from leanagent.timings import JobClock
 from leanagent.train.progress import ProgressTracker
 
 MONITOR = "Recall@10_val"
@@ -49,19 +51,47 @@ class RepositoryEarlyStopping(EarlyStopping):
 
 class MinedNegatives(Callback):
     """`data.negatives: mined`: at the end of each validation, mine the training contexts' negatives from the
-    corpus embedding that validation computed (`leanagent.model.mining`) and hand the table to the data module,
+    premise embedding that validation computed (`leanagent.model.mining`) and hand the table to the data module,
     which draws the next epoch's negatives from it and keeps it in checkpoints. Callbacks' epoch-end hooks run
     before the retriever's own, which frees that embedding, and before the epoch's checkpoint is saved."""
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         datamodule = trainer.datamodule
-        corpus_emb = pl_module.corpus_embedding
-        if trainer.sanity_checking or corpus_emb is None:
+        embedding = pl_module.corpus_embedding
+        if trainer.sanity_checking or embedding is None:
             return
         cfg = datamodule.cfg
-        table = mine_table(pl_module, corpus_emb, datamodule.corpus, datamodule.train_examples, cfg.mined_pool,
-                           cfg.max_seq_len, cfg.eval_batch_size, pl_module.progress_hook)
+        with pl_module.clock.part("mining"):
+            table = mine_table(pl_module, embedding, datamodule.corpus, datamodule.train_examples, cfg.mined_pool,
+                               cfg.max_seq_len, cfg.eval_batch_size, pl_module.progress_hook)
         datamodule.set_mined(table.numpy())
+
+
+class JobTimings(Callback):
+    """Charges a training loop to the job's clock (`leanagent.timings`): each batch's step to `train_steps`, the
+    rest of an epoch to `train_loader` (fetching batches, the loop between steps), except what other parts claim
+    inside it (validation's `embed` and `rank`, `mining`, `checkpoints`). Startup ends when the first epoch
+    starts."""
+
+    def __init__(self, clock: JobClock) -> None:
+        self.clock = clock
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.clock.ready()
+        self.clock.start("train_loader")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.clock.ready()  # a run resumed mid-epoch starts with a batch, not an epoch
+        self.clock.start("train_loader")
+        self.clock.start("train_steps")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.clock.stop("train_steps")
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.clock.stop("train_loader")
 
 
 class DatasetEpoch(Callback):

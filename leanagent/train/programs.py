@@ -2,7 +2,8 @@
 
 Started by torchrun (a launcher in `leanagent/launch/`), never imported by a launcher. Each creates
 the process group first so that the seed's barriers (before loading data, before and after fit)
-really synchronize, and rank 0 writes `JOB_DIR/result.json` atomically at the end.
+really synchronize, and rank 0 writes `JOB_DIR/result.json` atomically at the end, with where the job's
+time went (`timings`, `leanagent.timings`), the premises it embedded and its peak memory.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import time
 from pathlib import Path
 
 import pytorch_lightning as pl
+import torch
 import torch.distributed as dist
 
 from leanagent import supervision
 from leanagent.atomic import write_json_atomic
 from leanagent.checkpoints import BadFileError, epoch_step, read_fisher, save_fisher
 from leanagent.config import PipelineConfig, load_config
-from leanagent.data.datamodule import RetrievalDataModule
+from leanagent.data.datamodule import RetrievalDataModule, union_table
 from leanagent.data.errors import DatasetError
 from leanagent.exit_fast import freeze_for_exit
 from leanagent.job import NEEDS_RESUME_FILE, beat, result_filename
@@ -27,7 +29,8 @@ from leanagent.model.fisher import fisher_estimator
 from leanagent.model.loading import load_retriever
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.ranks import global_rank, local_rank, node_rank
-from leanagent.train.callbacks import Heartbeat, MinedNegatives, StopRequested
+from leanagent.timings import JobClock, peak_rss_mb
+from leanagent.train.callbacks import Heartbeat, JobTimings, MinedNegatives, StopRequested
 from leanagent.train.plan import JOB_PLAN, ewc_anchor, plan_training, start_at_epoch
 from leanagent.train.trainer import (
     build_eval_trainer,
@@ -50,20 +53,22 @@ def make_datamodule(cfg: PipelineConfig, dataset: Path, model: PremiseRetriever)
 # ---- train ----------------------------------------------------------------------------------
 
 def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path | None,
-              fisher: Path | None) -> dict:
+              fisher: Path | None, clock: JobClock | None = None) -> dict:
+    clock = clock or JobClock()
     plan = plan_training(job_dir, checkpoint, cfg.lifelong.epochs_per_repo)
     if plan.unreadable and global_rank() == 0:
         for line in plan.unreadable:
             print(f"skipped unreadable checkpoint: {line}", flush=True)
         print(f"resuming from {plan.resume_from or cfg.model.name_or_path} instead", flush=True)
     model = load_retriever(cfg, Path(plan.resume_from) if plan.resume_from else None, weights=plan.from_reference)
+    model.clock = clock
     if fisher is not None and cfg.lifelong.ewc_lambda > 0:
         fisher_tensors, _ = read_fisher(fisher)
         model.set_ewc(fisher_tensors, cfg.lifelong.ewc_lambda, anchor=ewc_anchor(cfg, plan))
     # A new repository starts early stopping afresh; a retry of this job keeps its patience count.
     heartbeat = Heartbeat(job_dir)
     mining = [MinedNegatives()] if cfg.data.negatives == "mined" else []
-    trainer = build_training_trainer(cfg.trainer, job_dir, plan.target_epochs, [heartbeat, *mining],
+    trainer = build_training_trainer(cfg.trainer, job_dir, plan.target_epochs, [heartbeat, JobTimings(clock), *mining],
                                      resuming_this_job=plan.is_retry)
     if plan.from_reference:
         start_at_epoch(trainer, plan.start_epochs)
@@ -72,7 +77,8 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
         write_json_atomic(job_dir / JOB_PLAN, {"start_checkpoint": plan.start_checkpoint,
                                                "start_epochs": plan.start_epochs,
                                                "target_epochs": plan.target_epochs})
-    datamodule = make_datamodule(cfg, dataset, model)
+    with clock.part("data"):
+        datamodule = make_datamodule(cfg, dataset, model)
     if not datamodule.val_examples:
         raise DatasetError(f"{dataset}/{cfg.data.split}/val.json: no validation example (no tactic with a premise "
                            f"found in the corpus); Recall@10_val, which selects checkpoints, cannot be computed")
@@ -129,52 +135,70 @@ def latest_epoch_checkpoint(callback) -> str:
 
 # ---- fisher ---------------------------------------------------------------------------------
 
-def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path) -> dict:
+def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path,
+               clock: JobClock | None = None) -> dict:
     """`lifelong.fisher_estimator` (`leanagent.model.fisher.registry`): per_example (the empirical Fisher) or
     reference (LeanAgent's compute_fisher), each fitted on its own loader."""
+    clock = clock or JobClock()
     estimator = fisher_estimator(cfg.lifelong.fisher_estimator)
     model = load_retriever(cfg, checkpoint)
+    model.clock = clock
     module = estimator(model)
     trainer = build_fisher_trainer(cfg.trainer, job_dir, [Heartbeat(job_dir)])
     trainer.strategy.barrier()  # before loading data
-    loader = estimator.train_loader(make_datamodule(cfg, dataset, model), trainer.world_size)
+    with clock.part("data"):
+        loader = estimator.train_loader(make_datamodule(cfg, dataset, model), trainer.world_size)
     trainer.strategy.barrier()  # before fit
+    clock.ready()
     started = time.monotonic()
-    trainer.fit(module, train_dataloaders=loader)
-    trainer.strategy.barrier()  # after fit
+    with clock.part("fisher"):
+        trainer.fit(module, train_dataloaders=loader)
+        trainer.strategy.barrier()  # after fit
     fit_seconds = time.monotonic() - started
     out = job_dir / FISHER_FILE
     metadata = {"dataset": str(dataset), "checkpoint": str(checkpoint), "world_size": trainer.world_size,
                 **module.metadata()}
     if global_rank() == 0:
-        save_fisher(out, module.fisher, metadata)
+        with clock.part("checkpoints"):
+            save_fisher(out, module.fisher, metadata)
     return {"fisher": str(out), "fit_seconds": fit_seconds, **metadata}
 
 
 # ---- evaluate -------------------------------------------------------------------------------
 
-def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, checkpoint: Path | None) -> dict:
+def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, checkpoint: Path | None,
+                 clock: JobClock | None = None) -> dict:
     """Score one model on the test split of every dataset given, loading it once.
 
     The lifelong flow evaluates every repository seen so far after each one: one job (one torchrun
     start, one model load) per repository stage, not one per (model, dataset) pair. Without a
-    checkpoint the base model (`model.name_or_path`) is scored: the lifelong baseline.
+    checkpoint the base model (`model.name_or_path`) is scored: the lifelong baseline. Under
+    `model.embed_premises: needed` the premises the datasets' contexts may use are embedded once, each
+    distinct one once however many corpora carry it (`leanagent.model.evaluation`).
     """
+    clock = clock or JobClock()
     model = load_retriever(cfg, checkpoint)
+    model.clock = clock
     trainer = build_eval_trainer(cfg.trainer, job_dir, [Heartbeat(job_dir)])
     trainer.strategy.barrier()
     modules = []
-    for dataset in datasets:
-        datamodule = make_datamodule(cfg, dataset, model)
-        if not datamodule.test_examples:
-            raise DatasetError(f"{dataset}/{cfg.data.split}/test.json: no test example (no tactic with a premise "
-                               f"found in the corpus)")
-        modules.append(datamodule)
+    with clock.part("data"):
+        for dataset in datasets:
+            datamodule = make_datamodule(cfg, dataset, model)
+            if not datamodule.test_examples:
+                raise DatasetError(f"{dataset}/{cfg.data.split}/test.json: no test example (no tactic with a "
+                                   f"premise found in the corpus)")
+            modules.append(datamodule)
+        shared = union_table(modules, "test") if cfg.model.embed_premises == "needed" else None
+    clock.ready()
     evaluations = []
-    for dataset, datamodule in zip(datasets, modules, strict=True):
+    for k, (dataset, datamodule) in enumerate(zip(datasets, modules, strict=True)):
+        if shared is not None:
+            model.evaluation.share(shared, k)
         trainer.strategy.barrier()
         trainer.test(model, datamodule=datamodule, verbose=False)
         evaluations.append({"dataset": str(dataset), "metrics": model.eval_metrics})
+    model.evaluation.release()
     trainer.strategy.barrier()
     result = {"evaluations": evaluations, "world_size": trainer.world_size,
               "checkpoint": str(checkpoint) if checkpoint else cfg.model.name_or_path}
@@ -197,10 +221,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def device_sync(cfg: PipelineConfig):
+    """What the job's clock runs at each switch between parts: on a GPU, wait for the queued kernels, so that a
+    part's seconds are its own work and not the previous part's."""
+    if cfg.trainer.accelerator != "cpu" and torch.cuda.is_available():
+        return torch.cuda.synchronize
+    return None
+
+
+def job_account(clock: JobClock) -> dict:
+    """What result.json says about the job's cost: `timings` (rank 0's parts, seconds), the premises it embedded
+    for retrieval and those its evaluations' corpora hold (both counted over all ranks), and the highest peak
+    memory of any rank (collective: every rank calls it)."""
+    peaks = [peak_rss_mb()]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[float | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, peaks[0])
+        peaks = [float(p) for p in gathered if p is not None]
+    return {"timings": clock.timings(), "premises_embedded": clock.premises_embedded,
+            "premises_in_corpora": clock.premises_in_corpora, "peak_rss_mb": round(max(peaks), 1)}
+
+
 def main(argv: list[str] | None = None) -> None:
+    clock = JobClock()  # first: the job's time is counted from this process's start (`leanagent.timings`)
     supervision.start()  # record this rank's pid; end it if the launcher or torchrun dies (supervision.py)
     args = parse_args(argv)
     cfg = load_config(args.config)
+    clock.sync = device_sync(cfg)
     job_dir = args.out.resolve()
     job_dir.mkdir(parents=True, exist_ok=True)
     # First beat before anything that can hang (rendezvous, barriers, data loading), so the
@@ -214,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.program} takes exactly one --dataset, got {len(args.dataset)}")
     if args.program == "train":
         try:
-            result = run_train(cfg, args.dataset[0], job_dir, args.checkpoint, args.fisher)
+            result = run_train(cfg, args.dataset[0], job_dir, args.checkpoint, args.fisher, clock)
         except StopRequested as stopped:
             # Asked to stop before a time limit: the step checkpoint is written; a rerun resumes from it.
             if global_rank() == 0:
@@ -222,9 +269,10 @@ def main(argv: list[str] | None = None) -> None:
             shutdown_process_group()
             return
     elif args.program == "fisher":
-        result = run_fisher(cfg, args.dataset[0], job_dir, args.checkpoint)
+        result = run_fisher(cfg, args.dataset[0], job_dir, args.checkpoint, clock)
     else:
-        result = run_evaluate(cfg, args.dataset, job_dir, args.checkpoint)
+        result = run_evaluate(cfg, args.dataset, job_dir, args.checkpoint, clock)
+    result.update(job_account(clock))
     if local_rank() == 0:
         node = 0 if global_rank() == 0 else node_rank()
         write_json_atomic(job_dir / result_filename(node), {"program": args.program, **result})

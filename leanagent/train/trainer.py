@@ -57,6 +57,18 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         fsync_dir(path.parent)
 
 
+class Trainer(pl.Trainer):
+    """Lightning's Trainer, whose checkpoint writes are charged to the job's `checkpoints` time (the module's
+    `clock`, `leanagent.timings`): ModelCheckpoint's, the step checkpoints and the stop-request ones alike."""
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        clock = getattr(self.lightning_module, "clock", None)
+        if clock is None:
+            return super().save_checkpoint(*args, **kwargs)
+        with clock.part("checkpoints"):
+            return super().save_checkpoint(*args, **kwargs)
+
+
 def fsync_dir(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)
@@ -164,7 +176,7 @@ def build_training_trainer(cfg: TrainerConfig, job_dir: Path, max_epochs: int,
         DatasetEpoch(),
         *(extra_callbacks or []),
     ]
-    return pl.Trainer(
+    return Trainer(
         **_common(cfg, job_dir, tensorboard=True),
         plugins=[AtomicCheckpointIO()],
         gradient_clip_val=cfg.gradient_clip_val,
@@ -177,7 +189,7 @@ def build_training_trainer(cfg: TrainerConfig, job_dir: Path, max_epochs: int,
 def build_fisher_trainer(cfg: TrainerConfig, job_dir: Path, extra_callbacks: list[Callback] | None = None
                          ) -> pl.Trainer:
     set_nccl_environment(cfg)
-    return pl.Trainer(
+    return Trainer(
         **_common(cfg, job_dir),
         max_epochs=1,
         callbacks=list(extra_callbacks or []),
@@ -189,4 +201,4 @@ def build_fisher_trainer(cfg: TrainerConfig, job_dir: Path, extra_callbacks: lis
 def build_eval_trainer(cfg: TrainerConfig, job_dir: Path, extra_callbacks: list[Callback] | None = None
                        ) -> pl.Trainer:
     set_nccl_environment(cfg)
-    return pl.Trainer(**_common(cfg, job_dir), callbacks=list(extra_callbacks or []), enable_checkpointing=False)
+    return Trainer(**_common(cfg, job_dir), callbacks=list(extra_callbacks or []), enable_checkpointing=False)

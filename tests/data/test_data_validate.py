@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,26 @@ def test_malformed_corpus_line(demo_dir: Path) -> None:
     (demo_dir / "corpus.jsonl").write_text("\n".join(lines) + "\n")
     found = messages(demo_dir)
     assert found[0].startswith("repo_0/corpus.jsonl:4: not valid JSON")
+
+
+def test_what_an_unreadable_line_breaks_is_one_summary_after_it(tmp_path: Path) -> None:
+    """A dependency file's line cut in half: its importers and the tactics that use its premises all point at it,
+    and are counted in one line after the unreadable line itself, not listed one by one."""
+    from leanagent.data.synthetic import write_demo_repos
+    from leanagent.data.synthetic_scale import ScaleSpec
+
+    repo = write_demo_repos(tmp_path, 1, seed=4, dependency=ScaleSpec(files=6, premises=60))[0]
+    corpus = (repo / "corpus.jsonl").read_text().splitlines()
+    imported = json.loads(corpus[-3])["imports"][1]  # the repository's first file imports the dependency's files
+    k = next(i for i, line in enumerate(corpus) if json.loads(line)["path"] == imported)
+    corpus[k] = corpus[k][: len(corpus[k]) // 2]
+    (repo / "corpus.jsonl").write_text("\n".join(corpus) + "\n")
+    found = messages(repo)
+    assert found[0].startswith(f"repo_0/corpus.jsonl:{k + 1}: not valid JSON")
+    assert len(found) == 2, found
+    assert re.fullmatch(r"repo_0: [1-9]\d* import\(s\) in the corpus and [1-9]\d* premise annotation\(s\) of the "
+                        r"splits refer to files not in the corpus, probably those on its unreadable line\(s\); fix "
+                        r"those first", found[1]), found[1]
 
 
 def test_corpus_missing_key(demo_dir: Path) -> None:

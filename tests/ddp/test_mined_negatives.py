@@ -27,6 +27,7 @@ PROBE = textwrap.dedent('''
 
     from leanagent.config import DataConfig, TrainerConfig
     from leanagent.data.datamodule import RetrievalDataModule
+    from leanagent.model.evaluation import CorpusEmbedding
     from leanagent.model.mining import mine_table
     from leanagent.model.options import RetrieverOptions
     from leanagent.model.retriever import PremiseRetriever
@@ -44,7 +45,8 @@ PROBE = textwrap.dedent('''
                              seed=5)
     with torch.no_grad():
         emb = model.embed_corpus(dm.corpus)
-    table = mine_table(model, emb, dm.corpus, dm.train_examples, 8, 96, batch_size=7)
+    table = mine_table(model, CorpusEmbedding.of_corpus(emb, dm.corpus), dm.corpus, dm.train_examples, 8, 96,
+                       batch_size=7)
     torch.save(table, out / f"table{rank}.pt")
     dist.destroy_process_group()
 ''')

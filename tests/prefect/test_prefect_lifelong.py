@@ -17,6 +17,7 @@ import yaml
 from flows.artifacts import PROGRESS_KEY, SUMMARY_KEY, TABLE_KEY
 from flows.lifelong import lifelong_retrieval
 from leanagent.atomic import read_json
+from leanagent.data.corpus import Corpus
 from leanagent.report import RunReport
 from leanagent.run_state import ManifestMismatchError
 from tests.conftest import FinishedRun, file_times
@@ -81,8 +82,17 @@ def test_report_command_rebuilds_the_run_report_from_the_manifest(run3: Finished
     proc = subprocess.run([sys.executable, "-m", "leanagent.cli", "report", str(run3.run_dir)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == expected.strip()
+    assert proc.stdout.startswith(expected.strip())
     assert "(untrained)" in proc.stdout
+    # Then where the time went: a row per job in the order they ran, and one for them all.
+    table = proc.stdout[proc.stdout.index("Where the time went"):].splitlines()
+    assert table[1].split()[:3] == ["job", "seconds", "startup"] and "embed" in table[1].split()
+    keys = [f"{i:02d}-{n}" for i, n in enumerate(summary["order"])]
+    jobs = ["untrained/evaluate-00-01-02", *(f"{k}/{stage}" for i, k in enumerate(keys)
+                                             for stage in ("train", "fisher", "evaluate-" + "-".join(
+                                                 f"{j:02d}" for j in range(i + 1))))]
+    assert [line.split()[0] for line in table[2:2 + len(jobs)]] == jobs
+    assert table[2 + len(jobs)].startswith("all jobs")
     for metric in ("WF5", "FM", "EBWT", "WP5", "IP", "CFR"):
         assert metric in proc.stdout
     # The same run as a --json source of the comparison form: a 3x3 matrix and the metrics.
@@ -148,3 +158,47 @@ def test_changed_config_is_refused_without_touching_the_run(run3: FinishedRun, t
     after.pop(".lock", None)
     before.pop(".lock", None)
     assert after == before
+
+
+def test_every_job_says_where_its_time_went(run3: FinishedRun) -> None:
+    for job, result in _job_results(run3.run_dir).items():
+        timings = result["timings"]
+        assert timings["total"] > 0 and timings["startup"] > 0, job
+        assert sum(v for k, v in timings.items() if k != "total") == pytest.approx(timings["total"], abs=0.01), job
+        assert result["peak_rss_mb"] > 0, job
+        expected = {"train": {"train_steps", "embed", "rank", "checkpoints"}, "fisher": {"fisher", "checkpoints"}}
+        assert expected.get(job.rsplit("/", 1)[1], {"embed", "rank"}) <= set(timings), (job, timings)
+        if job.endswith("/fisher"):
+            assert result["premises_embedded"] == 0
+    # The manifest keeps each stage's, with the wall time its launcher waited.
+    manifest = read_json(run3.run_dir / "manifest.json")
+    train = manifest["repos"][f"00-{run3.summary['order'][0]}"]["stages"]["train"]["result"]
+    assert train["wall_seconds"] >= train["timings"]["total"]
+
+
+def test_the_last_evaluation_embeds_each_shared_premise_once_and_scores_as_each_alone(
+        run3: FinishedRun, tmp_path: Path) -> None:
+    names = run3.summary["order"]
+    last = _job_results(run3.run_dir)[f"02-{names[2]}/evaluate-00-01-02"]
+    corpora = [Corpus.from_jsonl(Path(e["dataset"]) / "corpus.jsonl") for e in last["evaluations"]]
+    shared = set.intersection(*({(p.path, p.code) for p in c.premises} for c in corpora))
+    assert len(shared) > len(corpora[0]) // 2  # the repositories do share a dependency
+    distinct = {(p.path, p.full_name, p.code) for c in corpora for p in c.premises}
+    assert 0 < last["premises_embedded"] <= len(distinct) < last["premises_in_corpora"] == sum(map(len, corpora))
+    # Each repository alone, in a job of its own, its whole corpus embedded as LeanAgent does.
+    config = yaml.safe_load(run3.config_path.read_text())
+    config["model"]["embed_premises"] = "all"
+    alone_config = tmp_path / "alone.yaml"
+    alone_config.write_text(yaml.safe_dump(config))
+    for k, evaluation in enumerate(last["evaluations"]):
+        out = tmp_path / f"alone{k}"
+        proc = subprocess.run([sys.executable, "-m", "leanagent.cli", "evaluate", "--config", str(alone_config),
+                               "--dataset", evaluation["dataset"], "--checkpoint", last["checkpoint"], "--out",
+                               str(out)], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        alone = read_json(out / "result.json")
+        assert alone["premises_embedded"] == len(corpora[k])
+        got, want = evaluation["metrics"], alone["metrics"]
+        assert (got["Recall@1"], got["Recall@10"], got["num_contexts"]) == \
+            (want["Recall@1"], want["Recall@10"], want["num_contexts"])
+        assert got["MRR"] == pytest.approx(want["MRR"], abs=1e-6)

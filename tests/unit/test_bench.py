@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from leanagent.bench import BenchResult, format_table
 from leanagent.bench.results import (
+    BenchResult,
     FisherFigures,
     FixedLengthRow,
     LaunchFigures,
@@ -18,6 +18,7 @@ from leanagent.bench.results import (
     TrainStepFigures,
     TrainStepRow,
 )
+from leanagent.bench.table import format_table
 from leanagent.cli import main as cli_main
 from leanagent.data.synthetic import write_demo_repos
 
@@ -53,8 +54,8 @@ def test_bench_writes_every_figure(tmp_path, capsys):
     repo = write_demo_repos(tmp_path / "data", 1, seed=2)[0]
     out = tmp_path / "bench.json"
     with pytest.raises(SystemExit) as stop:
-        cli_main(["bench", "--dataset", str(repo), "--min-seconds", "0.05", "--embed-sample", "32", "--no-launch",
-                  "--train-batches", "2", "--fisher-examples", "4", "--no-compile", "--json", str(out)])
+        cli_main(["bench", "path", "--dataset", str(repo), "--min-seconds", "0.05", "--embed-sample", "32",
+                  "--no-launch", "--train-batches", "2", "--fisher-examples", "4", "--no-compile", "--json", str(out)])
     assert stop.value.code == 0
     results = json.loads(out.read_text())
     assert set(results) == JSON_KEYS
@@ -79,8 +80,9 @@ def test_bench_compiles_and_takes_real_proof_states(tmp_path):
     repo = write_demo_repos(tmp_path / "data", 1, seed=2)[0]
     out = tmp_path / "bench.json"
     with pytest.raises(SystemExit) as stop:
-        cli_main(["bench", "--dataset", str(repo), "--min-seconds", "0.05", "--embed-sample", "16", "--no-launch",
-                  "--train-batches", "2", "--fisher-examples", "4", "--states", str(STATES), "--json", str(out)])
+        cli_main(["bench", "path", "--dataset", str(repo), "--min-seconds", "0.05", "--embed-sample", "16",
+                  "--no-launch", "--train-batches", "2", "--fisher-examples", "4", "--states", str(STATES), "--json",
+                  str(out)])
     assert stop.value.code == 0
     results = json.loads(out.read_text())
     assert set(results) == JSON_KEYS | COMPILED_KEYS | {"num_states", "states"}
@@ -93,14 +95,14 @@ def test_bench_compiles_and_takes_real_proof_states(tmp_path):
 def test_bench_refuses_missing_state_files(tmp_path, capsys):
     repo = write_demo_repos(tmp_path / "data", 1, seed=2)[0]
     with pytest.raises(SystemExit) as stop:
-        cli_main(["bench", "--dataset", str(repo), "--states", str(tmp_path / "nope.json")])
+        cli_main(["bench", "path", "--dataset", str(repo), "--states", str(tmp_path / "nope.json")])
     assert stop.value.code == 1
     assert "--states: no such file" in capsys.readouterr().err
 
 
 def test_bench_refuses_a_folder_without_a_corpus(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
-        cli_main(["bench", "--dataset", str(tmp_path)])
+        cli_main(["bench", "path", "--dataset", str(tmp_path)])
     assert stop.value.code == 1
     assert "no corpus.jsonl" in capsys.readouterr().err
 
@@ -110,7 +112,7 @@ def test_bench_refuses_a_folder_without_a_corpus(tmp_path, capsys):
 def test_bench_refuses_a_length_or_sample_below_one(tmp_path, capsys, flag):
     repo = write_demo_repos(tmp_path / "data", 1, seed=2)[0]
     with pytest.raises(SystemExit) as stop:
-        cli_main(["bench", "--dataset", str(repo), flag, "0"])
+        cli_main(["bench", "path", "--dataset", str(repo), flag, "0"])
     assert stop.value.code == 1
     assert capsys.readouterr().err.strip() == f"error: {flag}: Input should be greater than 0"
 
@@ -118,7 +120,7 @@ def test_bench_refuses_a_length_or_sample_below_one(tmp_path, capsys, flag):
 def test_bench_refuses_an_unknown_fisher_method(tmp_path, capsys):
     repo = write_demo_repos(tmp_path / "data", 1, seed=2)[0]
     with pytest.raises(SystemExit) as stop:
-        cli_main(["bench", "--dataset", str(repo), "--fisher-methods", "loop,vmap"])
+        cli_main(["bench", "path", "--dataset", str(repo), "--fisher-methods", "loop,vmap"])
     assert stop.value.code == 1
     assert capsys.readouterr().err.strip() == "error: --fisher-methods.1: Input should be 'loop' or 'vectorised'"
 
@@ -153,3 +155,59 @@ def test_cuda_and_failed_rows_flatten_to_the_keys_readers_know():
     assert (flat["launch_overhead_s"], flat["launch_total_s"]) == (1.0, 2.0)
     assert "fisher vectorised error: out of memory: x" in format_table(result)
     assert "sorted                         oom" in format_table(result)
+
+
+def test_the_projection_counts_leanagents_passes_over_the_dependency(tmp_path, capsys):
+    """LeanAgent's 14 repositories: 14 validations + 14 untrained evaluations + 105 stage evaluations re-embed the
+    dependency 133 times; embedding once, 14 + 1 + 14 = 29 (the arithmetic of `leanagent bench projection`)."""
+    out = tmp_path / "projection.json"
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["bench", "projection", "--own-premises", "0", "--json", str(out)])
+    assert stop.value.code == 0
+    figures = json.loads(out.read_text())
+    assert (figures["projection_passes_before"], figures["projection_passes_after"]) == (133.0, 29.0)
+    assert figures["projection_premises_before"] == 133 * 100_000
+    assert figures["projection_embed_hours_before"] == pytest.approx(133 * 100_000 / (4 * 1252.0) / 3600)
+    assert figures["projection_train_hours"] == pytest.approx(14 * 3000 * 0.058 / 4 / 3600)
+    assert "LeanAgent (re-embed all)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["bench", "projection", "--needed-share", "0.5", "--repos", "3", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["projection_passes_before"] == 3 + 3 + 6 and figures["projection_passes_after"] == 0.5 * 7
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["bench", "projection", "--needed-share", "1.5"])
+    assert refused.value.code == 1
+    assert capsys.readouterr().err.strip() == "error: --needed-share: Input should be less than or equal to 1"
+
+
+@pytest.mark.slow
+@pytest.mark.prefect
+def test_the_curriculum_section_runs_both_ways_and_finds_the_same_results(tmp_path, capsys):
+    """Two real flows (`leanagent run`, each with its temporary Prefect server) on 2 repositories sharing a small
+    dependency: LeanAgent's re-embedding embeds more, embedding once fewer, and the recall matrices agree."""
+    out = tmp_path / "curriculum.json"
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["bench", "curriculum", "--repos", "2", "--dependency-files", "20", "--dependency-premises", "400",
+                  "--theorems", "24", "--work", str(tmp_path / "work"), "--json", str(out)])
+    assert stop.value.code == 0, capsys.readouterr().err
+    figures = json.loads(out.read_text())
+    assert figures["curriculum_same_results"] is True
+    # 2 repositories: 2 validations, 2 untrained evaluations and 1 + 2 stage evaluations, each a whole corpus.
+    assert figures["curriculum_all_corpus_passes"] == pytest.approx(7.0, rel=0.02)  # corpora differ a little
+    assert figures["curriculum_needed_premises_embedded"] < figures["curriculum_all_premises_embedded"]
+    assert figures["curriculum_all_jobs"] == figures["curriculum_needed_jobs"] == 2 * 3 + 1
+    assert figures["curriculum_all_embed_s"] > 0 and figures["curriculum_needed_train_steps_s"] > 0
+    assert "embedding once:" in capsys.readouterr().out
+    assert (tmp_path / "work" / "runs" / "needed" / "manifest.json").is_file()
+
+
+def test_the_path_section_runs_only_the_parts_asked_for(tmp_path):
+    repo = write_demo_repos(tmp_path / "data", 1, seed=2)[0]
+    out = tmp_path / "bench.json"
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["bench", "path", "--dataset", str(repo), "--min-seconds", "0.01", "--embed-sample", "16",
+                  "--parts", "embedding", "--json", str(out)])
+    assert stop.value.code == 0
+    results = json.loads(out.read_text())
+    assert results["embed_premises_per_s"] > 0 and results["embed_autocast_premises_per_s"] > 0
+    assert not {"retrieval_ms_per_context", "train_s_per_example", "launch_overhead_s"} & set(results)

@@ -9,9 +9,10 @@ from transformers import ByT5Tokenizer
 
 from leanagent.data.corpus import Corpus
 from leanagent.data.synthetic import write_demo_repos
+from leanagent.model.evaluation import length_order, premise_token_lengths, token_budget_batches
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.presets import write_random_encoder
-from leanagent.model.retriever import PremiseRetriever, length_order, premise_token_lengths, token_budget_batches
+from leanagent.model.retriever import PremiseRetriever
 
 
 def test_token_budget_batches_cover_everything_within_budget():

@@ -14,6 +14,7 @@ from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.data.negatives import negative_pools, pool_members, sample_negatives
 from leanagent.data.tokenize import tokenize
+from leanagent.model.evaluation import CorpusEmbedding
 from leanagent.model.mining import mine_table
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
@@ -30,7 +31,8 @@ def mined(unit_repo: Path, tiny_model: Path) -> dict:
                              premise_max_len=128, seed=1)
     with torch.no_grad():
         corpus_emb = model.embed_corpus(dm.corpus)
-    table = mine_table(model, corpus_emb, dm.corpus, dm.train_examples, POOL, 128, batch_size=5)
+    table = mine_table(model, CorpusEmbedding.of_corpus(corpus_emb, dm.corpus), dm.corpus, dm.train_examples, POOL,
+                       128, batch_size=5)
     return {"model": model, "dm": dm, "corpus_emb": corpus_emb, "table": table}
 
 

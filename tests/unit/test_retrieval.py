@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from leanagent.model.retriever import corpus_embedding_dtype
+from leanagent.model.evaluation import corpus_embedding_dtype
 from leanagent.model.topk import top_k_accessible
 
 
@@ -52,7 +52,7 @@ def test_a_corpus_kept_in_bf16_scores_as_bf16_autocast_does_with_fp32():
 
 def test_the_benchmarks_leanagent_style_search_finds_what_top_k_accessible_finds(tmp_path):
     """`leanagent bench` times LeanAgent's search as its baseline: it must find the same premises."""
-    from leanagent.bench import leanagent_style_nearest
+    from leanagent.bench.retrieval import leanagent_style_nearest
     from leanagent.data.corpus import Corpus
     from leanagent.data.dataset import build_eval_examples
     from leanagent.data.synthetic import write_demo_repos

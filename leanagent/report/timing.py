@@ -1,0 +1,160 @@
+"""Where a run's time went: one row per job (a training, a Fisher pass, an evaluation of several repositories), its
+seconds and each part's share of them (`leanagent.timings.PARTS`), and the premises it embedded.
+
+At LeanAgent's scale a curriculum can spend more time embedding the same premises than training; this table is
+where a user sees it. Read from the manifest, which records each job's `timings` with its stage (an evaluation
+job's under each of its stages, as `job`, once per job here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from leanagent.run_state import EVAL_UNTRAINED, FISHER, TRAIN, eval_stage, stage_name, stage_result
+from leanagent.timings import LAUNCH, PARTS, WALL_SECONDS
+
+TITLE = "Where the time went"
+_PARTS = {p.name: p for p in (*PARTS, LAUNCH)}
+
+
+@dataclass
+class JobCost:
+    """One job's seconds by part (with `launch`: its wall time less the ranks' total, when known), its total, and
+    the premises it embedded and its evaluations' corpora hold."""
+
+    job: str
+    seconds: dict[str, float] = field(default_factory=dict)
+    total: float = 0.0
+    premises_embedded: int | None = None
+    premises_in_corpora: int | None = None
+    peak_rss_mb: float | None = None
+
+    @classmethod
+    def of(cls, job: str, result: dict[str, Any]) -> JobCost | None:
+        timings = result.get("timings")
+        if not isinstance(timings, dict) or "total" not in timings:
+            return None  # a job recorded before timings existed
+        seconds = {k: float(v) for k, v in timings.items() if k != "total"}
+        total = float(timings["total"])
+        wall = result.get(WALL_SECONDS)
+        if isinstance(wall, (int, float)) and wall > total:
+            seconds[LAUNCH.name] = float(wall) - total
+            total = float(wall)
+        return cls(job, seconds, total, result.get("premises_embedded"), result.get("premises_in_corpora"),
+                   result.get("peak_rss_mb"))
+
+    def share(self, part: str) -> float:
+        return self.seconds.get(part, 0.0) / self.total if self.total else 0.0
+
+
+def job_costs(manifest: dict[str, Any]) -> list[JobCost]:
+    """Every finished job of a run, in the order they ran: the untrained evaluation, then per repository its
+    training, Fisher pass and evaluation."""
+    names = list(manifest.get("order") or [])
+    costs: list[JobCost] = []
+    seen: set[str] = set()
+
+    def add(job: str, result: dict[str, Any] | None) -> None:
+        if result is None:
+            return
+        if isinstance(result.get("job"), dict):  # an evaluation stage: its job's cost, once per job
+            result, job = result["job"], str(result["job"].get("out", job))
+            if job in seen:
+                return
+            seen.add(job)
+        cost = JobCost.of(job, result)
+        if cost is not None:
+            costs.append(cost)
+
+    for j, name in enumerate(names):
+        add(stage_name(j, name, EVAL_UNTRAINED), stage_result(manifest, j, name, EVAL_UNTRAINED))
+    for i, name in enumerate(names):
+        for stage in (TRAIN, FISHER, *(eval_stage(j, names[j]) for j in range(i + 1))):
+            add(stage_name(i, name, stage), stage_result(manifest, i, name, stage))
+    return costs
+
+
+def _columns(costs: Iterable[JobCost]) -> list[str]:
+    present = {part for cost in costs for part, s in cost.seconds.items() if s > 0}
+    return [p for p in _PARTS if p in present] + sorted(present - set(_PARTS))
+
+
+def _short(part: str) -> str:
+    return _PARTS[part].short if part in _PARTS else part
+
+
+def _premises(cost: JobCost) -> str:
+    if cost.premises_embedded is None or not (cost.premises_embedded or cost.premises_in_corpora):
+        return "-"
+    if cost.premises_in_corpora:
+        return f"{cost.premises_embedded:,} of {cost.premises_in_corpora:,}"
+    return f"{cost.premises_embedded:,}"
+
+
+def _overall(costs: list[JobCost]) -> JobCost:
+    total = JobCost("all jobs")
+    for cost in costs:
+        total.total += cost.total
+        for part, s in cost.seconds.items():
+            total.seconds[part] = total.seconds.get(part, 0.0) + s
+        if cost.premises_embedded is not None:
+            total.premises_embedded = (total.premises_embedded or 0) + cost.premises_embedded
+            total.premises_in_corpora = (total.premises_in_corpora or 0) + (cost.premises_in_corpora or 0)
+    return total
+
+
+def _rows(costs: list[JobCost]) -> tuple[list[str], list[list[str]]]:
+    columns = _columns(costs)
+    head = ["job", "seconds", *(_short(c) for c in columns), "premises embedded (of those in corpora)"]
+    body = [[c.job, f"{c.total:.1f}", *(f"{100 * c.share(p):.0f}%" for p in columns), _premises(c)]
+            for c in [*costs, _overall(costs)]]
+    return head, body
+
+
+PREMISES_MEANING = ("premise encodings for retrieval, summed over ranks, of the premises held by the corpora they "
+                    "were ranked against (what embedding each evaluation's whole corpus, as LeanAgent does, embeds)")
+
+
+def _legend(costs: list[JobCost]) -> list[tuple[str, str]]:
+    """(column, meaning) of each part column of the table."""
+    return [(_short(p), _PARTS[p].meaning if p in _PARTS else p) for p in _columns(costs)]
+
+
+def time_text(costs: list[JobCost]) -> str:
+    if not costs:
+        return ""
+    head, body = _rows(costs)
+    width = max(len(head[0]), *(len(r[0]) for r in body))
+    sizes = [max(len(head[k]), *(len(r[k]) for r in body)) for k in range(1, len(head))]
+
+    def line(cells: list[str]) -> str:
+        return f"{cells[0]:<{width}} " + " ".join(f"{c:>{n}}" for c, n in zip(cells[1:], sizes, strict=True))
+
+    key = max(len(name) for name, _ in _legend(costs))
+    return "\n".join([f"{TITLE} (each job's seconds, and each part's share of them)", line(head), *map(line, body),
+                      "", *(f"  {name:<{key}}  {meaning}" for name, meaning in _legend(costs)),
+                      f"  premises embedded: {PREMISES_MEANING}"])
+
+
+def time_summary(costs: list[JobCost]) -> str:
+    """The table's last row in a sentence: all jobs' seconds, the parts by share, the premises embedded."""
+    if not costs:
+        return ""
+    total = _overall(costs)
+    shares = sorted(((total.share(p), p) for p in _columns(costs)), reverse=True)
+    parts = ", ".join(f"{_short(p)} {100 * share:.0f}%" for share, p in shares if share >= 0.005)
+    premises = "" if total.premises_embedded is None else f"; premises embedded: {_premises(total)}"
+    return f"{TITLE}: {total.total:.1f} s in {len(costs)} jobs: {parts}{premises}"
+
+
+def time_markdown(costs: list[JobCost]) -> str:
+    if not costs:
+        return ""
+    head, body = _rows(costs)
+    table = "| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n"
+    table += "".join("| " + " | ".join(row) + " |\n" for row in body)
+    legend = "".join(f"- **{name}**: {meaning}\n" for name, meaning in _legend(costs))
+    return (f"## {TITLE}\n\nEach job's seconds, and each part's share of them.\n\n{table}\n{legend}"
+            f"- **premises embedded**: {PREMISES_MEANING}\n")
