@@ -16,15 +16,25 @@ def serialize_premise(full_name: str, code: str) -> str:
     the name (the whole name, then without its first component, ...) that occurs after whitespace,
     optionally in «guillemets», is tagged at every such occurrence, and the search stops there.
     The replacement is literal (the reference passes it as a regex template, which would
-    misread a backslash in a «name»).
+    misread a backslash in a «name»). The work is linear in the name's length (a server serializes names it is
+    sent), so the suffixes are found by their offsets, not joined one by one.
     """
     tagged = f"{MARK_START}{full_name}{MARK_END}"
     code = code.replace(f"_root_.{full_name}", tagged)
-    fields = full_name.split(".")
-    for i in range(len(fields)):
-        suffix = ".".join(fields[i:])
-        if suffix not in code:  # the pattern needs the suffix literally: nothing to tag, nothing to compile
-            continue
+    # The dotted suffixes, longest first, are the name from each component's start on. Linear in the name: a suffix
+    # is sliced only once it fits in the code, and since a suffix occurs only if every shorter one does, the longest
+    # that occurs at all is found by bisection; the ones before it cannot be tagged and are never built.
+    starts = [0, *(k + 1 for k, c in enumerate(full_name) if c == ".")]
+    first = next((i for i, start in enumerate(starts) if len(full_name) - start <= len(code)), len(starts))
+    lo, hi = first, len(starts)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if full_name[starts[mid]:] in code:
+            hi = mid
+        else:
+            lo = mid + 1
+    for start in starts[lo:]:
+        suffix = full_name[start:]
         if suffix and "«" not in suffix and "»" not in suffix:
             new_code = _tag_after_space(code, suffix, tagged)
         else:  # the regex's own backtracking over «» in the name, or empty matches: ask the regex
