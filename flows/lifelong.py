@@ -20,17 +20,20 @@ from flows.stages import run_evaluations, run_stage
 from leanagent.checkpoints import prune_checkpoints
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, resolve_paths
 from leanagent.dataset_strategy import training_datasets
+from leanagent.job import IndexRequest
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import RunReport, job_costs, report_from_manifest
 from leanagent.run_plan import BAD_INPUT, RunPlan, plan_run, progress_line
 from leanagent.run_state import (
     EVAL_UNTRAINED,
     FISHER,
+    INDEX_DIR,
     TRAIN,
     RunLock,
     RunState,
     eval_stage,
     repo_key,
+    stage_indexes,
     stage_name,
 )
 from tasks.data import order_curriculum
@@ -172,10 +175,14 @@ def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoCo
                            checkpoint=checkpoint, timeout_s=options.fisher_timeout_s,
                            label=f"fisher {repo.display_name}", **common)
         fisher = Path(result["fisher"])
+        # The stage's premise index (what `leanagent serve RUN_DIR` serves), its lists extending the last stage's.
+        earlier = [Path(folder) for position, _, folder in stage_indexes(state.data) if position < i]
+        index = IndexRequest(cfg.run_dir / INDEX_DIR / repo_key(i, repo.display_name),
+                             tuple(seen.path for seen in ordered[: i + 1]), earlier[-1] if earlier else None)
         evaluations = run_evaluations(
             state, [(stage_name(i, repo.display_name, eval_stage(j, seen.display_name)), seen.display_name, seen.path)
                     for j, seen in enumerate(ordered[: i + 1])],
-            jobs / repo_key(i, repo.display_name) / "evaluate", checkpoint, options, artifacts,
+            jobs / repo_key(i, repo.display_name) / "evaluate", checkpoint, options, artifacts, index=index,
             timeout_s=options.evaluate_timeout_s, **common)
         report.add_repository(i, train, evaluations)
         report.costs = job_costs(state.data)  # where each job's time went, this repository's included

@@ -18,6 +18,7 @@ from prefect import Task, get_run_logger
 from prefect.exceptions import Abort, ExternalSignal
 
 from flows.artifacts import RunArtifacts
+from leanagent.job import IndexRequest
 from leanagent.run_state import RunState
 from leanagent.supervision import HoldSignals
 from leanagent.timings import COST_KEYS
@@ -89,12 +90,14 @@ def run_stage(state: RunState, name: str, task: Task[..., dict], options: JobOpt
 
 
 def run_evaluations(state: RunState, stages: list[tuple[str, str, Path]], out: Path, checkpoint: Path | None,
-                    options: JobOptions, artifacts: RunArtifacts | None = None, **kwargs: Any) -> list[dict]:
+                    options: JobOptions, artifacts: RunArtifacts | None = None, index: IndexRequest | None = None,
+                    **kwargs: Any) -> list[dict]:
     """Evaluate one model on several repositories in ONE job, each recorded as its own stage.
 
     `stages`: (stage name, repository name, dataset) each. One torchrun start and one model load per repository
     stage, so a run of T repositories launches T + 1 evaluation jobs, not T(T+1)/2 + T. Finished stages are
     skipped; the job folder is named by the stages it runs, so a rerun after a partial record never mixes two sets.
+    `index`: the job also writes the stage's premise index, recorded with its stages (`stage_indexes`).
     """
     pending = [(k, name, repo, dataset) for k, (name, repo, dataset) in enumerate(stages)
                if _finished(state, name, artifacts) is None]
@@ -106,12 +109,12 @@ def run_evaluations(state: RunState, stages: list[tuple[str, str, Path]], out: P
             result = evaluate_retriever.with_options(
                 task_run_name=f"{out.parent.name}/{out.name}-{suffix}", retries=options.retries,
                 retry_delay_seconds=options.retry_delay_s,
-            )(datasets=[d for _, _, _, d in pending], out=result_out,
-              checkpoint=checkpoint, label=f"evaluate {','.join(repo for _, _, repo, _ in pending)}", **kwargs)
+            )(datasets=[d for _, _, _, d in pending], out=result_out, checkpoint=checkpoint, index=index,
+              label=f"evaluate {','.join(repo for _, _, repo, _ in pending)}", **kwargs)
         # The job's cost is the job's, not one repository's: each of its stages records it under "job", with the
         # folder that tells a report it is one job.
         job = {"out": f"{result_out.parent.name}/{result_out.name}",
-               **{key: result[key] for key in COST_KEYS if key in result}}
+               **{key: result[key] for key in (*COST_KEYS, "index") if key in result}}
         for name, evaluation in zip(names, result["evaluations"], strict=True):
             state.record(name, {**evaluation, "checkpoint": result["checkpoint"], "world_size": result["world_size"],
                                 "job": job})

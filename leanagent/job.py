@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,8 +43,28 @@ def as_datasets(dataset: Path | Sequence[Path]) -> list[Path]:
     return [Path(dataset)] if isinstance(dataset, (str, Path)) else [Path(d) for d in dataset]
 
 
+@dataclass(frozen=True)
+class IndexRequest:
+    """An evaluation job's premise index, written when its tests are done (`leanagent.index`): into `out`, of the
+    union of `datasets`' corpora (in curriculum order: where two carry one file, the last one's version), its
+    premise and module lists extending those of the index `after` (the previous stage's), when given."""
+
+    out: Path
+    datasets: tuple[Path, ...]
+    after: Path | None = None
+
+    def argv(self) -> list[str]:
+        argv = ["--index", str(Path(self.out).resolve())]
+        for d in self.datasets:
+            argv += ["--index-dataset", str(Path(d).resolve())]
+        if self.after is not None:
+            argv += ["--index-after", str(Path(self.after).resolve())]
+        return argv
+
+
 def program_argv(program: Program, config_path: Path, dataset: Path | Sequence[Path], out: Path,
-                 checkpoint: Path | None = None, fisher: Path | None = None) -> list[str]:
+                 checkpoint: Path | None = None, fisher: Path | None = None,
+                 index: IndexRequest | None = None) -> list[str]:
     """The rank program's arguments, every path absolute (the ranks may start in another folder, or node)."""
     argv = [program, "--config", str(Path(config_path).resolve())]
     for d in as_datasets(dataset):
@@ -53,6 +74,8 @@ def program_argv(program: Program, config_path: Path, dataset: Path | Sequence[P
         argv += ["--checkpoint", str(Path(checkpoint).resolve())]
     if fisher is not None:
         argv += ["--fisher", str(Path(fisher).resolve())]
+    if index is not None:
+        argv += index.argv()
     return argv
 
 

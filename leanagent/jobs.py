@@ -13,7 +13,15 @@ from pathlib import Path
 
 from leanagent.atomic import read_json
 from leanagent.config import PipelineConfig
-from leanagent.job import JobFinishedError, JobInputError, Program, as_datasets, program_argv, result_filename
+from leanagent.job import (
+    IndexRequest,
+    JobFinishedError,
+    JobInputError,
+    Program,
+    as_datasets,
+    program_argv,
+    result_filename,
+)
 from leanagent.launch.registry import launcher_for
 from leanagent.preflight import preflight_job
 from leanagent.timings import WALL_SECONDS
@@ -46,6 +54,7 @@ def run_job(
     reuse_finished: bool = False,
     validate: bool = True,
     label: str | None = None,
+    index: IndexRequest | None = None,
 ) -> dict:
     """Check, launch, return `result.json`, with the wall time the caller waited for it (`wall_seconds`).
 
@@ -53,7 +62,7 @@ def run_job(
     returned as is when `reuse_finished`, refused otherwise. A folder with checkpoints but no
     result is an interrupted training job: the train program resumes it from its newest checkpoint. `label` is
     what progress lines call the job (the flow gives the repositories' configured names; default: the program
-    and the dataset folders' names).
+    and the dataset folders' names). `index`: an evaluation also writes a premise index (`IndexRequest`).
     """
     out = Path(out)
     result_file = out / result_filename(cfg.trainer.node_rank)
@@ -64,7 +73,9 @@ def run_job(
                                f"(nothing was overwritten)")
     started = time.monotonic()
     check_job(cfg, program, dataset, checkpoint, fisher, validate=validate, out=out)
-    argv = program_argv(program, config_path, dataset, out, checkpoint, fisher)
+    if index is not None and program != "evaluate":
+        raise JobInputError(f"{program} writes no premise index; evaluate does")
+    argv = program_argv(program, config_path, dataset, out, checkpoint, fisher, index)
     result = launcher_for(cfg).launch(argv, out, on_line=on_line, timeout_s=timeout_s,
                                       heartbeat_timeout_s=heartbeat_timeout_s, label=label)
     # The job as its caller waited for it: the checks, the launch (torchrun, a SLURM queue) and the ranks' own time.

@@ -57,6 +57,17 @@ def identify(path: str | Path) -> dict[str, Any]:
     return {"path": str(path), "files": _stamps(path, hashed=True)}
 
 
+def digest(identity: dict[str, Any] | None) -> str | None:
+    """One SHA-256 for the model's files (the file's own for one file), or None when the identity has none: what a
+    server may show of its model, which names no path."""
+    files = (identity or {}).get("files") or []
+    if not files or not all("sha256" in f for f in files):
+        return None
+    if len(files) == 1:
+        return str(files[0]["sha256"])
+    return hashlib.sha256("".join(f"{f['name']}:{f['sha256']}" for f in files).encode()).hexdigest()
+
+
 def describe(identity: dict[str, Any]) -> str:
     """`PATH (N bytes, modified T, sha256 XXXXXXXXXXXX)`, summed over a folder's files; a missing model says so."""
     files = identity.get("files") or []
@@ -66,9 +77,8 @@ def describe(identity: dict[str, Any]) -> str:
     newest = max(int(f["mtime_ns"]) for f in files) / 1e9
     modified = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(newest))
     parts = [f"{size:,} bytes", f"modified {modified}"]
-    if all("sha256" in f for f in files):
-        combined = files[0]["sha256"] if len(files) == 1 else hashlib.sha256(
-            "".join(f"{f['name']}:{f['sha256']}" for f in files).encode()).hexdigest()
+    combined = digest(identity)
+    if combined is not None:
         parts.append(f"sha256 {combined[:12]}")
     count = f"{len(files)} files, " if len(files) > 1 else ""
     return f"{identity.get('path')} ({count}{', '.join(parts)})"

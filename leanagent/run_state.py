@@ -397,3 +397,23 @@ def stage_result(manifest: dict[str, Any], index: int, name: str, stage: str) ->
 def _finished_result(entry: dict[str, Any] | None) -> dict | None:
     """What "finished" means, for the flow resuming a run and for a report read from disk alike."""
     return entry["result"] if entry and entry.get("status") == "done" else None
+
+
+INDEX_DIR = "index"  # run_dir/index/00-name: the premise index of the stage trained through that repository
+
+
+def stage_indexes(manifest: dict[str, Any]) -> list[tuple[int, str, str]]:
+    """(position, repository, index folder) of every finished stage whose evaluation wrote a premise index, in
+    the run's order: a stage is finished when its evaluations of every repository seen so far are done."""
+    names = list(manifest.get("order") or [])
+    out = []
+    for i, name in enumerate(names):
+        evaluations = [stage_result(manifest, i, name, eval_stage(j, names[j])) for j in range(i + 1)]
+        if any(e is None for e in evaluations):
+            continue
+        jobs = [e.get("job") for e in evaluations if isinstance(e, dict)]
+        folder = next((job["index"] for job in jobs if isinstance(job, dict) and isinstance(job.get("index"), str)),
+                      None)
+        if folder is not None:
+            out.append((i, name, folder))
+    return out

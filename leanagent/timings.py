@@ -47,6 +47,7 @@ PARTS: tuple[Part, ...] = (
     Part("mining", "mining", "mining negatives from the validation embedding (data.negatives: mined)"),
     Part("fisher", "fisher", "the Fisher pass"),
     Part("checkpoints", "ckpt", "writing checkpoints and Fisher files"),
+    Part("index", "index", "writing the stage's premise index (what a server answers from)"),
     Part(OTHER, "other", "everything else (the loops' own work, barriers, writing results)"),
 )
 PART_NAMES: tuple[str, ...] = tuple(p.name for p in PARTS)

@@ -22,7 +22,7 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
 from leanagent.config import PipelineConfig
-from leanagent.job import JobFinishedError, JobInputError, Program
+from leanagent.job import IndexRequest, JobFinishedError, JobInputError, Program
 from leanagent.jobs import run_job
 from tasks.options import JobOptions
 
@@ -50,12 +50,13 @@ def forward_to_run_logger() -> Callable[[str], None]:
 
 def _run(program: Program, cfg: PipelineConfig, config_path: Path, dataset: Path | list[Path], out: Path,
          checkpoint: Path | None, fisher: Path | None, timeout_s: float | None,
-         heartbeat_timeout_s: float | None, validate: bool, label: str | None) -> dict:
+         heartbeat_timeout_s: float | None, validate: bool, label: str | None,
+         index: IndexRequest | None = None) -> dict:
     # reuse_finished: a job whose result.json landed just before a crash (and before the manifest
     # recorded it) is taken as it is, not refused and not rerun.
     return run_job(cfg, Path(config_path), program, dataset, Path(out), checkpoint=checkpoint, fisher=fisher,
                    on_line=forward_to_run_logger(), timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
-                   reuse_finished=True, validate=validate, label=label)
+                   reuse_finished=True, validate=validate, label=label, index=index)
 
 
 _TASK_OPTIONS: dict[str, Any] = {
@@ -115,7 +116,7 @@ def compute_fisher(cfg: PipelineConfig, config_path: Path, dataset: Path, out: P
 def evaluate_retriever(cfg: PipelineConfig, config_path: Path, datasets: list[Path], out: Path,
                        checkpoint: Path | None, timeout_s: float | None = None,
                        heartbeat_timeout_s: float | None = None, validate: bool = True,
-                       label: str | None = None) -> dict:
+                       label: str | None = None, index: IndexRequest | None = None) -> dict:
     """R@1, R@10 and MRR of `checkpoint` on the test split of each of `datasets`, in one job that loads the model
     once; the result's `evaluations` lists them in order.
 
@@ -129,6 +130,7 @@ def evaluate_retriever(cfg: PipelineConfig, config_path: Path, datasets: list[Pa
         heartbeat_timeout_s: End a job whose ranks have not reported progress for this long.
         validate: Validate the datasets first (the flow has already).
         label: What the job's progress lines call it (default: the program and the dataset folders' names).
+        index: Also write the model's premise index over these datasets' corpora (the stage a server serves).
     """
     return _run("evaluate", cfg, config_path, list(datasets), out, checkpoint, None, timeout_s,
-                heartbeat_timeout_s, validate, label)
+                heartbeat_timeout_s, validate, label, index)

@@ -32,6 +32,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                             "scores the base model")
         if name == "train":
             p.add_argument("--fisher", help="Fisher .safetensors of the previous repository: enables EWC")
+        if name == "evaluate":
+            p.add_argument("--index", metavar="INDEX",
+                           help="also write the model's premise index over the datasets' corpora (a file two carry: "
+                                "the last one's version) into this new or empty folder, for `leanagent serve` and "
+                                "`retrieve`; the premises the tests embedded are not embedded again")
         p.add_argument("--node-rank", type=int, help="override trainer.node_rank (multi-node)")
         p.add_argument("--rdzv-endpoint", help="override trainer.rdzv_endpoint (multi-node)")
         p.add_argument("--timeout", type=float, help="end the job after this many seconds")
@@ -41,7 +46,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_job(args: argparse.Namespace) -> int:
-    from leanagent.job import JobFinishedError, JobInputError
+    from leanagent.atomic import refuse_non_empty
+    from leanagent.job import IndexRequest, JobFinishedError, JobInputError
     from leanagent.jobs import run_job
     from leanagent.launch.base import LaunchError
     from leanagent.launch.registry import load_checked_config
@@ -58,11 +64,18 @@ def cmd_job(args: argparse.Namespace) -> int:
                 # It lives only as long as the job, and never in --out, which may be a finished job.
                 config_path = Path(tmp) / "config.yaml"
                 dump_config(cfg, config_path)
-                datasets = args.dataset if isinstance(args.dataset, list) else [args.dataset]
-                result = run_job(cfg, config_path, args.program, [Path(d) for d in datasets], Path(args.out),
+                datasets = [Path(d) for d in (args.dataset if isinstance(args.dataset, list) else [args.dataset])]
+                index = None
+                if getattr(args, "index", None):
+                    try:  # before any launch: nothing a user keeps is replaced
+                        refuse_non_empty(Path(args.index))
+                    except FileExistsError as exc:
+                        raise CommandError(f"--index {exc}") from None
+                    index = IndexRequest(Path(args.index), tuple(datasets))
+                result = run_job(cfg, config_path, args.program, datasets, Path(args.out),
                                  checkpoint=Path(args.checkpoint) if args.checkpoint else None,
                                  fisher=Path(args.fisher) if getattr(args, "fisher", None) else None,
-                                 timeout_s=args.timeout, heartbeat_timeout_s=args.heartbeat_timeout)
+                                 timeout_s=args.timeout, heartbeat_timeout_s=args.heartbeat_timeout, index=index)
     except (ConfigError, JobInputError, JobFinishedError, LaunchError) as exc:
         raise CommandError(str(exc)) from None
     except Interrupted as exc:

@@ -27,8 +27,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base-model", help=BASE_MODEL_HELP)
     p.set_defaults(func=cmd_index)
 
-    p = sub.add_parser("retrieve", help="the top-k premises of an index for a proof state")
-    p.add_argument("index", help="an INDEX folder written by `leanagent index`")
+    p = sub.add_parser("retrieve", help="the top-k premises of an index (or a run's newest stage) for a proof state")
+    p.add_argument("index", metavar="SOURCE", help="an INDEX folder (`leanagent index`), or a lifelong RUN_DIR: its "
+                                                   "newest finished stage's index")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--state", help="the proof state (a leading `N goals` is dropped, as in training)")
     group.add_argument("--state-file", help="read the proof state from this file")
@@ -65,6 +66,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 def cmd_retrieve(args: argparse.Namespace) -> int:
     from leanagent.index import FILE_WITHOUT_LINE, PremiseIndex, PremiseIndexError
+    from leanagent.serve import ServeError, resolve_source
 
     check_device(args.device)
     if (args.file is None) != (args.line is None):  # before the model is loaded
@@ -78,19 +80,22 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
         state = args.state
     try:
         loading = time.perf_counter()
-        index = PremiseIndex.load(Path(args.index), device=args.device, model=args.model, force=args.force,
-                                  dtype=args.dtype)
+        folder, stage = resolve_source(Path(args.index))
+        index = PremiseIndex.load(folder, device=args.device, model=args.model, force=args.force, dtype=args.dtype)
         for warning in index.warnings:
             print(f"warning: {warning}", file=sys.stderr)
         start = time.perf_counter()
         hits = index.retrieve(state, k=args.k, file=args.file, line=args.line, column=args.column)
         seconds = time.perf_counter() - start
-    except PremiseIndexError as exc:
+    except (PremiseIndexError, ServeError) as exc:
         raise CommandError(str(exc)) from None
     if args.json:
-        print(json.dumps({"index": str(args.index), "file": args.file, "line": args.line, "k": args.k,
-                          "seconds": round(seconds, 6), "premises": [h.to_json() for h in hits]}, ensure_ascii=False))
+        print(json.dumps({"index": str(folder), **(stage or {}), "file": args.file, "line": args.line, "k": args.k,
+                          "seconds": round(seconds, 6), "premises": [h.to_json() for h in hits]}, ensure_ascii=False,
+                         allow_nan=False))
         return 0
+    if stage is not None:
+        print(f"stage {stage['stage']} (#{stage['stage_number']}): {folder}", file=sys.stderr)
     for h in hits:
         print(f"{h.rank:>3}  {h.score:+.4f}  {h.full_name}  ({h.path}:{h.start[0]})")
     if not hits:

@@ -100,6 +100,7 @@ class Corpus:
     """All premises of a traced repository; a premise's global index is its position in `premises`."""
 
     def __init__(self, files: Iterable[FileRecord]) -> None:
+        self.source: Path | None = None  # the corpus.jsonl it was read from (`from_jsonl`)
         self.premises: list[Premise] = []
         self.paths: list[str] = []
         self.imports: dict[str, list[str]] = {}
@@ -152,7 +153,9 @@ class Corpus:
                     raise DatasetError(f"{where}: duplicate path {rec.path} (first at line {seen[rec.path]})")
                 seen[rec.path] = lineno
                 records.append(rec)
-            return cls(records)
+            corpus = cls(records)
+        corpus.source = path.resolve()
+        return corpus
 
     @classmethod
     def from_records(cls, records: list[Mapping[str, Any]]) -> Corpus:

@@ -7,6 +7,7 @@ or touches a GPU, and every DDP rank parses the same files deterministically.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -238,8 +239,18 @@ class RetrievalDataModule(pl.LightningDataModule):
         return self._eval_loader(self.test_examples)
 
 
-def union_table(datamodules: list[RetrievalDataModule], split: str) -> PremiseTable:
+def union_table(datamodules: list[RetrievalDataModule], split: str,
+                also: Sequence[tuple[Corpus, np.ndarray]] = ()) -> PremiseTable:
     """The premises evaluations of `split` over several data modules need, each distinct premise once
-    (`PremiseTable`): corpus k is data module k's, and its rows are the premises its contexts may use."""
-    return PremiseTable([dm.corpus for dm in datamodules],
-                        [dm.corpus.accessible_union(dm.retrieval_positions(split)) for dm in datamodules])
+    (`PremiseTable`): corpus k is data module k's, and its rows are the premises its contexts may use. `also`:
+    more premises to embed with them, (corpus, mask) each (a premise index's), a data module's corpus or another."""
+    corpora = [dm.corpus for dm in datamodules]
+    wanted = [dm.corpus.accessible_union(dm.retrieval_positions(split)) for dm in datamodules]
+    for corpus, mask in also:
+        k = next((k for k, c in enumerate(corpora) if c is corpus), None)
+        if k is None:
+            corpora.append(corpus)
+            wanted.append(mask.copy())
+        else:
+            wanted[k] |= mask
+    return PremiseTable(corpora, wanted)

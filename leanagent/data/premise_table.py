@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from leanagent.data.corpus import Corpus
+from leanagent.data.corpus import Corpus, FileRecord
 
 
 class PremiseTable:
@@ -116,3 +116,31 @@ class PremiseTable:
 
     def premise_texts(self, rows: Iterable[int]) -> list[str]:
         return [self.corpora[k].premises[i].text for k, i in (self._owner[r] for r in rows)]
+
+
+def newest_union(corpora: Sequence[Corpus]) -> tuple[Corpus, np.ndarray, np.ndarray]:
+    """One corpus of every file the corpora hold, each file as the newest corpus (the last that has it) holds it,
+    and, per premise of it, the corpus and index it comes from.
+
+    What a server answers from after a stage: a user may import anything any repository seen so far carries, and
+    where two repositories carry one file at two versions (pinned to different Mathlib commits), the newest
+    repository's is the one a user of the newest stage is most likely to have. Files come in the order they first
+    appear (the first corpus's, then those the next one adds, ...), so a later stage's files extend an earlier's.
+    """
+    newest: dict[str, int] = {}
+    order: list[str] = []
+    for k, corpus in enumerate(corpora):
+        for path in corpus.paths:
+            if path not in newest:
+                order.append(path)
+            newest[path] = k
+    records, source_corpus, source_index = [], [], []
+    for path in order:
+        k = newest[path]
+        corpus = corpora[k]
+        rows = corpus.file_range(path)
+        records.append(FileRecord(path, list(corpus.imports[path]), [corpus.premises[i] for i in rows]))
+        source_corpus.extend([k] * len(rows))
+        source_index.extend(rows)
+    return (Corpus(records), np.asarray(source_corpus, dtype=np.int64).reshape(-1),
+            np.asarray(source_index, dtype=np.int64).reshape(-1))

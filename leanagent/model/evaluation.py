@@ -155,34 +155,52 @@ class RetrievalEvaluation:
 
     The retriever's Lightning hooks call `start`, `step` and `finish`. A job that evaluates several datasets
     `share`s one table of their union first: the first evaluation that starts embeds it, the others rank from it.
+    A table to `keep` (a premise index's, written when the job is done) is embedded at the next start too, and
+    kept until `release`: a table both shared and kept is embedded once.
     """
 
     def __init__(self) -> None:
         self.embedding: CorpusEmbedding | None = None
         self._scores: list[ContextScore] = []
         self._shared: tuple[PremiseTable, int] | None = None
-        self._shared_emb: torch.Tensor | None = None
+        self._kept: PremiseTable | None = None
+        self._embedded: dict[int, tuple[PremiseTable, torch.Tensor]] = {}
 
     def share(self, table: PremiseTable, corpus: int) -> None:
         """Rank the next evaluation against `table`'s embedding, as its corpus number `corpus`; embed the table at
         the first start that needs it, once (the same table again keeps its embedding)."""
-        if self._shared is None or self._shared[0] is not table:
-            self._shared_emb = None
         self._shared = (table, corpus)
 
+    def keep(self, table: PremiseTable) -> None:
+        """Embed `table` at the next start, whatever is ranked, and keep its embedding (`embedding_of`)."""
+        self._kept = table
+
+    def embedding_of(self, table: PremiseTable) -> torch.Tensor | None:
+        """The embedding of a shared or kept table, once a start has computed it."""
+        found = self._embedded.get(id(table))
+        return found[1] if found is not None and found[0] is table else None
+
     def release(self) -> None:
-        """Forget a shared table and its embedding (the memory goes back)."""
-        self._shared, self._shared_emb, self.embedding = None, None, None
+        """Forget the shared and kept tables and their embeddings (the memory goes back)."""
+        self._shared, self._kept, self.embedding = None, None, None
+        self._embedded.clear()
+
+    def _embedding(self, model, table: PremiseTable) -> torch.Tensor:
+        emb = self.embedding_of(table)
+        if emb is None:
+            emb = self._embed(model, table)
+            self._embedded[id(table)] = (table, emb)
+        return emb
 
     def start(self, model, datamodule, split: str) -> None:
         model.clock.start("rank")
         model.clock.premises_in_corpora += len(datamodule.corpus)  # what embedding its whole corpus would embed
         self._scores = []
+        if self._kept is not None:
+            self._embedding(model, self._kept)
         if self._shared is not None:
             table, corpus = self._shared
-            if self._shared_emb is None:
-                self._shared_emb = self._embed(model, table)
-            self.embedding = CorpusEmbedding(self._shared_emb, table, corpus)
+            self.embedding = CorpusEmbedding(self._embedding(model, table), table, corpus)
             return
         with model.clock.part("data"):
             table = datamodule.premise_table(split, needed_only=model.options.embed_premises == "needed")

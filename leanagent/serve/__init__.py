@@ -30,19 +30,39 @@ over every core, so parallel passes would only compete for them; on a GPU they w
 new-premise cache belongs to that thread. It is the default (`ServeLimits.batching`); `--no-batching` keeps
 one request's passes at a time under a lock instead (docs/serving.md has the measurements).
 
-`create_app(index)` returns a FastAPI app, so a user can mount it in their own (`app.mount("/lean", ...)`).
+`create_app(index)` returns an ASGI app, so a user can mount it in their own (`app.mount("/lean", ...)`).
 
-The package, one concern a module: `names.py` (Lean's names for corpus paths and premises), `schemas.py` (what a
-request may hold), `cache.py` (new premises' embeddings), `batching.py` (shared encoder passes), `server.py`
-(`PremiseServer`: the protocol over a loaded index), `app.py` (the HTTP app and its refusals) and `process.py`
-(the socket, uvicorn and the signals that stop it: what `leanagent serve` runs).
+`leanagent serve RUN_DIR` serves a lifelong run's newest finished stage and follows the run (`follow.py`). On an
+open network every request is bounded: its connection's time to send it whole and the number of open connections
+(`protocol.py`), its body's size, its counts and its names' lengths as it is decoded (`parse.py`), the new-premise
+cache's bytes (`cache.py`); an access token may ride in the URL's path (`app.TokenGate`), and no response names a
+path of this machine.
+
+The package, one concern a module: `schemas.py` (what a request may hold, and the limits), `parse.py` (a body to a
+request, under the limits), `cache.py` (new premises' embeddings), `batching.py` (shared encoder passes),
+`server.py` (`PremiseServer`: the protocol over a loaded index), `follow.py` (a run's newest stage, swapped in as
+the run goes on), `app.py` (the HTTP app and its refusals), `protocol.py` (HTTP/1.1 with deadlines and a
+connection cap) and `process.py` (the socket, uvicorn and the signals that stop it: what `leanagent serve` runs).
+Lean's names for corpus paths and premises are `leanagent.data.lean_names`.
 """
 
-from leanagent.serve.app import create_app
-from leanagent.serve.names import lean_name, module_name
-from leanagent.serve.process import DEFAULT_HOST, DEFAULT_PORT, ServeError, listen, serve_index
-from leanagent.serve.schemas import RequestError, RetrieveRequest, ServeLimits
-from leanagent.serve.server import PremiseServer
+from importlib import import_module
+from typing import Any
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "PremiseServer", "RequestError", "RetrieveRequest", "ServeError",
-           "ServeLimits", "create_app", "lean_name", "listen", "module_name", "serve_index"]
+# What this package names, and the module each comes from. Imported when first asked for, so that reading the
+# limits (the command line builds `leanagent serve`'s flags from `ServeLimits`) does not import torch and FastAPI.
+_EXPORTS = {
+    "DEFAULT_HOST": "process", "DEFAULT_PORT": "process", "ServeError": "process", "listen": "process",
+    "resolve_source": "process", "serve": "process", "create_app": "app", "ServerHolder": "follow",
+    "StageFollower": "follow", "run_stages": "follow", "RequestError": "schemas", "RetrieveRequest": "schemas",
+    "ServeLimits": "schemas", "PremiseServer": "server", "StageInfo": "server",
+}
+__all__ = [*sorted(_EXPORTS), "lean_name", "module_name"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("lean_name", "module_name"):
+        return getattr(import_module("leanagent.data.lean_names"), name)
+    if name in _EXPORTS:
+        return getattr(import_module(f"leanagent.serve.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'leanagent.serve' has no attribute {name!r}")

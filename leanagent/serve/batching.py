@@ -63,6 +63,14 @@ class EncoderBatcher:
         self._queue: deque[_Job] = deque()
         self._arriving = 0
         self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def close(self) -> None:
+        """End the encoder's thread once the requests it holds are answered (a server swapped out lets go of its
+        index this way: the thread holds it)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     @contextmanager
     def arriving(self) -> Iterator[Arrival]:
@@ -89,6 +97,8 @@ class EncoderBatcher:
             min(len(t.encode()), self.index.premise_max_len) for t in texts)
         job = _Job(state, texts, tokens, query, finish)
         with self._cond:
+            if self._closed:
+                raise RuntimeError("this server was swapped out and closed")
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="leanagent-encoder", daemon=True)
                 self._thread.start()
@@ -99,10 +109,13 @@ class EncoderBatcher:
             self._cond.notify_all()
         return job.future.result()
 
-    def _take(self) -> list[_Job]:
-        """The next pass's requests: all waiting ones up to the token budget (at least one)."""
+    def _take(self) -> list[_Job] | None:
+        """The next pass's requests: all waiting ones up to the token budget (at least one); None once closed and
+        nothing is left."""
         with self._cond:
             while not self._queue:
+                if self._closed:
+                    return None
                 self._cond.wait()
             deadline = time.monotonic() + self.wait_s
             while self._arriving and sum(j.tokens for j in self._queue) < self.token_budget:
@@ -120,6 +133,8 @@ class EncoderBatcher:
     def _run(self) -> None:
         while True:
             jobs = self._take()
+            if jobs is None:
+                return
             try:
                 states, rows = self._pass(jobs)
                 ranked = self.rank(states, [job.query for job in jobs])

@@ -1,27 +1,39 @@
-"""The process `leanagent serve` runs: the listening socket, uvicorn, and the signals that stop it.
+"""The process `leanagent serve` runs: what it serves, the listening socket, uvicorn, and the signals that stop it.
 
-The index is loaded and the app built before the socket listens, so a client never meets a half-built server.
-The socket is bound here, not by uvicorn, so that `port=0` works and the announced URL names the real port.
-SIGINT, SIGTERM and SIGHUP stop it gracefully (uvicorn's own handlers while it runs, ours around them), and
-the process exits 0 saying why it stopped and how many retrievals it answered.
+The source is an INDEX folder, or a lifelong run's RUN_DIR: then the run's newest finished stage, followed as the
+run goes on (`follow.py`). The index is loaded and the app built before the socket listens, so a client never
+meets a half-built server. The socket is bound here, not by uvicorn, so that `port=0` works and the announced URL
+names the real port. Connections are bounded (`protocol.py`): a request must arrive whole within
+`request_timeout_s`, and at most `max_connections` are open, within the process's descriptor limit (raised to
+its hard limit where it can be). SIGINT, SIGTERM and SIGHUP stop it gracefully (uvicorn's own handlers while it
+runs, ours around them), and the process exits 128 + the signal's number, as every leanagent command does,
+saying why it stopped and how many retrievals it answered.
 """
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
+import resource
 import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
 from leanagent.index import PremiseIndex, PremiseIndexError
 from leanagent.serve.app import create_app
+from leanagent.serve.follow import DEFAULT_FOLLOW_S, ServerHolder, Stage, StageFollower, is_run_dir, run_stages
+from leanagent.serve.protocol import bounded_protocol, quiet_accept_errors
 from leanagent.serve.schemas import ServeLimits
+from leanagent.serve.server import PremiseServer, StageInfo
 from leanagent.supervision import Interrupted, interrupt_on_signals
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 23337
 GRACEFUL_SHUTDOWN_S = 10
+SPARE_DESCRIPTORS = 64  # beside the connections: the index's files, logs, the model's threads
 
 
 class ServeError(Exception):
@@ -32,44 +44,125 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def serve_index(folder: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, device: str = "cpu",
-                model: str | None = None, force: bool = False, limits: ServeLimits | None = None,
-                access_log: bool = False, log: Callable[[str], None] = _to_stderr, dtype: str = "auto") -> int:
-    """Serve the index in `folder` until a signal stops it; the retrievals answered.
+def newest_stage(run_dir: Path) -> Stage:
+    """The stage a RUN_DIR serves now: its newest finished stage with an index."""
+    stages = run_stages(run_dir)
+    if not stages:
+        raise ServeError(f"{run_dir}: no stage of this run has a premise index yet (each repository's evaluation "
+                         f"writes one when it is done); serve an INDEX, or start the server once a stage is done")
+    return stages[-1]
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def lean_url(host: str, port: int, token: str | None = None) -> str:
+    """The URL to give Lean (premiseSelection.apiBaseUrl): an address that listens on every interface is reached
+    by this machine's name."""
+    shown = socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+    shown = f"[{shown}]" if ":" in shown else shown
+    return f"http://{shown}:{port}" + (f"/{token}" if token else "")
+
+
+def descriptor_room(wanted: int, log: Callable[[str], None]) -> int:
+    """Connections the process can keep open: `wanted`, after raising the soft descriptor limit towards the hard one
+    if it must, or as many as the limit leaves (said once)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + SPARE_DESCRIPTORS
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < need:
+        room = max(1, soft - SPARE_DESCRIPTORS)
+        log(f"warning: --max-connections {wanted}: the process may open {soft} files, so at most {room} connections")
+        return room
+    return wanted
+
+
+class _Server(uvicorn.Server):
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        quiet_accept_errors(asyncio.get_running_loop())
+        await super().serve(sockets=sockets)
+
+
+def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, device: str = "cpu",
+          model: str | None = None, force: bool = False, limits: ServeLimits | None = None, access_log: bool = False,
+          log: Callable[[str], None] = _to_stderr, dtype: str = "auto", token: str | None = None,
+          follow_s: float = DEFAULT_FOLLOW_S, openapi: bool = False) -> int:
+    """Serve an INDEX folder, or a RUN_DIR's newest stage (followed every `follow_s` seconds), until a signal stops
+    it; the exit code: 0 when told to stop, 128 + N after signal N.
 
     `model`, `force` and `dtype` are `PremiseIndex.load`'s (another path to the same weights; a changed model,
-    warned about). Raises ServeError, before anything listens, for an index or an address that cannot be used.
-    """
+    warned about). Raises ServeError, before anything listens, for a source or an address that cannot be used."""
+    limits = limits or ServeLimits()
+    source = Path(source)
+    follows = is_run_dir(source)
+
+    def load(folder: Path, stage: Stage | None) -> PremiseServer:
+        index = PremiseIndex.load(folder, device=device, model=model, force=force, dtype=dtype)
+        for warning in index.warnings:
+            log(f"warning: {warning}")
+        return PremiseServer(index, limits, StageInfo(stage.name, stage.position) if stage else None)
+
+    stage = newest_stage(source) if follows else None
     try:
-        index = PremiseIndex.load(Path(folder), device=device, model=model, force=force, dtype=dtype)
+        holder = ServerHolder(load(stage.index if stage else source, stage))
     except PremiseIndexError as exc:
         raise ServeError(str(exc)) from None
-    for warning in index.warnings:
-        log(f"warning: {warning}")
-    app = create_app(index, limits)  # before listening: a client never meets a half-built server
+    app = create_app(holder, token=token, openapi=openapi)  # before listening: never a half-built server
+    connections = descriptor_room(limits.max_connections, log)
     try:
         sock = listen(host, port)
     except OSError as exc:
         raise ServeError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
     bound_host, bound_port = sock.getsockname()[:2]
-    url = f"http://[{bound_host}]:{bound_port}" if ":" in bound_host else f"http://{bound_host}:{bound_port}"
-    config = uvicorn.Config(app, log_level="info" if access_log else "warning", access_log=access_log,
+    url = lean_url(bound_host, bound_port, token)
+    config = uvicorn.Config(app, http=bounded_protocol(limits.request_timeout_s, connections),
+                            log_level="info" if access_log else "warning", access_log=access_log,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    reason = "shutdown"
+    follower = StageFollower(source, holder, stage, lambda s: load(s.index, s), log, follow_s) if stage else None
+    served = holder.current
+    what = (f"stage {stage.name} (#{stage.position + 1}) of {source}, followed every {follow_s:g} s" if stage
+            else str(source))
+    code, reason = 0, "shutdown"
     try:
         # Ours until uvicorn takes the signals over, and again after: it shuts down gracefully, then re-raises
         # the signal it got, which ours turns into Interrupted. A signal during start-up stops as cleanly.
         with interrupt_on_signals():
-            log(f"serving {len(index)} premises of {folder} ({index.dtype}) at {url}; in Lean: set_option "
-                f"premiseSelection.apiBaseUrl \"{url}\"  (Ctrl-C stops)")
-            uvicorn.Server(config).run(sockets=[sock])
+            _warn_beyond_loopback(bound_host, bound_port, token, log)
+            log(f"serving {len(served.premise_names)} premises of {what} ({served.index.dtype}) at {url}; in Lean: "
+                f"set_option premiseSelection.apiBaseUrl \"{url}\"  (Ctrl-C stops)")
+            if follower is not None:
+                follower.start()
+            _Server(config).run(sockets=[sock])
     except Interrupted as exc:
-        reason = str(exc)
+        code, reason = exc.exit_code, str(exc)
     finally:
+        if follower is not None:
+            follower.stop()
         sock.close()
-    requests = app.state.premise_server.requests
-    log(f"stopped ({reason}) after {requests} retrieval(s)")
-    return requests
+    log(f"stopped ({reason}) after {holder.requests} retrieval(s)")
+    return code
+
+
+def _warn_beyond_loopback(host: str, port: int, token: str | None, log: Callable[[str], None]) -> None:
+    if is_loopback(host):
+        return
+    where = "every network interface" if host in ("0.0.0.0", "::") else host
+    if token is None:
+        log(f"warning: listening on {where}: anyone who can reach port {port} can use this server and read what it "
+            f"indexes; give --token-file (or LEANAGENT_SERVE_TOKEN) to require a token in the URL")
+    else:
+        log(f"warning: listening on {where}, with a token in the URL's path: plain HTTP, so on a network you trust "
+            f"(or behind a TLS proxy)")
 
 
 def listen(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> socket.socket:
@@ -91,3 +184,11 @@ def listen(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def resolve_source(source: Path) -> tuple[Path, dict[str, Any] | None]:
+    """An INDEX folder as it is, a RUN_DIR as its newest stage's index (and the stage): what `retrieve` reads."""
+    if is_run_dir(source):
+        stage = newest_stage(source)
+        return stage.index, {"stage": stage.name, "stage_number": stage.position + 1}
+    return source, None

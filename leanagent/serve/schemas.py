@@ -2,25 +2,38 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 
 class ServeLimits(BaseModel):
-    """What one request may ask; the defaults fit the Lean client's own (it sends up to 2048 new premises)."""
+    """What one request may ask and what the server holds; the defaults fit the Lean client's own (it sends up to
+    2048 new premises). Each is a `leanagent serve` flag of the same name."""
 
     model_config = ConfigDict(extra="forbid")
 
     max_k: int = Field(1024, gt=0, description="a larger k is answered with this many premises")
-    max_new_premises: int = Field(2048, ge=0, description="also what GET /max-new-premises returns")
-    max_state_chars: int = Field(1_000_000, gt=0, description="the model reads the first 1024 bytes of it anyway")
-    max_decl_chars: int = Field(100_000, gt=0, description="per new premise; the model reads its first 512 bytes")
+    max_new_premises: int = Field(2048, ge=0, description="new premises one request may send; what GET "
+                                                          "/max-new-premises returns")
+    max_name_chars: int = Field(1024, gt=0, description="a new premise's name, checked before any work on it")
+    max_decl_chars: int = Field(100_000, gt=0, description="a new premise's declaration (the model reads its first "
+                                                           "512 bytes)")
+    max_state_chars: int = Field(1_000_000, gt=0, description="a proof state (the model reads its first 1024 bytes)")
+    max_positions: int = Field(1_000_000, gt=0, description="positions in one request's local_premises and module "
+                                                            "lists together, counted as the body is read")
     max_body_bytes: int = Field(64 << 20, gt=0, description="a request body beyond this is refused unread")
-    cache_size: int = Field(16_384, ge=0, description="new-premise embeddings kept (least recently used go first)")
+    cache_mb: float = Field(256.0, ge=0, description="memory for new premises' embeddings kept between requests "
+                                                     "(least recently used go first)")
     # On by default; on a CPU oversubscribed several times it measured slower over HTTP (docs/serving.md).
-    batching: bool = Field(True, description="concurrent requests share encoder passes (--no-batching: not)")
+    batching: bool = Field(True, description="concurrent requests share encoder passes")
     batch_tokens: int = Field(32 * 1024, gt=0, description="tokens (bytes) one shared pass takes at most; a request "
                                                            "over it has a pass of its own")
-    batch_wait_ms: float = Field(2.0, ge=0, description="how long a pass waits for requests still arriving")
+    batch_wait_ms: float = Field(2.0, ge=0, description="how long a pass waits for requests still arriving (a lone "
+                                                        "client never waits)")
+    request_timeout_s: float = Field(10.0, gt=0, description="a connection's request must arrive whole within this "
+                                                             "many seconds (else 408 and closed)")
+    max_connections: int = Field(1024, gt=0, description="open connections at most; more are closed at once")
 
 
 DEFAULT_K = 32  # the reference server's default; the Lean client always sends k
@@ -28,11 +41,23 @@ DEFAULT_K = 32  # the reference server's default; the Lean client always sends k
 NameOrPosition = StrictInt | StrictStr
 
 
+def _unicode(value: Any) -> Any:
+    """A string a tokenizer can encode: JSON's `\\ud800` decodes to a lone surrogate, which UTF-8 cannot hold."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"not Unicode text: a lone surrogate at character {exc.start}") from None
+    return value
+
+
 class NewPremise(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     name: StrictStr
     decl: StrictStr
+
+    _text = field_validator("name", "decl")(_unicode)
 
 
 class RetrieveRequest(BaseModel):
@@ -51,6 +76,15 @@ class RetrieveRequest(BaseModel):
     # not tell private declarations apart), and whether the caller is a module changes nothing here.
     caller_in_module_system: StrictBool | None = None
     imported_all_modules: list[NameOrPosition] | None = None
+
+    _state = field_validator("state")(_unicode)
+
+    @field_validator("local_premises", "imported_modules", "imported_all_modules")
+    @classmethod
+    def _names(cls, values: list[Any] | None) -> list[Any] | None:
+        for value in values or ():
+            _unicode(value)
+        return values
 
 
 class RequestError(Exception):

@@ -10,17 +10,20 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from leanagent import model_identity
 from leanagent.data.corpus import serialize_premise
+from leanagent.data.lean_names import lean_name, module_name, name_key
 from leanagent.index import PremiseIndex
 from leanagent.model.topk import top_k_accessible
 from leanagent.serve.batching import Arrival, EncoderBatcher
 from leanagent.serve.cache import EmbeddingCache
-from leanagent.serve.names import lean_name, module_name, name_key
+from leanagent.serve.parse import excerpt
 from leanagent.serve.schemas import RequestError, RetrieveRequest, ServeLimits
 
 
@@ -41,27 +44,41 @@ class _Groups:
         return self.flat[shift + np.arange(int(lengths.sum()))]
 
 
-class PremiseServer:
-    """The protocol over one loaded `PremiseIndex`; `retrieve` is safe to call from many threads at once."""
+@dataclass(frozen=True)
+class StageInfo:
+    """What a server tells of the lifelong stage it serves: the repository trained through and its position."""
 
-    def __init__(self, index: PremiseIndex, limits: ServeLimits | None = None) -> None:
+    name: str
+    position: int
+
+
+class PremiseServer:
+    """The protocol over one loaded `PremiseIndex`; `retrieve` is safe to call from many threads at once.
+
+    The lists it gives (GET /indexed-premises, /indexed-modules) are the index's `names.json` when it has one (a
+    stage's lists extend the previous stage's, `leanagent.serve.follow`), with any name it lacks appended; a listed
+    name the index no longer holds stands for no premise."""
+
+    def __init__(self, index: PremiseIndex, limits: ServeLimits | None = None, stage: StageInfo | None = None) -> None:
         self.index = index
+        self.stage = stage
         self.limits = limits or ServeLimits()
         self._encoder = threading.Lock()
-        self._cache = EmbeddingCache(self.limits.cache_size)
+        self._cache = EmbeddingCache(int(self.limits.cache_mb * 2**20))
         self._stats = threading.Lock()
         # Batched (the default): one thread runs the encoder for every request (see batching.py); unbatched:
         # each request's own passes, one request at a time under the encoder lock.
         self.batcher = EncoderBatcher(index, self._cache, self.limits.batch_tokens, self.limits.batch_wait_ms / 1000,
                                       self._top_indexed) if self.limits.batching else None
         premises = index.premises
+        listed = index.names or {}
         self.row_names = [lean_name(p["full_name"]) for p in premises]
         # Premise names, each once (the client maps name -> position), with every row that bears it.
         by_name: dict[str, list[int]] = {}
         for row, name in enumerate(self.row_names):
             by_name.setdefault(name, []).append(row)
-        self.premise_names = list(by_name)
-        self._names = _Groups(list(by_name.values()))
+        self.premise_names = list(dict.fromkeys([*listed.get("premises", ()), *by_name]))
+        self._names = _Groups([by_name.get(name, []) for name in self.premise_names])
         # A request may name premises instead of giving positions: matched as a new premise's name is, by key.
         self._name_position = {name_key(name): i for i, name in enumerate(self.premise_names)}
         self._key_rows = {name_key(name): rows for name, rows in by_name.items()}
@@ -69,8 +86,8 @@ class PremiseServer:
         by_module: dict[str, list[int]] = {}
         for path, info in index.files.items():
             by_module.setdefault(module_name(path), []).extend(range(*info.rows))
-        self.module_names = list(by_module)
-        self._modules = _Groups(list(by_module.values()))
+        self.module_names = list(dict.fromkeys([*listed.get("modules", ()), *by_module]))
+        self._modules = _Groups([by_module.get(name, []) for name in self.module_names])
         self._module_position = {name: i for i, name in enumerate(self.module_names)}
         self.indexed_premises_json = _json_bytes(self.premise_names)
         self.indexed_modules_json = _json_bytes(self.module_names)
@@ -93,10 +110,18 @@ class PremiseServer:
                                     f"{limits.max_new_premises:,} (GET /max-new-premises); set "
                                     f"premiseSelection.maxUnindexedPremises to at most that, or restart the "
                                     f"server with a larger --max-new-premises")
-        for i, p in enumerate(new):
+        positions = sum(len(ids or ()) for ids in (request.local_premises, request.imported_modules,
+                                                   request.imported_all_modules))
+        if positions > limits.max_positions:
+            raise RequestError(413, f"{positions:,} premises and modules named, more than this server's "
+                                    f"{limits.max_positions:,}")
+        for i, p in enumerate(new):  # before any work on a name: serializing it is linear in its length, not free
+            if len(p.name) > limits.max_name_chars:
+                raise RequestError(413, f"new_premises[{i}]: a name of {len(p.name):,} characters ({excerpt(p.name)}),"
+                                        f" more than this server's {limits.max_name_chars:,}")
             if len(p.decl) > limits.max_decl_chars:
-                raise RequestError(413, f"new_premises[{i}] ({p.name}): decl of {len(p.decl):,} characters, more "
-                                        f"than this server's {limits.max_decl_chars:,}")
+                raise RequestError(413, f"new_premises[{i}] ({excerpt(p.name)}): decl of {len(p.decl):,} "
+                                        f"characters, more than this server's {limits.max_decl_chars:,}")
         mask = self._accessible(request)
         latest = {name_key(p.name): p for p in new}  # a name sent twice: its last decl counts
         uploaded = list(latest.values())
@@ -181,11 +206,20 @@ class PremiseServer:
         return out
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "index": str(self.index.folder), "premises": len(self.premise_names),
-                "modules": len(self.module_names), "max_new_premises": self.limits.max_new_premises,
-                "requests": self.requests, "cached_new_premises": len(self._cache),
-                "batching": self.batcher is not None, "encoder_passes": self.batcher.passes if self.batcher else None,
-                "warnings": self.index.warnings}
+        """What GET /health says: the stage and model served, sizes and counts; no path of this machine's."""
+        model = model_identity.digest(self.index.meta.get("model_identity"))
+        return {"status": "ok", "stage": self.stage.name if self.stage else None,
+                "stage_number": self.stage.position + 1 if self.stage else None,
+                "model": {"sha256": model}, "premises": len(self.premise_names), "modules": len(self.module_names),
+                "max_new_premises": self.limits.max_new_premises, "requests": self.requests,
+                "cached_new_premises": len(self._cache), "batching": self.batcher is not None,
+                "encoder_passes": self.batcher.passes if self.batcher else None,
+                "warnings": len(self.index.warnings)}
+
+    def close(self) -> None:
+        """Stop the encoder's thread; what holds the index (the model, the embeddings) goes with this server."""
+        if self.batcher is not None:
+            self.batcher.close()
 
 
 def _scores(state: torch.Tensor, rows: torch.Tensor) -> list[float]:
@@ -203,8 +237,8 @@ def _positions(values: list[int | str], count: int, position_of: Callable[[str],
             if isinstance(v, str):
                 position = position_of(v)
                 if position is None:
-                    raise RequestError(422, f"{field_name}[{i}]: {json.dumps(v, ensure_ascii=False)} is not a "
-                                            f"{what} name in GET {endpoint}")
+                    raise RequestError(422, f"{field_name}[{i}]: {excerpt(v)} is not a {what} name in GET "
+                                            f"{endpoint}")
                 v = position
             resolved.append(v)
         values = resolved

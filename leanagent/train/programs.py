@@ -17,14 +17,15 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
-from leanagent import supervision
+from leanagent import model_identity, supervision
 from leanagent.atomic import write_json_atomic
 from leanagent.checkpoints import BadFileError, epoch_step, read_fisher, save_fisher
 from leanagent.config import PipelineConfig, load_config
 from leanagent.data.datamodule import RetrievalDataModule, union_table
 from leanagent.data.errors import DatasetError
 from leanagent.exit_fast import freeze_for_exit
-from leanagent.job import NEEDS_RESUME_FILE, beat, result_filename
+from leanagent.index import StageIndex, read_names
+from leanagent.job import NEEDS_RESUME_FILE, IndexRequest, beat, result_filename
 from leanagent.model.fisher import fisher_estimator
 from leanagent.model.loading import load_retriever
 from leanagent.model.retriever import PremiseRetriever
@@ -167,14 +168,16 @@ def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pa
 # ---- evaluate -------------------------------------------------------------------------------
 
 def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, checkpoint: Path | None,
-                 clock: JobClock | None = None) -> dict:
+                 clock: JobClock | None = None, index: IndexRequest | None = None) -> dict:
     """Score one model on the test split of every dataset given, loading it once.
 
     The lifelong flow evaluates every repository seen so far after each one: one job (one torchrun
     start, one model load) per repository stage, not one per (model, dataset) pair. Without a
     checkpoint the base model (`model.name_or_path`) is scored: the lifelong baseline. Under
     `model.embed_premises: needed` the premises the datasets' contexts may use are embedded once, each
-    distinct one once however many corpora carry it (`leanagent.model.evaluation`).
+    distinct one once however many corpora carry it (`leanagent.model.evaluation`). With `index`, the job also
+    writes the premise index of its model over the union of the index's datasets (`StageIndex`): the premises it
+    embedded for the tests are not embedded again, only the rest.
     """
     clock = clock or JobClock()
     model = load_retriever(cfg, checkpoint)
@@ -189,7 +192,14 @@ def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, check
                 raise DatasetError(f"{dataset}/{cfg.data.split}/test.json: no test example (no tactic with a "
                                    f"premise found in the corpus)")
             modules.append(datamodule)
-        shared = union_table(modules, "test") if cfg.model.embed_premises == "needed" else None
+        stage = StageIndex(index.datasets, [dm.corpus for dm in modules]) if index is not None else None
+        served = stage.served() if stage is not None else []
+        # LeanAgent's `all`: each test embeds its whole corpus, and the index's premises are a table of their own.
+        shared = union_table(modules, "test", served) if cfg.model.embed_premises == "needed" else None
+        kept = None
+        if stage is not None:
+            kept = shared if shared is not None else stage.table()
+            model.evaluation.keep(kept)
     clock.ready()
     evaluations = []
     for k, (dataset, datamodule) in enumerate(zip(datasets, modules, strict=True)):
@@ -198,10 +208,20 @@ def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, check
         trainer.strategy.barrier()
         trainer.test(model, datamodule=datamodule, verbose=False)
         evaluations.append({"dataset": str(dataset), "metrics": model.eval_metrics})
-    model.evaluation.release()
-    trainer.strategy.barrier()
     result = {"evaluations": evaluations, "world_size": trainer.world_size,
               "checkpoint": str(checkpoint) if checkpoint else cfg.model.name_or_path}
+    if stage is not None:
+        if global_rank() == 0:
+            with clock.part("index"):
+                source = checkpoint or Path(cfg.model.name_or_path)
+                meta = {"checkpoint": str(source) if checkpoint else None, "model": None if checkpoint else str(source),
+                        "model_identity": model_identity.identify(source),
+                        "max_seq_len": model.options.max_seq_len, "context_max_len": cfg.data.max_seq_len}
+                stage.write(index.out, model.evaluation.embedding_of(kept), kept, meta,
+                            read_names(index.after) if index.after else None)
+        result["index"] = str(index.out)
+    model.evaluation.release()
+    trainer.strategy.barrier()
     if len(evaluations) == 1:
         result.update(evaluations[0])
     return result
@@ -218,6 +238,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--fisher", type=Path)
+    parser.add_argument("--index", type=Path, help="evaluate: also write a premise index here (`IndexRequest`)")
+    parser.add_argument("--index-dataset", type=Path, action="append", default=[],
+                        help="the index's datasets, in curriculum order (default: the evaluated ones)")
+    parser.add_argument("--index-after", type=Path, help="the index whose lists the new one extends")
     return parser.parse_args(argv)
 
 
@@ -271,7 +295,9 @@ def main(argv: list[str] | None = None) -> None:
     elif args.program == "fisher":
         result = run_fisher(cfg, args.dataset[0], job_dir, args.checkpoint, clock)
     else:
-        result = run_evaluate(cfg, args.dataset, job_dir, args.checkpoint, clock)
+        index = None if args.index is None else IndexRequest(args.index, tuple(args.index_dataset or args.dataset),
+                                                             args.index_after)
+        result = run_evaluate(cfg, args.dataset, job_dir, args.checkpoint, clock, index)
     result.update(job_account(clock))
     if local_rank() == 0:
         node = 0 if global_rank() == 0 else node_rank()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from leanagent.serve import PremiseServer, RetrieveRequest, ServeLimits
+from leanagent.serve.cache import ENTRY_OVERHEAD
 
 from .conftest import STATE, assert_same, expected
 
@@ -18,7 +19,8 @@ def test_new_premises_are_ranked_with_indexed_ones_and_cached(built) -> None:
     twin = source["text"]  # already tagged with its own name, so the new name leaves it as it is
     # Unbatched: a twin ties with its source exactly only when embedded in a pass of its own, as `expected` does
     # (in a shared pass its row moves by float rounding; test_batching.py compares the two paths).
-    server = PremiseServer(index, ServeLimits(cache_size=2, batching=False))
+    # Room for two rows of this index (64 floats each, and an entry's overhead): the cache is bounded in bytes.
+    server = PremiseServer(index, ServeLimits(cache_mb=2.5 * (64 * 4 + ENTRY_OVERHEAD) / 2**20, batching=False))
     request = RetrieveRequest(state=STATE, k=100, new_premises=[{"name": "RepoA.twin", "decl": twin}])
     answer = server.retrieve(request)
     assert_same(answer, expected(index, STATE, None, [("RepoA.twin", twin)], 100))

@@ -1,0 +1,144 @@
+"""`leanagent serve RUN_DIR`: serve a lifelong run's newest finished stage, and follow the run as it learns.
+
+After each repository the flow's evaluation job writes the stage's premise index (the stage's model over the
+union of every repository's corpus so far, from the embeddings the evaluation computed) and the manifest records
+it. A `StageFollower` thread reads the manifest every few seconds; when a newer stage has an index, it loads it
+beside the one being served (the model and the embeddings: for a while both are in memory), builds its server,
+and swaps it in (`ServerHolder.swap`): a request takes the server current when it starts and finishes on it, so
+requests in flight finish on the old stage and none fails; the old server is closed, and its memory let go, when
+its last request is answered. A stage whose index cannot be used (unfinished, corrupt, its model gone) is not
+taken: the server goes on serving, says so once, and tries again when a newer stage finishes.
+
+A client caches the lists of indexed premises and modules for its whole process and then names premises by their
+position in them. A stage's lists extend the previous stage's (the flow writes them so, `names.json`), so a
+client that cached them at an earlier stage still means the same premises; what the new stage adds is at the end.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from leanagent.atomic import read_json
+from leanagent.run_state import MANIFEST_NAME, stage_indexes
+from leanagent.serve.server import PremiseServer
+
+DEFAULT_FOLLOW_S = 10.0
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A finished stage of a run with its index: the repository trained through, its position, the index folder."""
+
+    position: int
+    name: str
+    index: Path
+
+
+def run_stages(run_dir: Path) -> list[Stage]:
+    """The run's finished stages that have an index, in curriculum order (an unreadable manifest: none yet)."""
+    try:
+        manifest = read_json(Path(run_dir) / MANIFEST_NAME)
+    except (OSError, ValueError):
+        return []
+    if not isinstance(manifest, dict):
+        return []
+    return [Stage(position, name, Path(folder)) for position, name, folder in stage_indexes(manifest)]
+
+
+def is_run_dir(path: Path) -> bool:
+    return (Path(path) / MANIFEST_NAME).is_file()
+
+
+class ServerHolder:
+    """The server requests are answered by: taken per request (`using`), swapped whole (`swap`)."""
+
+    def __init__(self, server: PremiseServer) -> None:
+        self._lock = threading.Lock()
+        self._current = server
+        self._users: dict[int, int] = {}
+        self.requests = 0  # retrievals answered, by whichever server (`answered`)
+
+    @property
+    def current(self) -> PremiseServer:
+        return self._current
+
+    def answered(self) -> None:
+        with self._lock:
+            self.requests += 1
+
+    @contextmanager
+    def using(self) -> Iterator[PremiseServer]:
+        """The current server for the length of one request, however many swaps happen meanwhile."""
+        with self._lock:
+            server = self._current
+            self._users[id(server)] = self._users.get(id(server), 0) + 1
+        try:
+            yield server
+        finally:
+            with self._lock:
+                self._users[id(server)] -= 1
+                done = not self._users[id(server)] and server is not self._current
+                if not self._users[id(server)]:
+                    del self._users[id(server)]
+            if done:
+                server.close()
+
+    def swap(self, server: PremiseServer) -> PremiseServer:
+        """Serve `server` from the next request on; the old one is closed once its requests are answered."""
+        with self._lock:
+            old, self._current = self._current, server
+            idle = not self._users.get(id(old))
+        if idle and old is not server:
+            old.close()
+        return old
+
+
+class StageFollower(threading.Thread):
+    """Every `every_s` seconds, the run's newest stage with an index; a newer one than served is loaded in the
+    background (`load`) and swapped in. `log` gets one line per stage taken, and one per stage that cannot be."""
+
+    def __init__(self, run_dir: Path, holder: ServerHolder, served: Stage, load: Callable[[Stage], PremiseServer],
+                 log: Callable[[str], None], every_s: float = DEFAULT_FOLLOW_S) -> None:
+        super().__init__(name="leanagent-follow-run", daemon=True)
+        self.run_dir = Path(run_dir)
+        self.holder = holder
+        self.served = served
+        self.load = load
+        self.log = log
+        self.every_s = every_s
+        self.refused: set[tuple[int, str]] = set()
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def check(self) -> Stage | None:
+        """Take the newest stage if it is newer than the one served and loads; the stage now served, if it moved."""
+        stages = run_stages(self.run_dir)
+        if not stages or stages[-1].position <= self.served.position:
+            return None
+        newest = stages[-1]
+        key = (newest.position, str(newest.index))
+        if key in self.refused:
+            return None
+        try:
+            server = self.load(newest)
+        except Exception as exc:  # any reason a stage cannot be served: the current one goes on
+            self.refused.add(key)
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.log(f"warning: stage {newest.name} (#{newest.position + 1}) cannot be served, still serving "
+                     f"{self.served.name}: {first}")
+            return None
+        self.holder.swap(server)
+        self.log(f"now serving stage {newest.name} (#{newest.position + 1}): {len(server.premise_names)} premises, "
+                 f"{len(server.module_names)} modules")
+        self.served = newest
+        return newest
+
+    def run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.check()

@@ -1,0 +1,91 @@
+"""A `/retrieve` body to a `RetrieveRequest`, with bounded work whatever the bytes.
+
+The limits are checked while the JSON is decoded, not after: the decoder calls back for every object and every
+integer, and the first one over a limit stops it. So a body of millions of tiny new premises, or of tens of
+millions of positions, is refused after the first few over the limit, in the memory those took, not after
+building all of them and validating them. A name or a declaration is checked for length as its object is built,
+before anything is done with it. Nesting too deep for the decoder, an integer no field takes, a string that is
+not Unicode (a lone surrogate) are each a 4xx with one line; every message quotes at most a short prefix of what
+it refuses (`excerpt`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from leanagent.config import format_validation_error
+from leanagent.serve.schemas import RequestError, RetrieveRequest, ServeLimits
+
+EXCERPT_CHARS = 40
+MAX_DIGITS = 18  # no field takes an integer beyond int64 (positions, k)
+
+
+def excerpt(value: Any, chars: int = EXCERPT_CHARS) -> str:
+    """`value` as JSON, cut to `chars` characters: what an error message may quote of a client's input."""
+    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else json.dumps(value[: chars + 1],
+                                                                                              ensure_ascii=False)
+    return text if len(text) <= chars else text[: chars - 3] + "..."
+
+
+class _Budget:
+    """The decoder's callbacks: count objects and integers, check names and declarations as they are built."""
+
+    def __init__(self, limits: ServeLimits) -> None:
+        self.limits = limits
+        self.objects = 0
+        self.integers = 0
+
+    def object_pairs(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        self.objects += 1
+        if self.objects > self.limits.max_new_premises + 1:  # the body itself, then one per new premise
+            raise RequestError(413, f"new_premises: more than this server's {self.limits.max_new_premises:,} (GET "
+                                    f"/max-new-premises); set premiseSelection.maxUnindexedPremises to at most that, "
+                                    f"or restart the server with a larger --max-new-premises")
+        obj = dict(pairs)
+        name, decl = obj.get("name"), obj.get("decl")
+        if isinstance(name, str) and len(name) > self.limits.max_name_chars:
+            raise RequestError(413, f"a new premise's name of {len(name):,} characters ({excerpt(name)}), more "
+                                    f"than this server's {self.limits.max_name_chars:,}")
+        if isinstance(decl, str) and len(decl) > self.limits.max_decl_chars:
+            raise RequestError(413, f"new premise {excerpt(name)}: decl of {len(decl):,} characters, more than "
+                                    f"this server's {self.limits.max_decl_chars:,}")
+        return obj
+
+    def integer(self, digits: str) -> int:
+        self.integers += 1
+        if self.integers > self.limits.max_positions:
+            raise RequestError(413, f"more than {self.limits.max_positions:,} positions in one request, this "
+                                    f"server's limit")
+        if len(digits.lstrip("-")) > MAX_DIGITS:
+            raise RequestError(422, f"an integer of {len(digits.lstrip('-')):,} digits ({excerpt(digits)}): no "
+                                    f"field takes one that large")
+        return int(digits)
+
+    @staticmethod
+    def constant(name: str) -> Any:
+        raise RequestError(400, f"body is not JSON: {name} is not a JSON value")
+
+
+def parse_request(body: bytes, limits: ServeLimits) -> RetrieveRequest:
+    """The request a body holds, or a `RequestError` (a 4xx with one line)."""
+    budget = _Budget(limits)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(400, f"body is not UTF-8 JSON (byte {exc.start} cannot be decoded)") from None
+    try:
+        payload = json.loads(text, object_pairs_hook=budget.object_pairs, parse_int=budget.integer,
+                             parse_constant=budget.constant)
+    except json.JSONDecodeError as exc:
+        raise RequestError(400, f"body is not JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+    except RecursionError:
+        raise RequestError(400, "body nests arrays or objects deeper than this server decodes") from None
+    if not isinstance(payload, dict):
+        raise RequestError(422, f"body must be a JSON object with a state, found a JSON {type(payload).__name__}")
+    try:
+        return RetrieveRequest.model_validate(payload)
+    except ValidationError as exc:
+        raise RequestError(422, format_validation_error(exc)) from None
