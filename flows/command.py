@@ -13,18 +13,19 @@ for the one command that runs a flow. It adds what a terminal needs around the f
 import logging
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from leanagent.atomic import read_json
+from leanagent.config import PipelineConfig
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import report_from_manifest
 from leanagent.run_plan import BAD_INPUT, plan_run
 from leanagent.run_state import RunLock
 
 
-def run_from_cli(config_path: str) -> int:
+def run_from_cli(config_path: str, overrides: Sequence[str] = ()) -> int:
     """`leanagent run --config FILE`: the checks, then the flow in this process, then a plain-text summary.
 
     1 on bad input (one message, as `leanagent train` prints it) or when a job failed after its retries (the
@@ -32,7 +33,7 @@ def run_from_cli(config_path: str) -> int:
     job has been ended by then and the running stage is recorded `interrupted`.
     """
     try:
-        cfg = load_checked_config(config_path)
+        cfg = load_checked_config(config_path, overrides)
         plan = plan_run(cfg)
         RunLock(cfg.run_dir).probe()
     except BAD_INPUT as exc:
@@ -47,23 +48,25 @@ def run_from_cli(config_path: str) -> int:
             print(report_from_manifest(plan.manifest).text(time_table=False))
             print(f"\nmanifest: {cfg.run_dir / 'manifest.json'} (each job's time: leanagent report {cfg.run_dir})")
         return 0
-    return _run_flow(config_path)
+    # With overrides the flow takes the config itself (its paths resolved already), else the file, as the UI shows.
+    return _run_flow(config_path, cfg if overrides else None)
 
 
-def _run_flow(config_path: str) -> int:
+def _run_flow(config_path: str, cfg: PipelineConfig | None = None) -> int:
     # Imported here, once the checks have passed: Prefect and the flow's modules take seconds to import, which a
     # refused input or a run with nothing new must not wait for.
+    from leanagent.flows.lifelong import REFUSED, lifelong_retrieval
+    from leanagent.flows.stages import describe_interrupt
+    from leanagent.flows.temporary_server import TemporaryServerError, send_queued, temporary_server
     from prefect.exceptions import ExternalSignal
 
-    from flows.lifelong import REFUSED, lifelong_retrieval
-    from flows.stages import describe_interrupt
-    from flows.temporary_server import TemporaryServerError, send_queued, temporary_server
     from leanagent.launch.base import LaunchError
 
     try:
         with temporary_server(), _NotTwice.on_the_console(REFUSED):
             try:
-                summary = lifelong_retrieval(config_path=config_path)
+                summary = lifelong_retrieval(config=cfg) if cfg is not None else \
+                    lifelong_retrieval(config_path=config_path)
             finally:
                 send_queued()
     except (*BAD_INPUT, TemporaryServerError) as exc:

@@ -12,11 +12,14 @@ continues the run where it ended: repositories that arrive later are learned fro
 # to validate parameters, and string annotations fail to resolve when a served runner loads the flow.
 from pathlib import Path
 
+from leanagent.flows.artifacts import RunArtifacts
+from leanagent.flows.stages import run_evaluations, run_stage
+from leanagent.tasks.data import order_curriculum
+from leanagent.tasks.jobs import compute_fisher, train_retriever
+from leanagent.tasks.options import JobOptions
 from prefect import flow, get_run_logger
 from prefect.states import Failed, State
 
-from flows.artifacts import RunArtifacts
-from flows.stages import run_evaluations, run_stage
 from leanagent.checkpoints import prune_checkpoints
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, resolve_paths
 from leanagent.dataset_strategy import training_datasets
@@ -36,9 +39,6 @@ from leanagent.run_state import (
     stage_indexes,
     stage_name,
 )
-from tasks.data import order_curriculum
-from tasks.jobs import compute_fisher, train_retriever
-from tasks.options import JobOptions
 
 # The name of a refused run's final state (its type is FAILED): the UI tells it from a failure, and `leanagent
 # run`, which prints the reason itself, keeps Prefect's console from repeating it.
@@ -94,13 +94,13 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
         except BAD_INPUT as exc:
             return refused(exc)
         waiting = state.waiting()
-        line = progress_line(len(ordered) - len(waiting), len(waiting), len(not_ready))
+        line = progress_line(len(ordered) - len(waiting), waiting, len(not_ready))
         if not waiting:
             logger.info(f"nothing new: {line}")
             report = report_from_manifest(state.data)
             RunArtifacts(report, state.path, not_ready).nothing_new(f"nothing new: {line}")
             return summary(report, state, cfg, not_ready, nothing_new=True)
-        logger.info(f"{line}: {', '.join(waiting)}")
+        logger.info(line)
         # Not config.yaml: a user may keep their own config in run_dir, and it must not be overwritten.
         config_file = cfg.run_dir / "leanagent-run-config.yaml"
         dump_config(cfg, config_file)  # every rank reads the config from this file

@@ -14,16 +14,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from leanagent.flows.artifacts import RunArtifacts
+from leanagent.tasks.jobs import evaluate_retriever
+from leanagent.tasks.options import JobOptions
 from prefect import Task, get_run_logger
 from prefect.exceptions import Abort, ExternalSignal
 
-from flows.artifacts import RunArtifacts
 from leanagent.job import IndexRequest
 from leanagent.run_state import RunState
 from leanagent.supervision import HoldSignals
 from leanagent.timings import COST_KEYS
-from tasks.jobs import evaluate_retriever
-from tasks.options import JobOptions
 
 # A stage stopped from outside, not failed: Ctrl-C or SIGTERM (the CLI's handlers raise KeyboardInterrupt
 # subclasses), Prefect's TerminationSignal (a runner's cancel or any SIGTERM to a flow-run process), an

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,8 +52,9 @@ class ModelConfig(_Section):
                           "as LeanAgent, whose padded batches it keeps bit for bit")
     token_budget: int = Field(
         16384, gt=0, description="most tokens (sequences x padded width) one sub-batch's encoder call may take")
-    loss: Literal["mse", "infonce"] = Field(
-        "mse", description="mse: ReProver's (so LeanAgent's) cosine similarities regressed onto the label matrix; "
+    loss: str = Field(
+        "mse", description="a loss of leanagent/model/losses.py's table. mse: ReProver's (so LeanAgent's) cosine "
+                           "similarities regressed onto the label matrix; "
                            "infonce: a cross-entropy per context over the similarities / temperature, every column "
                            "marked positive counting as positive, averaged over contexts (leanagent/model/losses.py)")
     temperature: float = Field(0.05, gt=0, description="the similarities are divided by this under loss: infonce")
@@ -204,8 +206,12 @@ class ConfigError(ValueError):
     """A configuration file that cannot be used; the message names the file and the key."""
 
 
-def load_config(path: str | Path) -> PipelineConfig:
-    """Read a YAML file into a validated config; relative paths inside it resolve against the file."""
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PipelineConfig:
+    """Read a YAML file into a validated config; relative paths inside it resolve against the file.
+
+    `overrides`: `KEY=VALUE` settings (`model.lr=2e-4`, `lifelong.ewc_lambda=0.1`) applied over the file before
+    validation, each VALUE read as YAML (a number, `true`, a list), so they are checked exactly as the file's keys
+    are, an unknown one refused with the nearest known key."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -215,11 +221,45 @@ def load_config(path: str | Path) -> PipelineConfig:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(raw).__name__}")
+    for item in overrides:
+        _override(raw, item)
     try:
         config = PipelineConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(f"{path}: {format_validation_error(exc, PipelineConfig)}") from exc
+        given = f" with --set {' '.join(overrides)}" if overrides else ""
+        raise ConfigError(f"{path}{given}: {format_validation_error(exc, PipelineConfig)}") from exc
     return resolve_paths(config, path.parent)
+
+
+def _override(raw: dict[str, Any], item: str) -> None:
+    """One `--set KEY=VALUE` into the raw mapping (sections made where the file has none)."""
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError(f"--set {item}: expected KEY=VALUE, a dotted key such as model.lr=2e-4")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {item}: the value is not valid YAML ({exc})") from None
+    if isinstance(value, str):
+        value = _number(value)
+    node = raw
+    for n, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item}: {'.'.join(parts[: n + 1])} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _number(text: str) -> Any:
+    """YAML 1.1 reads `2e-4` (no dot) as a string: a value that is a number in Python's syntax is one."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
 
 
 def resolve_paths(config: PipelineConfig, base: Path) -> PipelineConfig:

@@ -23,7 +23,34 @@ from leanagent.atomic import read_json, write_json_atomic
 from leanagent.ranks import global_rank
 
 Program = Literal["train", "fisher", "evaluate"]
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """One rank program as every place that lists programs reads it: the CLI's command and flags, the checks before
+    a launch, the rank's argument parser and the disk estimate."""
+
+    name: str
+    summary: str  # the command's line in `leanagent --help`
+    several_datasets: bool  # evaluate scores one model on several datasets, loaded once
+    needs_checkpoint: bool
+    checkpoint_help: str
+    takes_fisher: bool = False  # train: the previous repository's Fisher arms EWC
+    takes_index: bool = False  # evaluate: also write the model's premise index
+    writes: Literal["checkpoints", "fisher", "nothing large"] = "nothing large"
+
+
+PROGRAMS: dict[str, ProgramSpec] = {spec.name: spec for spec in (
+    ProgramSpec("train", "train the retriever on one repository (DDP under torchrun)", False, False,
+                "the checkpoint training starts from (default: model.name_or_path)", takes_fisher=True,
+                writes="checkpoints"),
+    ProgramSpec("fisher", "compute the diagonal Fisher of a checkpoint on a repository", False, True,
+                "the trained checkpoint whose Fisher is computed", writes="fisher"),
+    ProgramSpec("evaluate", "R@1, R@10, MRR of a checkpoint on a repository's test split", True, False,
+                "the checkpoint scored (default: the base model, model.name_or_path)", takes_index=True),
+)}
 PROGRAMS_MODULE = "leanagent.train.programs"  # what runs inside each rank: `python -m leanagent.train.programs ...`
+PROGRAMS_ENTRY = ("-m", PROGRAMS_MODULE)  # the rank program on a python command line (launchers may replace it)
 # A launcher that can be told to stop ahead of a time limit (SLURM) names a file here; when it appears the ranks
 # save a step checkpoint at their next step, and rank 0 writes NEEDS_RESUME_FILE instead of result.json.
 STOP_FILE_ENV = "LEANAGENT_STOP_FILE"

@@ -14,6 +14,7 @@ from pathlib import Path
 from leanagent.atomic import read_json
 from leanagent.config import PipelineConfig
 from leanagent.job import (
+    PROGRAMS,
     IndexRequest,
     JobFinishedError,
     JobInputError,
@@ -31,12 +32,15 @@ def check_job(cfg: PipelineConfig, program: Program, dataset: Path | Sequence[Pa
               fisher: Path | None = None, validate: bool = True, out: Path | None = None) -> None:
     """The job's shape here; its inputs, model, devices and disk in `leanagent.preflight` (PreflightError)."""
     datasets = as_datasets(dataset)
+    spec = PROGRAMS[program]
     if not datasets:
         raise JobInputError(f"{program} needs a dataset")
-    if program != "evaluate" and len(datasets) != 1:
+    if not spec.several_datasets and len(datasets) != 1:
         raise JobInputError(f"{program} takes exactly one dataset, got {len(datasets)}")
-    if program == "fisher" and checkpoint is None:
-        raise JobInputError("fisher needs a checkpoint")
+    if spec.needs_checkpoint and checkpoint is None:
+        raise JobInputError(f"{program} needs a checkpoint")
+    if fisher is not None and not spec.takes_fisher:
+        raise JobInputError(f"{program} takes no Fisher file")
     preflight_job(cfg, program, datasets, out, checkpoint, fisher, validate=validate)
 
 

@@ -39,13 +39,95 @@ happens when a metric is None for some run.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 WINDOW = 5
-METRICS = ("WF5", "FM", "EBWT", "WP5", "IP", "CFR")
-LOWER_IS_BETTER = frozenset({"WF5", "FM"})
-# The authors' weights (statistical_analysis.py, calculate_composite_score); they sum to 1.
-COMPOSITE_WEIGHTS: dict[str, float] = {"WF5": 0.2, "FM": 0.2, "WP5": 0.1, "IP": 0.1, "EBWT": 0.2, "CFR": 0.2}
+
+
+@dataclass(frozen=True)
+class Curves:
+    """What every metric is computed from: the lower-triangular matrix R, the averages avg[i] and the validation
+    recalls val[i] (None when not all are known)."""
+
+    R: list[list[float]]
+    avg: list[float]
+    val: list[float] | None
+
+
+@dataclass(frozen=True)
+class LifelongMetric:
+    """One metric of the report: its name, how to compute it (None when the run is too short to say), which way is
+    better, its one-line meaning (printed beside it), its weight in the composite score, and its printed
+    decimals."""
+
+    name: str
+    compute: Callable[[Curves], float | None]
+    lower_is_better: bool
+    meaning: str
+    weight: float = 0.0
+    decimals: int = 2
+
+
+def _wf5(c: Curves) -> float | None:
+    T = len(c.avg)
+    if T <= WINDOW:
+        return None
+    return max(0.0, max(max(c.avg[i - WINDOW:i]) - c.avg[i] for i in range(WINDOW, T)))
+
+
+def _fm(c: Curves) -> float | None:
+    T = len(c.R)
+    return _mean([max(c.R[t]) - c.R[T - 1][t] for t in range(T - 1)]) if T >= 2 else None
+
+
+def _ebwt(c: Curves) -> float | None:
+    T = len(c.R)
+    return _mean([c.R[t][j] - c.R[j][j] for t in range(T - 1) for j in range(t + 1)]) if T >= 2 else None
+
+
+def _wp5(c: Curves) -> float | None:
+    return _mean([max(0.0, c.avg[i] - c.avg[max(0, i - WINDOW)]) for i in range(len(c.avg))])
+
+
+def _ip(c: Curves) -> float | None:
+    if c.val is None or len(c.val) < 2:
+        return None
+    return _mean([c.val[i + 1] - c.val[i] for i in range(len(c.val) - 1)])
+
+
+def _cfr(c: Curves) -> float | None:
+    top = max(c.avg) if c.avg else 0.0
+    return min(c.avg) / top if top > 0 else None
+
+
+# LeanAgent's metrics (Table 3; the weights are its script's `calculate_composite_score`, summing to 1). A new
+# metric is one entry here: the report, the comparison, the artifacts and the PNG read this table.
+REGISTRY: dict[str, LifelongMetric] = {m.name: m for m in (
+    LifelongMetric("WF5", _wf5, True, "windowed forgetting: the largest drop of average R@10 below its best of the "
+                   "5 repositories before (needs 6 or more)", 0.2),
+    LifelongMetric("FM", _fm, True, "forgetting measure: how far the final R@10 on each earlier repository fell "
+                   "below that row's best", 0.2),
+    LifelongMetric("EBWT", _ebwt, False, "expanded backward transfer: how later training changed R@10 on "
+                   "repositories seen before (negative: forgetting)", 0.2),
+    LifelongMetric("WP5", _wp5, False, "windowed plasticity: the rise of average R@10 over the last 5 "
+                   "repositories, clipped at 0 (0.00: average recall did not rise over the window)", 0.1),
+    LifelongMetric("IP", _ip, False, "incremental plasticity: the mean change of the best validation R@10 from one "
+                   "repository to the next", 0.1),
+    LifelongMetric("CFR", _cfr, False, "catastrophic forgetting resilience: the lowest average R@10 over the highest "
+                   "(1: never below its best)", 0.2, decimals=3),
+)}
+
+
+def metric_names() -> tuple[str, ...]:
+    """The metrics in the table's order (the report's columns)."""
+    return tuple(REGISTRY)
+
+
+def glossary() -> str:
+    """Each metric's meaning and which way is better, one line each."""
+    return "\n".join(f"{m.name} ({'lower' if m.lower_is_better else 'higher'} is better): {m.meaning}"
+                     for m in REGISTRY.values())
 
 
 def check_matrix(test_r10: Sequence[Sequence[float | None]]) -> list[list[float]]:
@@ -84,21 +166,14 @@ def lifelong_metrics(test_r10: Sequence[Sequence[float | None]], val_r10: Sequen
     if avg is not None and len(avg) != T:
         raise ValueError(f"{len(avg)} average recall(s) for {T} repositories")
     avg = [float(a) for a in avg] if avg is not None else [sum(row) / len(row) for row in R]
-    out: dict[str, float | list[float] | None] = {m: None for m in METRICS}
+    out: dict[str, float | list[float] | None] = {m: None for m in REGISTRY}
     out["avg"] = avg
     if T == 0:
         return out
-    out["WP5"] = _mean([max(0.0, avg[i] - avg[max(0, i - WINDOW)]) for i in range(T)])
-    top = max(avg)
-    out["CFR"] = min(avg) / top if top > 0 else None
-    if T > WINDOW:
-        out["WF5"] = max(0.0, max(max(avg[i - WINDOW:i]) - avg[i] for i in range(WINDOW, T)))
-    if T >= 2:
-        out["FM"] = _mean([max(R[t]) - R[T - 1][t] for t in range(T - 1)])
-        out["EBWT"] = _mean([R[t][j] - R[j][j] for t in range(T - 1) for j in range(t + 1)])
-        if val_r10 is not None and all(v is not None for v in val_r10):
-            val = [float(v) for v in val_r10]  # type: ignore[arg-type]
-            out["IP"] = _mean([val[i + 1] - val[i] for i in range(T - 1)])
+    val = [float(v) for v in val_r10] if val_r10 is not None and all(v is not None for v in val_r10) else None
+    curves = Curves(R, avg, val)  # type: ignore[arg-type]
+    for name, m in REGISTRY.items():
+        out[name] = m.compute(curves)
     return out
 
 
@@ -106,7 +181,7 @@ def composite_scores(runs: Sequence[Mapping[str, object]]) -> list[float | None]
     """The authors' composite score of each run, in the order given; None for every run when fewer than two.
 
     Each metric is min-max normalised across the runs (1 for every run when all are equal, as the
-    script does), inverted for WF5 and FM (lower is better), weighted by COMPOSITE_WEIGHTS and summed.
+    script does), inverted for WF5 and FM (lower is better), weighted by each metric's `weight` and summed.
 
     A metric that is None for any run (WF5 of a run with T <= 5, IP of a run without validation
     recalls, ...) is left out of every run's score, and the remaining weights are rescaled to sum to 1:
@@ -117,8 +192,9 @@ def composite_scores(runs: Sequence[Mapping[str, object]]) -> list[float | None]
     n = len(runs)
     if n < 2:
         return [None] * n
-    terms = [m for m in COMPOSITE_WEIGHTS if all(isinstance(r.get(m), (int, float)) for r in runs)]
-    total = sum(COMPOSITE_WEIGHTS[m] for m in terms)
+    weights = {name: m.weight for name, m in REGISTRY.items() if m.weight}
+    terms = [m for m in weights if all(isinstance(r.get(m), (int, float)) for r in runs)]
+    total = sum(weights[m] for m in terms)
     if not terms or total == 0:
         return [None] * n
     scores = [0.0] * n
@@ -127,7 +203,7 @@ def composite_scores(runs: Sequence[Mapping[str, object]]) -> list[float | None]
         lo, hi = min(values), max(values)
         for k, v in enumerate(values):
             x = 1.0 if hi == lo else (v - lo) / (hi - lo)
-            scores[k] += COMPOSITE_WEIGHTS[m] / total * ((1.0 - x) if m in LOWER_IS_BETTER else x)
+            scores[k] += weights[m] / total * ((1.0 - x) if REGISTRY[m].lower_is_better else x)
     return list(scores)
 
 

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from leanagent.config import PipelineConfig, RepoConfig
 from leanagent.data.validate import validate_dataset
-from leanagent.job import JobInputError, Program
+from leanagent.job import PROGRAMS, JobInputError, Program
 from leanagent.launch.registry import launch_problems
-from leanagent.model.options import stored_encoder_config
+from leanagent.model.options import RetrieverOptions, stored_encoder_config
 
 # A checkpoint holds the fp32 weights (4 bytes per parameter) and AdamW's two moments (8 bytes), plus
 # loop/callback state, hparams and zip records (measured: 32 KB over 12 bytes per parameter on the tiny model).
@@ -173,6 +175,15 @@ def count_parameters(config: dict[str, Any] | None) -> int | None:
 
 # ---- the launcher ------------------------------------------------------------------------------------
 
+def check_options(cfg: PipelineConfig) -> list[str]:
+    """The retriever's options as a job's ranks will build them (a loss of the losses table, ...)."""
+    try:
+        RetrieverOptions.from_config(cfg)
+    except ValidationError as exc:
+        return [f"model.{err['loc'][0]}: {err['msg'].removeprefix('Value error, ')}" for err in exc.errors()]
+    return []
+
+
 def check_launcher(cfg: PipelineConfig, device_count: int | None = None) -> list[str]:
     """The config's launcher, by the registry (leanagent/launch/registry.py): its name and section, then its own
     preflight of where the ranks will run (this machine's GPUs, a cluster's partitions).
@@ -233,9 +244,10 @@ def estimate_run(cfg: PipelineConfig, parameters: int, repos: int | None = None)
 
 
 def estimate_job(cfg: PipelineConfig, program: Program, out: Path, parameters: int) -> DiskEstimate:
-    if program == "train":
+    writes = PROGRAMS[program].writes
+    if writes == "checkpoints":
         return DiskEstimate(parameters, checkpoints_per_training(cfg), 0, _written(Path(out) / "checkpoints"))
-    if program == "fisher":
+    if writes == "fisher":
         return DiskEstimate(parameters, 0, 1, _written(Path(out)))
     return DiskEstimate(parameters, 0, 0)
 
@@ -289,7 +301,7 @@ def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path
                   checkpoint: Path | None = None, fisher: Path | None = None, validate: bool = True,
                   free_bytes: int | None = None, device_count: int | None = None) -> None:
     """Everything one job needs, checked before it is launched; raises PreflightError listing each problem."""
-    problems = check_launcher(cfg, device_count)
+    problems = check_launcher(cfg, device_count) + check_options(cfg)
     checkpoint_config: dict[str, Any] | None = None
     unknown = False  # a bad input file: what it would have told us (architecture, size) is unknown
     if checkpoint is not None:
@@ -316,7 +328,7 @@ def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path
     parameters = count_parameters(model_config)
     if out is not None and parameters and not unknown:
         remedy = (", or keep fewer epoch checkpoints (trainer.save_top_k: 1 keeps the best and last.ckpt)"
-                  if program == "train" and cfg.trainer.save_top_k != 1 else "")
+                  if PROGRAMS[program].writes == "checkpoints" and cfg.trainer.save_top_k != 1 else "")
         problems += check_disk(estimate_job(cfg, program, Path(out), parameters), Path(out), free_bytes, remedy)
     if validate:
         problems += check_datasets(datasets, cfg.data.split)
@@ -362,7 +374,7 @@ def preflight_run(cfg: PipelineConfig, repos: Sequence[RepoConfig] | None = None
     (default all; a continued run skips those it recorded with the same digests).
     """
     repos = list(cfg.repos if repos is None else repos)
-    problems = check_launcher(cfg, device_count)
+    problems = check_launcher(cfg, device_count) + check_options(cfg)
     start = cfg.lifelong.start_checkpoint
     if start is not None and not start.exists():
         problems.append(f"lifelong.start_checkpoint: {start}: no such checkpoint file or folder")

@@ -20,10 +20,10 @@ already recorded is different: it is part of the run, and a change to it is refu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from leanagent.atomic import read_json
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig
 from leanagent.data.merge import digests
 from leanagent.data.validate import validate_dataset
@@ -36,6 +36,7 @@ from leanagent.run_state import (
     RunLockedError,
     check_experiment,
     check_sequence,
+    read_manifest,
     recorded_sequence,
     waiting_repositories,
 )
@@ -91,7 +92,7 @@ def plan_run(cfg: PipelineConfig, free_bytes: int | None = None, device_count: i
     """Every check of a run before anything is written: raises ConfigError, ManifestMismatchError or PreflightError
     (each naming the file, key or repository), or returns the plan."""
     manifest_path = cfg.run_dir / MANIFEST_NAME
-    manifest = read_json(manifest_path) if manifest_path.is_file() else None
+    manifest = read_manifest(manifest_path) if manifest_path.is_file() else None
     if manifest is not None:
         check_experiment(manifest_path, manifest, cfg)
     recorded = {e.name: e for e in recorded_sequence(manifest)} if manifest is not None else {}
@@ -109,9 +110,12 @@ def plan_run(cfg: PipelineConfig, free_bytes: int | None = None, device_count: i
     return RunPlan(repos, entries, sequence, not_ready, manifest)
 
 
-def progress_line(trained: int, waiting: int, not_ready: int = 0) -> str:
-    """`14 repositories trained, 0 waiting` (and how many folders of repos_dir are not ready)."""
-    line = f"{trained} {'repository' if trained == 1 else 'repositories'} trained, {waiting} waiting"
+def progress_line(trained: int, waiting: Sequence[str] | int, not_ready: int = 0) -> str:
+    """`14 repositories trained, 0 waiting`, or `4 repositories trained, 1 waiting (repo_4)` given the waiting
+    names (and how many folders of repos_dir are not ready, after them: the names belong to "waiting")."""
+    count = waiting if isinstance(waiting, int) else len(waiting)
+    names = "" if isinstance(waiting, int) or not waiting else f" ({', '.join(waiting)})"
+    line = f"{trained} {'repository' if trained == 1 else 'repositories'} trained, {count} waiting{names}"
     return line + (f", {not_ready} not ready in repos_dir" if not_ready else "")
 
 

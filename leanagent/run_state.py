@@ -67,6 +67,32 @@ class ManifestMismatchError(ValueError):
     was written."""
 
 
+class ManifestUnreadableError(ManifestMismatchError):
+    """The run_dir's manifest.json is cut short, not JSON, or not a manifest; nothing was written."""
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """A run's manifest.json, or ManifestUnreadableError naming the file, what is wrong and what to do (a file
+    cut short by a full disk or a copy, or edited by hand, is never overwritten)."""
+    try:
+        data = read_json(path)
+    except UnicodeDecodeError as exc:
+        raise ManifestUnreadableError(f"{path}: not UTF-8 text (byte {exc.start}); {_UNREADABLE}") from None
+    except json.JSONDecodeError as exc:
+        raise ManifestUnreadableError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno} "
+                                      f"({exc.msg}); {_UNREADABLE}") from None
+    except OSError as exc:
+        raise ManifestUnreadableError(f"{path}: cannot be read ({exc.strerror}); nothing was changed") from None
+    if not isinstance(data, dict) or not isinstance(data.get("repos", {}), dict):
+        raise ManifestUnreadableError(f"{path}: a JSON {type(data).__name__}, not a run manifest (an object with "
+                                      f"\"repos\"); {_UNREADABLE}")
+    return data
+
+
+_UNREADABLE = ("it was cut short or edited. Restore it from a copy, or move the run_dir aside to start the run "
+               "afresh; nothing was changed")
+
+
 @dataclass(frozen=True)
 class RepoEntry:
     """A repository as the sequence knows it: its display name, its folder, and {file: SHA-256} of its dataset
@@ -224,7 +250,7 @@ class RunState:
         fingerprint = config_fingerprint(cfg)
         self._stored: str | None = None  # the manifest as read: `extend` writes only what differs from it
         if self.path.is_file():
-            self.data: dict[str, Any] = read_json(self.path)
+            self.data: dict[str, Any] = read_manifest(self.path)
             self._stored = json.dumps(self.data, sort_keys=True)
             _check_config(self.path, self.data, fields)
             self.data["given"] = _given_before(self.data)  # a version 1 manifest has it in the config replaced next

@@ -3,8 +3,8 @@
 Training logic lives in `leanagent`; these modules only connect it to Prefect.
 """
 
-from tasks.data import order_curriculum
-from tasks.jobs import compute_fisher, evaluate_retriever, train_retriever
-from tasks.options import JobOptions
+from leanagent.tasks.data import order_curriculum
+from leanagent.tasks.jobs import compute_fisher, evaluate_retriever, train_retriever
+from leanagent.tasks.options import JobOptions
 
 __all__ = ["JobOptions", "compute_fisher", "evaluate_retriever", "order_curriculum", "train_retriever"]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from leanagent.tasks.options import JobOptions
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
@@ -24,7 +25,6 @@ from prefect.states import State
 from leanagent.config import PipelineConfig
 from leanagent.job import IndexRequest, JobFinishedError, JobInputError, Program
 from leanagent.jobs import run_job
-from tasks.options import JobOptions
 
 # The flow passes its JobOptions to every task; these are the same defaults for a task called on its own.
 DEFAULT_RETRIES: int = JobOptions.model_fields["retries"].default

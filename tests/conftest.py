@@ -113,7 +113,7 @@ def lifelong_run3(prefect_harness: None, tmp_path_factory: pytest.TempPathFactor
     It is the slow part of every test that reads a finished `single` run: the flow's own tests, `merge_all`'s
     comparison, and the SLURM flow's local reference. Tests only read it, or rerun it to see nothing change.
     """
-    from flows.lifelong import lifelong_retrieval
+    from leanagent.flows.lifelong import lifelong_retrieval
 
     root = tmp_path_factory.mktemp("lifelong")
     # Its folder's name is the run's label in `leanagent report` ("single" beside "merge_all").

@@ -125,6 +125,21 @@ def test_readme_has_its_two_setup_commands_and_the_pages_their_marked_blocks():
         assert {m["needs"] for m in MARKED_BLOCK.finditer(page.read_text())} <= known, page
 
 
+def test_the_tour_names_every_module_and_the_pages_no_development_tool():
+    """A newcomer finds every module on README's tour; the pages are for users (no tool of ours they lack)."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    tour = readme[readme.index("## A short tour"):readme.index("<!-- --8<-- [end:tour] -->")]
+    missing = [str(path.relative_to(REPO_ROOT)) for package in ("leanagent", "tasks", "flows", "deployments")
+               for path in sorted((REPO_ROOT / package).rglob("*.py"))
+               if path.name not in ("__init__.py", "__main__.py") and path.name not in tour]
+    assert not missing, f"modules the tour does not name: {missing}"
+    pages = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        text = page.read_text()
+        for word in ("farm-studio", "farm-bench", "`duplicates`", "this session", "the issue"):
+            assert word not in text, f"{page.name} mentions {word}"
+
+
 def test_readme_links_reach_a_page_and_a_heading_there():
     """mkdocs checks the links between pages; README is outside the site, so its own links are checked here."""
     readme = (REPO_ROOT / "README.md").read_text()

@@ -121,3 +121,17 @@ class ProjectionOptions(BaseModel):
     gpus: PositiveInt = Field(4, description="ranks of each job")
     embed_per_s: float = Field(1_252.0, gt=0, description="premises embedded per second per GPU")
     step_s_per_example: float = Field(0.058, gt=0, description="seconds of a training step per example per GPU")
+
+
+class SwapOptions(BaseModel):
+    """What `leanagent bench swap` measures: a server following a run through one swap of Mathlib-sized stages."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    premises: PositiveInt = Field(76_000, description="premises of the corpus both stages index (Mathlib-sized)")
+    files: PositiveInt = Field(2_000, description="files of that corpus")
+    preset: Literal["tiny", "byt5-small"] = Field("tiny", description="the random encoder's shape")
+    embed: Literal["model", "random"] = Field(
+        "model", description="model: the indexes embedded by the model; random: random unit rows of its width, "
+                             "served with --force (a byt5-small index at its true size, without a day of CPU)")
+    work: Path | None = Field(None, description="keep the data, indexes and run here (default: a temporary folder)")

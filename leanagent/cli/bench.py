@@ -14,7 +14,7 @@ from leanagent.cli.common import CommandError, add_model_options, check_device, 
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    from leanagent.bench.options import BenchOptions, CurriculumOptions, ProjectionOptions
+    from leanagent.bench.options import BenchOptions, CurriculumOptions, ProjectionOptions, SwapOptions
 
     p = sub.add_parser("bench", help="measure where the time goes: the data and model path, a curriculum, a "
                                      "projection at LeanAgent's scale",
@@ -44,6 +44,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     add_model_options(projection, ProjectionOptions)
     projection.add_argument("--json", metavar="OUT", help="write the figures here")
     projection.set_defaults(func=cmd_bench_projection)
+
+    swap = sections.add_parser(
+        "swap", help="`leanagent serve RUN_DIR` taking a run's next stage at Mathlib size: the swap's time, the "
+                     "server's memory before, at its peak and after, every request's status meanwhile (Linux)")
+    add_model_options(swap, SwapOptions)
+    swap.add_argument("--json", metavar="OUT", help="write the figures here")
+    swap.set_defaults(func=cmd_bench_swap)
 
 
 def _write(figures: dict, out: str | None) -> None:
@@ -99,4 +106,20 @@ def cmd_bench_projection(args: argparse.Namespace) -> int:
     projection = project_curriculum(model_from_args(ProjectionOptions, args))
     print(projection_table(projection))
     _write(projection.flat(), args.json)
+    return 0
+
+
+def cmd_bench_swap(args: argparse.Namespace) -> int:
+    from leanagent.bench.options import SwapOptions
+    from leanagent.bench.swap import bench_swap, swap_table
+
+    options = model_from_args(SwapOptions, args)
+    if not Path("/proc/self/status").is_file():
+        raise CommandError("bench swap reads the server's memory from /proc (Linux)")
+    try:
+        figures = bench_swap(options)
+    except RuntimeError as exc:
+        raise CommandError(str(exc)) from None
+    print(swap_table(figures))
+    _write(figures.flat(), args.json)
     return 0

@@ -26,7 +26,6 @@ from pydantic import BaseModel, ValidationError
 
 from leanagent.config import format_validation_error
 
-EXIT_OK = 0
 EXIT_REFUSED = 1
 EXIT_USAGE = 2  # argparse's own
 

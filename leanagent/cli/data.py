@@ -11,18 +11,18 @@ from leanagent.config import ConfigError, PipelineConfig
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="check LeanDojo datasets before any GPU time is spent")
-    p.add_argument("datasets", nargs="+")
-    p.add_argument("--split", default="random")
+    p.add_argument("datasets", nargs="+", help="LeanDojo dataset folders (corpus.jsonl, SPLIT/*.json)")
+    p.add_argument("--split", default="random", help="the split folder to read (default: random)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("curriculum", help="LeanAgent's repository order: Easy/Medium/Hard counts and percentiles")
     p.add_argument("datasets", nargs="+", help="dataset folders; repositories are named by folder name")
-    p.add_argument("--split", default="random")
+    p.add_argument("--split", default="random", help="the split folder to read (default: random)")
     p.add_argument("--json", help="also write {order, counts, percentiles} to this file")
     p.set_defaults(func=cmd_curriculum)
 
     p = sub.add_parser("examples", help="write exactly what the retriever is fed: DIR/{train,val,test}.jsonl")
-    p.add_argument("dataset")
+    p.add_argument("dataset", help="a LeanDojo dataset folder")
     p.add_argument("--out", required=True, help="a new or empty folder")
     p.add_argument("--split", help="split folder (default: data.split of the config, random)")
     p.add_argument("--config", help="config YAML for data.num_negatives etc. (default: LeanAgent's settings)")
@@ -39,9 +39,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                                    "mathlib for measuring the data path: thousands of files, an import DAG hundreds "
                                    "of files deep, premise code with a long tail of lengths. Same arguments, same "
                                    "bytes.")
-    p.add_argument("out")
+    p.add_argument("out", help="a new or empty folder")
     p.add_argument("--repos", type=int, help="small demo: number of repositories (default 3)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0)")
     p.add_argument("--theorems", type=int,
                    help="small demo: theorems per repository (default 40); large dataset: theorems in all "
                         "(default premises // 16)")

@@ -10,29 +10,24 @@ from pathlib import Path
 
 from leanagent.cli.common import VERBOSE_HELP, CommandError
 from leanagent.config import ConfigError, dump_config
+from leanagent.job import PROGRAMS
 from leanagent.supervision import Interrupted, interrupt_on_signals
-
-PROGRAMS = (("train", "train the retriever on one repository (DDP under torchrun)"),
-            ("fisher", "compute the diagonal Fisher of a checkpoint on a repository"),
-            ("evaluate", "R@1, R@10, MRR of a checkpoint on a repository's test split"))
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    for name, helptext in PROGRAMS:
-        p = sub.add_parser(name, help=helptext)
-        p.add_argument("--config", required=True)
-        if name == "evaluate":
+    for name, spec in PROGRAMS.items():
+        p = sub.add_parser(name, help=spec.summary)
+        p.add_argument("--config", required=True, help="the pipeline config YAML (model, data, trainer)")
+        if spec.several_datasets:
             p.add_argument("--dataset", required=True, action="append",
                            help="repeat to score the model on several datasets in one job (loaded once)")
         else:
-            p.add_argument("--dataset", required=True)
+            p.add_argument("--dataset", required=True, help="a LeanDojo dataset folder")
         p.add_argument("--out", required=True, help="job folder; result.json is written here")
-        p.add_argument("--checkpoint", required=name == "fisher",
-                       help="start (train) or scored (fisher, evaluate) checkpoint; evaluate without one "
-                            "scores the base model")
-        if name == "train":
+        p.add_argument("--checkpoint", required=spec.needs_checkpoint, help=spec.checkpoint_help)
+        if spec.takes_fisher:
             p.add_argument("--fisher", help="Fisher .safetensors of the previous repository: enables EWC")
-        if name == "evaluate":
+        if spec.takes_index:
             p.add_argument("--index", metavar="INDEX",
                            help="also write the model's premise index over the datasets' corpora (a file two carry: "
                                 "the last one's version) into this new or empty folder, for `leanagent serve` and "

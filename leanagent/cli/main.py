@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from importlib import metadata
 
 from leanagent.cli import bench, data, jobs, model, report, retrieval, run, serve
 from leanagent.cli.common import EXIT_REFUSED, CommandError
@@ -23,10 +24,32 @@ DESCRIPTION = ("Lifelong training of a ByT5 premise retriever for Lean (LeanAgen
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="leanagent", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in COMMAND_GROUPS:
         group.add_parsers(sub)
+    _summaries(parser)
     return parser
+
+
+def package_version() -> str:
+    """The installed distribution's version (a checkout run without installing says so)."""
+    try:
+        return metadata.version("leanagent")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def _summaries(parser: argparse.ArgumentParser) -> None:
+    """Every command's `--help` leads with its one-line summary (the line `leanagent --help` lists it with),
+    unless the command has a longer description of its own."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, child in action.choices.items():
+                if not child.description and helps.get(name):
+                    child.description = helps[name][0].upper() + helps[name][1:] + "."
+                _summaries(child)
 
 
 def main(argv: list[str] | None = None) -> None:

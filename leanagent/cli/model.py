@@ -14,9 +14,10 @@ BASE_MODEL_HELP = ("for a LeanAgent/ReProver checkpoint: the HF folder or cached
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("init-model", help="write a random ByT5-architecture encoder (offline)")
-    p.add_argument("out")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "byt5-small"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("out", help="a new or empty folder: a Hugging Face model folder (config, weights, tokenizer)")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "byt5-small"],
+                   help="tiny: a few layers, for CPU runs; byt5-small: the retriever's shape (default tiny)")
+    p.add_argument("--seed", type=int, default=0, help="the weights' seed (default 0)")
     p.set_defaults(func=cmd_init_model)
 
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder with a model card")

@@ -19,7 +19,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--model", help="a Hugging Face model folder (e.g. from `leanagent export`)")
     p.add_argument("--dataset", required=True, help="a LeanDojo dataset folder (its corpus.jsonl is embedded)")
     p.add_argument("--out", required=True, help="the INDEX folder: new or empty")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"],
+                   help="where the encoder runs (default cpu)")
     add_dtype_argument(p)
     p.add_argument("--batch-tokens", type=int, help="padded tokens per embedding batch (default: the model's "
                                                     "eval_batch_size x max_seq_len)")
@@ -36,9 +37,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--file", help="only premises accessible in this file (a corpus path or a unique suffix)...")
     p.add_argument("--line", type=int, help="...at this line: its imports' premises and its own ending before")
     p.add_argument("--column", type=int, default=0, help="with --line: the column (default 0, the line's start)")
-    p.add_argument("-k", type=int, default=10)
+    p.add_argument("-k", type=int, default=10, help="how many premises to print (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"],
+                   help="where the encoder runs (default cpu)")
     add_dtype_argument(p)
     add_model_check_arguments(p)
     p.set_defaults(func=cmd_retrieve)

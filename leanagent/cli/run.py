@@ -17,16 +17,20 @@ from leanagent.supervision import Interrupted, interrupt_on_signals
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run the lifelong curriculum as a Prefect flow, in this process")
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", required=True, help="the run's config YAML: its repositories, run_dir, model, "
+                   "trainer and launcher (configs/demo.yaml is a small one)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one setting of the config, checked as the file's are (repeatable): "
+                        "--set model.lr=2e-4 --set lifelong.ewc_lambda=0.1")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("status", help="each stage's queued job and its state, under any launcher with a queue")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="the run's folder (run_dir of its config)")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("cancel", help="end every job of a run still queued or running in a launcher's queue")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="the run's folder (run_dir of its config)")
     p.set_defaults(func=cmd_cancel)
 
 
@@ -34,9 +38,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     """The flow prints its own refusals and summary (flows/command.py); this returns its exit code."""
     with interrupt_on_signals():
         try:
-            from flows.command import run_from_cli  # the one way into the app layer (flows/command.py)
+            from leanagent.flows.command import run_from_cli  # the one way into the app layer (flows/command.py)
 
-            return run_from_cli(args.config)
+            return run_from_cli(args.config, args.overrides)
         except Interrupted as exc:  # one that landed outside the flow (while importing, or after it)
             print(f"interrupted by {exc}: every job was ended; rerun the same command to resume", file=sys.stderr)
             return exc.exit_code

@@ -165,11 +165,20 @@ def curriculum_of_datasets(datasets: Mapping[str, Path], split: str = "random", 
     return build_curriculum({name: load_repo_theorems(path, split=split) for name, path in datasets.items()}, kept)
 
 
+def _tactics(difficulty: float) -> str:
+    """A difficulty e^S read back as S, the number of tactics it stands for."""
+    if math.isnan(difficulty):
+        return "undefined"
+    if math.isinf(difficulty):
+        return "a proof with sorry"
+    return f"{math.log(difficulty):.3g} tactics" if difficulty > 0 else "0 tactics"
+
+
 def describe(curriculum: Curriculum) -> list[str]:
     """Human-readable lines: the percentiles, one line per repository in order, the order."""
     p = curriculum.percentiles
-    lines = [f"percentiles: p33 = {p[0]:.6g}, p67 = {p[1]:.6g}" if p is not None
-             else "percentiles: none (no theorem has traced tactics)"]
+    lines = [f"percentiles of difficulty (e^tactics): p33 = {p[0]:.6g} ({_tactics(p[0])}), p67 = {p[1]:.6g} "
+             f"({_tactics(p[1])})" if p is not None else "percentiles: none (no theorem has traced tactics)"]
     for k, name in enumerate(curriculum.order, 1):
         c = curriculum.counts[name]
         where = " (in the run already: keeps its place)" if k <= curriculum.kept else ""

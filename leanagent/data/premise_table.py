@@ -80,6 +80,18 @@ class PremiseTable:
             self._add(k, np.flatnonzero(self._rows[k] < 0).tolist() if len(corpus) else [])
         return range(first, len(self._owner))
 
+    def match(self, corpus: Corpus) -> np.ndarray:
+        """Per premise of `corpus` (one of the table's or another), the row of the same premise (path, full name,
+        code; a repeat in `corpus` matched to the same repeat, counted in index order), or -1."""
+        rows = np.full(len(corpus), -1, dtype=np.int64)
+        seen: dict[tuple[str, str, str], int] = {}
+        for i, p in enumerate(corpus.premises):
+            base = (p.path, p.full_name, p.code)
+            ordinal = seen.get(base, 0)
+            seen[base] = ordinal + 1
+            rows[i] = self._keys.get((*base, ordinal), -1)
+        return rows
+
     def __len__(self) -> int:
         return len(self._owner)
 

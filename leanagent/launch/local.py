@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 import psutil
 
 from leanagent.config import PipelineConfig, TrainerConfig
-from leanagent.job import PROGRAMS_MODULE
+from leanagent.job import PROGRAMS_ENTRY
 from leanagent.launch.base import GRACE_SECONDS, Launcher, LauncherPlugin, RunningJob, child_environment
 from leanagent.launch.quiet import quiet_environment
 from leanagent.supervision import (
@@ -57,7 +57,6 @@ REFRESH_SECONDS = 1.0  # how often the launcher looks for new processes of the j
 # Once a rank has ended, its peers cannot complete any collective (with the seed's one-year DDP timeout they
 # would wait for a year): after SIGTERM, the survivors get this long for what they can do alone, not all of grace_s.
 PEER_GONE_GRACE_SECONDS = 5.0
-PROGRAMS_ENTRY = ("-m", PROGRAMS_MODULE)
 
 
 class LocalPlugin(LauncherPlugin):

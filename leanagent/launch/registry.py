@@ -23,7 +23,7 @@ import difflib
 import functools
 import importlib
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -109,9 +109,10 @@ def config_problems(cfg: PipelineConfig) -> list[str]:
     return plugin.check_config(cfg)
 
 
-def load_checked_config(path: str | Path) -> PipelineConfig:
-    """`leanagent.config.load_config`, then `config_problems`: ConfigError naming the file and the key."""
-    cfg = load_config(path)
+def load_checked_config(path: str | Path, overrides: Sequence[str] = ()) -> PipelineConfig:
+    """`leanagent.config.load_config` (with `--set` overrides), then `config_problems`: ConfigError naming the file
+    and the key."""
+    cfg = load_config(path, overrides)
     problems = config_problems(cfg)
     if problems:
         raise ConfigError(f"{path}: {'; '.join(problems)}")

@@ -155,8 +155,9 @@ class RetrievalEvaluation:
 
     The retriever's Lightning hooks call `start`, `step` and `finish`. A job that evaluates several datasets
     `share`s one table of their union first: the first evaluation that starts embeds it, the others rank from it.
-    A table to `keep` (a premise index's, written when the job is done) is embedded at the next start too, and
-    kept until `release`: a table both shared and kept is embedded once.
+    A table to `keep` (a premise index's, written when the job is done) is kept until `release`: a table both
+    shared and kept is embedded once; otherwise (LeanAgent's `all`, each test embedding its own corpus) its rows
+    are copied from the tests' embeddings as they run, and `kept_embedding` embeds only the rows no test did.
     """
 
     def __init__(self) -> None:
@@ -164,6 +165,8 @@ class RetrievalEvaluation:
         self._scores: list[ContextScore] = []
         self._shared: tuple[PremiseTable, int] | None = None
         self._kept: PremiseTable | None = None
+        self._kept_rows: torch.Tensor | None = None  # the kept table's rows copied from the tests' embeddings
+        self._kept_filled: np.ndarray | None = None
         self._embedded: dict[int, tuple[PremiseTable, torch.Tensor]] = {}
 
     def share(self, table: PremiseTable, corpus: int) -> None:
@@ -172,8 +175,55 @@ class RetrievalEvaluation:
         self._shared = (table, corpus)
 
     def keep(self, table: PremiseTable) -> None:
-        """Embed `table` at the next start, whatever is ranked, and keep its embedding (`embedding_of`)."""
+        """Keep `table`'s embedding for `kept_embedding`, embedding each of its rows once with what is ranked."""
         self._kept = table
+        self._kept_rows, self._kept_filled = None, np.zeros(len(table), dtype=bool)
+
+    def kept_embedding(self, model) -> torch.Tensor:
+        """The kept table's embedding, once the evaluations have run: the rows no evaluation embedded are embedded
+        now. Every rank calls it (embedding is collective)."""
+        table = self._kept
+        if table is None:
+            raise RuntimeError("no table is kept")
+        whole = self.embedding_of(table)
+        if whole is not None:
+            return whole
+        assert self._kept_filled is not None
+        missing = np.flatnonzero(~self._kept_filled)
+        if len(missing):
+            training = model.training
+            model.eval()  # outside the test loop: no dropout, as the tests' embeddings had none
+            try:
+                with torch.inference_mode():  # as the test loop's (the rows copied so far are inference tensors)
+                    part = self._embed(model, table, missing)
+            finally:
+                model.train(training)
+            with torch.inference_mode():
+                if self._kept_rows is None:
+                    self._kept_rows = torch.zeros(len(table), part.shape[1], dtype=part.dtype, device=part.device)
+                rows = torch.from_numpy(missing).to(self._kept_rows.device)
+                self._kept_rows[rows] = part.to(self._kept_rows.dtype)
+            self._kept_filled[missing] = True
+        if self._kept_rows is None:  # a table of no rows
+            return torch.zeros(0, model.encoder.config.d_model, device=model.device)
+        return self._kept_rows
+
+    def _fill_kept(self, corpus, table: PremiseTable, emb: torch.Tensor) -> None:
+        """Copy into the kept table the rows of `emb` (the embedding of `table`, over `corpus` alone) that hold its
+        premises (the same path, name and code, whichever corpus the kept table has them from) and are not there
+        yet."""
+        filled = self._kept_filled
+        assert self._kept is not None and filled is not None
+        to_kept, to_emb = self._kept.match(corpus), table.row_of(0)
+        chosen = np.flatnonzero((to_kept >= 0) & (to_emb >= 0))
+        chosen = chosen[~filled[to_kept[chosen]]]
+        if not len(chosen):
+            return
+        if self._kept_rows is None:
+            self._kept_rows = torch.zeros(len(self._kept), emb.shape[1], dtype=emb.dtype, device=emb.device)
+        dst = torch.from_numpy(to_kept[chosen]).to(emb.device)
+        self._kept_rows[dst] = emb[torch.from_numpy(to_emb[chosen]).to(emb.device)]
+        filled[to_kept[chosen]] = True
 
     def embedding_of(self, table: PremiseTable) -> torch.Tensor | None:
         """The embedding of a shared or kept table, once a start has computed it."""
@@ -183,6 +233,7 @@ class RetrievalEvaluation:
     def release(self) -> None:
         """Forget the shared and kept tables and their embeddings (the memory goes back)."""
         self._shared, self._kept, self.embedding = None, None, None
+        self._kept_rows, self._kept_filled = None, None
         self._embedded.clear()
 
     def _embedding(self, model, table: PremiseTable) -> torch.Tensor:
@@ -196,25 +247,26 @@ class RetrievalEvaluation:
         model.clock.start("rank")
         model.clock.premises_in_corpora += len(datamodule.corpus)  # what embedding its whole corpus would embed
         self._scores = []
-        if self._kept is not None:
-            self._embedding(model, self._kept)
         if self._shared is not None:
             table, corpus = self._shared
             self.embedding = CorpusEmbedding(self._embedding(model, table), table, corpus)
             return
         with model.clock.part("data"):
             table = datamodule.premise_table(split, needed_only=model.options.embed_premises == "needed")
-        self.embedding = CorpusEmbedding(self._embed(model, table), table)
+        emb = self._embed(model, table)
+        self.embedding = CorpusEmbedding(emb, table)
+        if self._kept is not None and len(table.corpora) == 1:
+            self._fill_kept(datamodule.corpus, table, emb)
 
     @staticmethod
-    def _embed(model, table: PremiseTable) -> torch.Tensor:
+    def _embed(model, table: PremiseTable, rows: Sequence[int] | None = None) -> torch.Tensor:
         # Epoch-start hooks run outside Lightning's autocast, so by default the premises are embedded in fp32, as
         # LeanAgent's `reindex_corpus` (in `on_validation_start`) does; `corpus_autocast` opts into the trainer's
         # own autocast (the validation step's).
         autocast = model.trainer.precision_plugin.forward_context() if model.options.corpus_autocast \
             else nullcontext()
         with autocast:
-            return model.embed_corpus(table)
+            return model.embed_corpus(table, rows=rows)
 
     def step(self, model, batch: dict[str, Any]) -> None:
         assert self.embedding is not None

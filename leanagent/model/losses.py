@@ -25,16 +25,24 @@ so EWC's Fisher always describes the loss that is trained (`batch_loss` is the m
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from leanagent.model.options import RetrieverOptions
+if TYPE_CHECKING:
+    import torch
 
-LOSSES = ("mse", "infonce")
+    from leanagent.model.options import RetrieverOptions
+
+# The options check `model.loss` against `LOSSES`, and the checks before a launch read the options: naming the
+# losses must not import torch (2 s of a core, which a refused input never pays), so each loss imports it when it
+# is computed, inside a rank that has imported it already.
 
 
 def contrastive_mse(context_emb: torch.Tensor, premise_emb: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
     """ReProver's loss: cosine similarities regressed onto the label matrix."""
+    import torch.nn.functional as F
+
     similarity = context_emb @ premise_emb.t()
     return F.mse_loss(similarity, label.to(similarity.dtype))
 
@@ -49,23 +57,48 @@ def infonce_rows(similarity: torch.Tensor, label: torch.Tensor, temperature: flo
     """Each row's -log(sum over its positives of exp(s/T) / sum over all its columns of exp(s/T)).
 
     In log-sum-exp form (stable at T = 0.05, where s/T spans [-20, 20]); every row has a positive (its own)."""
+    import torch
+
     logits = similarity.to(torch.promote_types(similarity.dtype, torch.float32)) / temperature  # bf16 -> fp32
     positives = logits.masked_fill(label <= 0, float("-inf"))
     return torch.logsumexp(logits, dim=1) - torch.logsumexp(positives, dim=1)
 
 
+def mse_rows(similarity: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """Each row's mean squared error against its labels."""
+    import torch.nn.functional as F
+
+    return F.mse_loss(similarity, label, reduction="none").mean(dim=1)
+
+
+@dataclass(frozen=True)
+class Loss:
+    """One training loss: the batch's (what the step minimises) and each context's (what a per-example Fisher
+    squares the gradients of), both from the batch's embeddings and its 0/1 label matrix."""
+
+    name: str
+    batch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RetrieverOptions], torch.Tensor]
+    rows: Callable[[torch.Tensor, torch.Tensor, RetrieverOptions], torch.Tensor]  # (similarity, label) per context
+    summary: str
+
+
+# `model.loss` names one entry; a new loss is one entry here (the options check names against this table).
+LOSSES: dict[str, Loss] = {loss.name: loss for loss in (
+    Loss("mse", lambda c, p, label, o: contrastive_mse(c, p, label), lambda s, label, o: mse_rows(s, label),
+         "ReProver's (so LeanAgent's): the similarities regressed onto the labels"),
+    Loss("infonce", lambda c, p, label, o: info_nce(c, p, label.to(c.dtype), o.temperature),
+         lambda s, label, o: infonce_rows(s, label, o.temperature),
+         "a cross-entropy per context over the similarities / model.temperature, every marked column positive"),
+)}
+
+
 def context_losses(similarity: torch.Tensor, label: torch.Tensor, options: RetrieverOptions) -> torch.Tensor:
     """The configured loss of each row (context) of a similarity matrix, unreduced: what a per-example
     Fisher squares the gradients of. `mse`: the row's mean squared error; `infonce`: `infonce_rows`."""
-    label = label.to(similarity.dtype)
-    if options.loss == "infonce":
-        return infonce_rows(similarity, label, options.temperature)
-    return F.mse_loss(similarity, label, reduction="none").mean(dim=1)
+    return LOSSES[options.loss].rows(similarity, label.to(similarity.dtype), options)
 
 
 def retrieval_loss(context_emb: torch.Tensor, premise_emb: torch.Tensor, label: torch.Tensor,
                    options: RetrieverOptions) -> torch.Tensor:
     """The configured loss of a batch (`model.loss`, `model.temperature`): what the training step minimises."""
-    if options.loss == "infonce":
-        return info_nce(context_emb, premise_emb, label.to(context_emb.dtype), options.temperature)
-    return contrastive_mse(context_emb, premise_emb, label)
+    return LOSSES[options.loss].batch(context_emb, premise_emb, label, options)

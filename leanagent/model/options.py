@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from leanagent.config import ABSENT_MEANS, DataConfig, ModelConfig, PipelineConfig
+from leanagent.model.losses import LOSSES
 
 ENCODER_CONFIG_KEY = "encoder_config"  # the architecture, stored beside the options in `hyper_parameters`
 
@@ -33,6 +34,13 @@ class RetrieverOptions(ModelConfig):
     eval_batch_size: int = Field(DataConfig.model_fields["eval_batch_size"].default, gt=0,
                                  description="premises of model.max_seq_len per corpus embedding batch "
                                              "(its token budget: this x max_seq_len)")
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, loss: str) -> str:
+        if loss not in LOSSES:
+            raise ValueError(f"unknown loss {loss!r} (known: {', '.join(LOSSES)})")
+        return loss
 
     @classmethod
     def from_config(cls, cfg: PipelineConfig) -> RetrieverOptions:

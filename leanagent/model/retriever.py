@@ -253,10 +253,10 @@ class PremiseRetriever(pl.LightningModule):
                                             horizon, gradient_clip_val=trainer.gradient_clip_val)
 
     # ---- retrieval evaluation (`evaluation.py`; validation and test share it) -------------------
-    def embed_corpus(self, source, batch_tokens: int | None = None) -> torch.Tensor:
-        """Every premise's embedding of `source` (a `Corpus`, or a `PremiseTable`'s rows), in its order, on every
-        rank: `evaluation.embed_premises`."""
-        return embed_premises(self, source, batch_tokens)
+    def embed_corpus(self, source, batch_tokens: int | None = None, rows=None) -> torch.Tensor:
+        """Every premise's embedding of `source` (a `Corpus`, or a `PremiseTable`'s rows), or of its `rows`, in
+        their order, on every rank: `evaluation.embed_premises`."""
+        return embed_premises(self, source, batch_tokens, rows)
 
     @property
     def corpus_embedding(self) -> CorpusEmbedding | None:

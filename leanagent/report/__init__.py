@@ -29,16 +29,15 @@ from leanagent.report.compare import (
 )
 from leanagent.report.png import write_png
 from leanagent.report.run import (
-    GLOSSARY,
     MATRIX_METRIC,
-    METRIC_COLUMNS,
     UNTRAINED,
     VAL_METRIC,
     RunReport,
+    glossary_text,
     report_from_manifest,
 )
 from leanagent.report.timing import JobCost, job_costs, time_markdown, time_text
 
-__all__ = ["GLOSSARY", "MATRIX_METRIC", "METRIC_COLUMNS", "UNTRAINED", "VAL_METRIC", "JobCost", "LifelongRun",
-           "RunReport", "SourceError", "compare", "comparison_json", "comparison_text", "job_costs", "load_run",
-           "report_from_manifest", "run_setup", "time_markdown", "time_text", "write_png"]
+__all__ = ["MATRIX_METRIC", "UNTRAINED", "VAL_METRIC", "JobCost", "LifelongRun", "RunReport", "SourceError", "compare",
+           "comparison_json", "comparison_text", "glossary_text", "job_costs", "load_run", "report_from_manifest",
+           "run_setup", "time_markdown", "time_text", "write_png"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from leanagent.lifelong_metrics import REGISTRY
+
 
 def mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
@@ -27,7 +29,8 @@ def mrr(value: float | None) -> str:
 
 
 def metric(name: str, value: float | None) -> str:
-    """A lifelong metric as the paper prints it (2 decimals); CFR, a ratio, with 3."""
+    """A lifelong metric as the paper prints it: its table entry's decimals (2; CFR, a ratio, 3)."""
     if value is None:
         return "-"
-    return f"{value:.3f}" if name == "CFR" else f"{value:.2f}"
+    entry = REGISTRY.get(name)
+    return f"{value:.{entry.decimals if entry else 2}f}"

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from leanagent.lifelong_metrics import check_matrix, composite_scores, lifelong_metrics
+from leanagent.lifelong_metrics import REGISTRY, check_matrix, composite_scores, lifelong_metrics
 from leanagent.report.cells import mean, metric, mrr, pct
-from leanagent.report.run import GLOSSARY, MATRIX_METRIC, METRIC_COLUMNS, RunReport, report_from_manifest
-from leanagent.run_state import MANIFEST_NAME
+from leanagent.report.run import MATRIX_METRIC, RunReport, glossary_text, report_from_manifest
+from leanagent.run_state import MANIFEST_NAME, ManifestUnreadableError, read_manifest
 
 JSON_KEYS = {"names", "test_recall_at_10", "val_recall_at_10", "avg_test_recall_at_10", "test_recall_at_1",
              "test_mrr", "label", "source", "published", "comment"}
@@ -68,9 +68,12 @@ def load_run(path: str | Path) -> LifelongRun:
         if not manifest.is_file():
             raise SourceError(f"{path}: a folder without {MANIFEST_NAME} (not a run_dir of `leanagent run`)")
         try:
-            data = json.loads(manifest.read_text())
+            data = read_manifest(manifest)
+        except ManifestUnreadableError as exc:
+            raise SourceError(str(exc)) from None
+        try:
             report = report_from_manifest(data)
-        except (json.JSONDecodeError, OSError, KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise SourceError(f"{manifest}: not a readable run manifest ({exc})") from None
         lm = report.lifelong_metrics()
         val = report.val_r10  # None where a train result has no Recall@10_val: IP is then None
@@ -185,7 +188,7 @@ def comparison_json(runs: Sequence[LifelongRun]) -> dict[str, Any]:
     for run, m in zip(runs, compare(runs), strict=True):
         out.append({"source": run.source, "label": run.label, "setup": run.setup, "names": run.names,
                     "repositories": len(run.test_r10),
-                    **{k: m[k] for k in METRIC_COLUMNS}, "composite": m["composite"], "avg": m["avg"],
+                    **{k: m[k] for k in REGISTRY}, "composite": m["composite"], "avg": m["avg"],
                     "val": run.val_r10, "final_R@1": m["final_R@1"], "final_R@10": m["final_R@10"],
                     "final_MRR": m["final_MRR"]})
     return {"runs": out}
@@ -203,8 +206,8 @@ def comparison_text(runs: Sequence[LifelongRun], markdown: bool = False) -> str:
         ("final R@1", [pct(m["final_R@1"]) for m in metrics]),
         ("final R@10", [pct(m["final_R@10"]) for m in metrics]),
         ("final MRR", [mrr(m["final_MRR"]) for m in metrics]),
-        *((f"{c} ({'lower' if c in ('WF5', 'FM') else 'higher'} is better)", [metric(c, m[c]) for m in metrics])
-          for c in METRIC_COLUMNS),
+        *((f"{c} ({'lower' if e.lower_is_better else 'higher'} is better)", [metric(c, m[c]) for m in metrics])
+          for c, e in REGISTRY.items()),
         ("composite", ["-" if m["composite"] is None else f"{m['composite']:.4f}" for m in metrics]),
     ]
     legend = [f"{h} = {run.label} ({run.source})" for h, run in zip(heads, runs, strict=True)]
@@ -212,13 +215,13 @@ def comparison_text(runs: Sequence[LifelongRun], markdown: bool = False) -> str:
         text = "| metric | " + " | ".join(heads) + " |\n|---|" + "---|" * len(heads) + "\n"
         text += "".join(f"| {name} | " + " | ".join(cells) + " |\n" for name, cells in table)
         bullets = "\n".join(f"- {line}" for line in legend)
-        parts.append(f"## Lifelong metrics\n\n{text}\n{bullets}\n\n{GLOSSARY}")
+        parts.append(f"## Lifelong metrics\n\n{text}\n{bullets}\n\n{glossary_text()}")
     else:
         width = [max(10, len(h), *(len(cells[k]) for _, cells in table)) for k, h in enumerate(heads)]
         lines = [f"{'metric':<26} " + " ".join(f"{h:>{w}}" for h, w in zip(heads, width, strict=True))]
         lines += [f"{name:<26} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, width, strict=True))
                   for name, cells in table]
-        parts.append("Lifelong metrics\n" + "\n".join(lines) + "\n" + "\n".join(legend) + "\n" + GLOSSARY)
+        parts.append("Lifelong metrics\n" + "\n".join(lines) + "\n" + "\n".join(legend) + "\n" + glossary_text())
     return "\n\n".join(parts)
 
 

@@ -6,12 +6,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from leanagent.atomic import write_atomic
+from leanagent.lifelong_metrics import REGISTRY
+from leanagent.report.cells import metric
 from leanagent.report.compare import LifelongRun
 from leanagent.report.run import MATRIX_METRIC
 
 
 def write_png(runs: Sequence[LifelongRun], out: str | Path) -> None:
     """Each run's recall matrix as a heat map, beside its average test and validation R@10 curves (Agg, no display)."""
+    fig = render(runs)
+    write_atomic(Path(out), lambda f: fig.savefig(f, format="png", dpi=130), mode="wb", suffix=".png")
+
+
+def render(runs: Sequence[LifelongRun]):
+    """The figure `write_png` saves: per run, the heat map and the curves on recall's 0-100 axis, with the
+    lifelong metrics after the last repository."""
     import numpy as np
     from matplotlib.figure import Figure  # a Figure without pyplot renders with Agg and touches no global state
 
@@ -21,7 +30,8 @@ def write_png(runs: Sequence[LifelongRun], out: str | Path) -> None:
     for k, run in enumerate(runs):
         heat, curve = axes[k]
         T = len(run.test_r10)
-        heat.set_title(f"{run.label}: test {MATRIX_METRIC} (%)", fontsize=10)
+        title = run.label + (f" ({run.setup})" if run.setup else "")
+        heat.set_title(f"{title}: test {MATRIX_METRIC} (%)", fontsize=10)
         curve.set_title(f"average test {MATRIX_METRIC}" + (" and best validation" if run.val_r10 else ""), fontsize=10)
         if T == 0:
             heat.text(0.5, 0.5, "no repository finished", ha="center", va="center")
@@ -60,8 +70,14 @@ def write_png(runs: Sequence[LifelongRun], out: str | Path) -> None:
         curve.set_xticks(x, short, rotation=60, ha="right", fontsize=9)
         curve.set_xlabel("after training through")
         curve.set_ylabel(f"{MATRIX_METRIC} (%)")
+        curve.set_ylim(0, 100)  # recall's whole range: a few points of noise must not look like a cliff
         curve.grid(True, alpha=0.3)
-        curve.legend(fontsize=8)
-    write_atomic(Path(out), lambda f: fig.savefig(f, format="png", dpi=130), mode="wb", suffix=".png")
+        curve.legend(fontsize=8, loc="lower left")
+        # The lifelong metrics after the last repository, with which way is better ("-": the run is too short).
+        summary = "\n".join(f"{name} {metric(name, m.get(name))} ({'lower' if e.lower_is_better else 'higher'} "
+                            f"is better)" for name, e in REGISTRY.items())
+        curve.text(0.99, 0.02, summary, transform=curve.transAxes, ha="right", va="bottom", fontsize=8,
+                   family="monospace", bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8})
+    return fig
 
 

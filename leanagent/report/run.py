@@ -14,18 +14,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from leanagent.lifelong_metrics import check_matrix, lifelong_metrics
+from leanagent.lifelong_metrics import REGISTRY, check_matrix, glossary, lifelong_metrics, metric_names
 from leanagent.report.cells import mean, mean_of, metric, mrr, pct
 from leanagent.report.timing import JobCost, job_costs, time_markdown, time_summary, time_text
 from leanagent.run_state import EVAL_UNTRAINED, TRAIN, eval_stage, stage_result
 
 MATRIX_METRIC = "Recall@10"
 VAL_METRIC = "Recall@10_val"  # the train stage's best validation Recall@10, percent
+CHECKPOINT_VAL_METRIC = "checkpoint_Recall@10_val"  # that of the checkpoint the next repository starts from
+COLUMNS_NOTE = ("val R@10: the best epoch's validation R@10 (what IP reads); next starts from: the checkpoint the "
+                "next repository trains from (lifelong.checkpoint), with its own validation R@10 in brackets.")
 UNTRAINED = "(untrained)"
-METRIC_COLUMNS = ("WF5", "FM", "EBWT", "WP5", "IP", "CFR")
-GLOSSARY = ("WF5: windowed forgetting over 5 repositories; FM: forgetting measure (both lower is better); "
-            "EBWT: expanded backward transfer; WP5: windowed plasticity; IP: incremental plasticity (validation "
-            "R@10); CFR: min/max average R@10 (higher is better). LeanAgent, ICLR 2025, Table 3.")
+
+
+def glossary_text() -> str:
+    """What each lifelong metric means, printed under every table of them."""
+    return f"{glossary()}\nRecall in percent; LeanAgent (ICLR 2025), Table 3."
 
 
 @dataclass
@@ -61,9 +65,10 @@ class RunReport:
             "avg MRR (seen)": mean_of(m.get("MRR") for m in seen),
         }
         metrics = lifelong_metrics(self._triangle(), [*self.val_r10, val])
-        row.update({m: metrics[m] for m in METRIC_COLUMNS})
+        row.update({m: metrics[m] for m in metric_names()})
         # Epochs trained so far, counted from 1 (the checkpoint's own name holds the 0-based index of its epoch).
-        row.update({"epochs": train.get("epoch"), "checkpoint": train.get("checkpoint")})
+        row.update({"epochs": train.get("epoch"), "checkpoint": train.get("checkpoint"),
+                    "checkpoint val R@10": (train.get("metrics") or {}).get(CHECKPOINT_VAL_METRIC)})
         self.rows.append(row)
 
     @property
@@ -95,18 +100,19 @@ class RunReport:
         return out
 
     def markdown(self, manifest: str) -> str:
-        header = "| repository | R@1 | R@10 | MRR | val R@10 | epochs | checkpoint |\n|---|---|---|---|---|---|---|\n"
+        header = ("| repository | R@1 | R@10 | MRR | val R@10 | epochs | next starts from |\n"
+                  "|---|---|---|---|---|---|---|\n")
         body = "".join(f"| {r['repository']} | {pct(r.get('R@1'))} | {pct(r.get('R@10'))} | {mrr(r.get('MRR'))} | "
-                       f"{pct(r.get('val R@10'))} | {r.get('epochs')} | `{r.get('checkpoint')}` |\n"
-                       for r in self.rows)
+                       f"{pct(r.get('val R@10'))} | {r.get('epochs')} | `{r.get('checkpoint')}`"
+                       f"{_checkpoint_val(r)} |\n" for r in self.rows)
         cols = " | ".join(self.names)
         matrix = f"| trained through \\ evaluated on | {cols} |\n|---|" + "---|" * len(self.names) + "\n"
         matrix += "".join(f"| {label} | " + " | ".join(pct(v) for v in row) + " |\n"
                           for label, row in self._matrix_rows())
         return (f"# Lifelong retrieval: {len(self.rows)} of {len(self.names)} repositories\n\n"
-                f"## Per repository (on its own test split)\n\n{header}{body}\n"
+                f"## Per repository (on its own test split)\n\n{header}{body}\n{COLUMNS_NOTE}\n\n"
                 f"## Lifelong metrics after each repository\n\nOver the repositories seen so far; recall in percent. "
-                f"{GLOSSARY}\n\n{self._metrics_markdown()}\n"
+                f"\n\n{self._metrics_markdown()}\n{_bullets(glossary_text())}\n\n"
                 f"## {MATRIX_METRIC} matrix\n\nRow i: the model after training on repository i; column j: the "
                 f"repository evaluated. Read a column downwards to see forgetting.\n\n{matrix}\n"
                 f"{self._summary_lines()}\n\n{time_markdown(self.costs)}\nManifest: `{manifest}`\n")
@@ -114,15 +120,17 @@ class RunReport:
     def text(self, time_table: bool = True) -> str:
         """Plain text for a terminal: the per-repository table, the metrics after each repository, the matrix, then
         where the time went (a table per job, or with `time_table=False` one line for all of them)."""
-        lines = [f"{'repository':<24} {'R@1':>7} {'R@10':>7} {'MRR':>7} {'val R@10':>8} {'epochs':>6}  checkpoint"]
+        lines = [f"{'repository':<24} {'R@1':>7} {'R@10':>7} {'MRR':>7} {'val R@10':>8} {'epochs':>6}  "
+                 f"next starts from"]
         lines += [f"{r['repository'][:24]:<24} {pct(r.get('R@1')):>7} {pct(r.get('R@10')):>7} "
                   f"{mrr(r.get('MRR')):>7} {pct(r.get('val R@10')):>8} {r.get('epochs')!s:>6}  {r.get('checkpoint')}"
-                  for r in self.rows]
+                  f"{_checkpoint_val(r)}" for r in self.rows]
+        lines.append(COLUMNS_NOTE)
         lines += ["", "Lifelong metrics after each repository (over the repositories seen so far)",
                   self._metrics_text(), "", f"{MATRIX_METRIC} (row: trained through; column: evaluated on)",
                   f"{'':<24} " + " ".join(f"{n[:10]:>10}" for n in self.names)]
         lines += [f"{label[:24]:<24} " + " ".join(f"{pct(v):>10}" for v in row) for label, row in self._matrix_rows()]
-        lines += ["", self._summary_lines(), GLOSSARY]
+        lines += ["", self._summary_lines(), glossary_text()]
         if self.costs:
             lines += ["", time_text(self.costs) if time_table else time_summary(self.costs)]
         return "\n".join(lines)
@@ -136,16 +144,16 @@ class RunReport:
         for i, m in enumerate(self.metrics_after_each()):
             row = self.rows[i] if i < len(self.rows) else {}
             cells = [pct(row.get("avg R@1 (seen)")), pct(m["avg"][-1]), mrr(row.get("avg MRR (seen)"))]
-            out.append((self.names[i], cells + [metric(c, m[c]) for c in METRIC_COLUMNS]))
+            out.append((self.names[i], cells + [metric(c, m[c]) for c in metric_names()]))
         return out
 
     def _metrics_markdown(self) -> str:
-        head = ["after repository", "avg R@1", "avg R@10", "avg MRR", *METRIC_COLUMNS]
+        head = ["after repository", "avg R@1", "avg R@10", "avg MRR", *metric_names()]
         text = "| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n"
         return text + "".join(f"| {name} | " + " | ".join(cells) + " |\n" for name, cells in self._metric_rows())
 
     def _metrics_text(self) -> str:
-        head = ["avg R@1", "avg R@10", "avg MRR", *METRIC_COLUMNS]
+        head = ["avg R@1", "avg R@10", "avg MRR", *metric_names()]
         lines = [f"{'after':<24} " + " ".join(f"{h:>8}" for h in head)]
         lines += [f"{name[:24]:<24} " + " ".join(f"{c:>8}" for c in cells) for name, cells in self._metric_rows()]
         return "\n".join(lines)
@@ -160,9 +168,7 @@ class RunReport:
         return (f"Final model over the {k} repositories seen: R@1 {pct(lm['final_R@1'])}, R@10 "
                 f"{pct(lm['final_R@10'])}, MRR {mrr(lm['final_MRR'])}; R@10 gain over untrained: "
                 f"{pct(lm['gain_over_untrained'])}\n"
-                f"WF5 {metric('WF5', lm['WF5'])}, FM {metric('FM', lm['FM'])}, EBWT (expanded backward transfer) "
-                f"{metric('EBWT', lm['EBWT'])}, WP5 {metric('WP5', lm['WP5'])}, IP {metric('IP', lm['IP'])}, "
-                f"CFR {metric('CFR', lm['CFR'])}")
+                + ", ".join(f"{name} {metric(name, lm[name])}" for name in REGISTRY))
 
 
 def report_from_manifest(manifest: dict) -> RunReport:
@@ -181,3 +187,12 @@ def report_from_manifest(manifest: dict) -> RunReport:
     return report
 
 
+
+
+def _bullets(text: str) -> str:
+    return "\n".join(f"- {line}" for line in text.splitlines())
+
+
+def _checkpoint_val(row: dict) -> str:
+    value = row.get("checkpoint val R@10")
+    return "" if value is None else f" ({pct(value)})"

@@ -16,7 +16,10 @@ client that cached them at an earlier stage still means the same premises; what 
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -97,6 +100,18 @@ class ServerHolder:
         return old
 
 
+def give_back_memory() -> None:
+    """Collect what nothing references any more, and hand the C allocator's free pages back to the system (glibc's
+    `malloc_trim`): a swapped-out stage's model and embeddings are freed when its last request ends, but glibc keeps
+    freed heap pages for the process unless told, so its resident memory would stay at the peak of the swap."""
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS): its allocator returns pages itself
+        return
+    trim(0)
+
+
 class StageFollower(threading.Thread):
     """Every `every_s` seconds, the run's newest stage with an index; a newer one than served is loaded in the
     background (`load`) and swapped in. `log` gets one line per stage taken, and one per stage that cannot be."""
@@ -112,6 +127,8 @@ class StageFollower(threading.Thread):
         self.every_s = every_s
         self.refused: set[tuple[int, str]] = set()
         self._stop = threading.Event()
+        # Servers swapped out and not yet freed (their last request may still run): memory is given back when they go.
+        self._retired: list[weakref.ref[PremiseServer]] = []
 
     def stop(self) -> None:
         self._stop.set()
@@ -133,12 +150,25 @@ class StageFollower(threading.Thread):
             self.log(f"warning: stage {newest.name} (#{newest.position + 1}) cannot be served, still serving "
                      f"{self.served.name}: {first}")
             return None
-        self.holder.swap(server)
+        self._retired.append(weakref.ref(self.holder.swap(server)))
         self.log(f"now serving stage {newest.name} (#{newest.position + 1}): {len(server.premise_names)} premises, "
                  f"{len(server.module_names)} modules")
         self.served = newest
         return newest
 
+    def release_retired(self) -> bool:
+        """Give memory back once a swapped-out server is gone (its last request answered); whether one went."""
+        if not self._retired:
+            return False
+        gc.collect()
+        alive = [ref for ref in self._retired if ref() is not None]
+        gone = len(alive) < len(self._retired)
+        self._retired = alive
+        if gone:
+            give_back_memory()
+        return gone
+
     def run(self) -> None:
         while not self._stop.wait(self.every_s):
             self.check()
+            self.release_retired()

@@ -129,7 +129,8 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
                             log_level="info" if access_log else "warning", access_log=access_log,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     follower = StageFollower(source, holder, stage, lambda s: load(s.index, s), log, follow_s) if stage else None
-    served = holder.current
+    # Read now, not kept: a reference held here would keep this stage's model and embeddings after a swap.
+    count, dtype = len(holder.current.premise_names), holder.current.index.dtype
     what = (f"stage {stage.name} (#{stage.position + 1}) of {source}, followed every {follow_s:g} s" if stage
             else str(source))
     code, reason = 0, "shutdown"
@@ -138,7 +139,7 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
         # the signal it got, which ours turns into Interrupted. A signal during start-up stops as cleanly.
         with interrupt_on_signals():
             _warn_beyond_loopback(bound_host, bound_port, token, log)
-            log(f"serving {len(served.premise_names)} premises of {what} ({served.index.dtype}) at {url}; in Lean: "
+            log(f"serving {count} premises of {what} ({dtype}) at {url}; in Lean: "
                 f"set_option premiseSelection.apiBaseUrl \"{url}\"  (Ctrl-C stops)")
             if follower is not None:
                 follower.start()

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 
 class ServeLimits(BaseModel):
@@ -41,23 +39,11 @@ DEFAULT_K = 32  # the reference server's default; the Lean client always sends k
 NameOrPosition = StrictInt | StrictStr
 
 
-def _unicode(value: Any) -> Any:
-    """A string a tokenizer can encode: JSON's `\\ud800` decodes to a lone surrogate, which UTF-8 cannot hold."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"not Unicode text: a lone surrogate at character {exc.start}") from None
-    return value
-
-
 class NewPremise(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     name: StrictStr
     decl: StrictStr
-
-    _text = field_validator("name", "decl")(_unicode)
 
 
 class RetrieveRequest(BaseModel):
@@ -76,15 +62,6 @@ class RetrieveRequest(BaseModel):
     # not tell private declarations apart), and whether the caller is a module changes nothing here.
     caller_in_module_system: StrictBool | None = None
     imported_all_modules: list[NameOrPosition] | None = None
-
-    _state = field_validator("state")(_unicode)
-
-    @field_validator("local_premises", "imported_modules", "imported_all_modules")
-    @classmethod
-    def _names(cls, values: list[Any] | None) -> list[Any] | None:
-        for value in values or ():
-            _unicode(value)
-        return values
 
 
 class RequestError(Exception):

@@ -242,13 +242,16 @@ def _positions(values: list[int | str], count: int, position_of: Callable[[str],
                 v = position
             resolved.append(v)
         values = resolved
-    ids = np.asarray(values, dtype=np.int64)
+    try:
+        ids = np.asarray(values, dtype=np.int64)
+    except OverflowError:  # an integer beyond int64 (a small body's integers are not checked as it is decoded)
+        ids = np.asarray([v if -1 <= v <= count else -1 for v in values], dtype=np.int64)
     bad = np.flatnonzero((ids < 0) | (ids >= count))
     if len(bad):
         i = int(bad[0])
         known = f"0-{count - 1}" if count else "none: it is empty"
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise RequestError(422, f"{field_name}[{i}]: {values[i]} is not a position in GET {endpoint} "
+        raise RequestError(422, f"{field_name}[{i}]: {excerpt(values[i])} is not a position in GET {endpoint} "
                                 f"({known}){more}; a client caches that list, so restart Lean after the server's "
                                 f"index changed")
     return ids

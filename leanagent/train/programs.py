@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -25,7 +26,7 @@ from leanagent.data.datamodule import RetrievalDataModule, union_table
 from leanagent.data.errors import DatasetError
 from leanagent.exit_fast import freeze_for_exit
 from leanagent.index import StageIndex, read_names
-from leanagent.job import NEEDS_RESUME_FILE, IndexRequest, beat, result_filename
+from leanagent.job import NEEDS_RESUME_FILE, PROGRAMS, IndexRequest, beat, result_filename
 from leanagent.model.fisher import fisher_estimator
 from leanagent.model.loading import load_retriever
 from leanagent.model.retriever import PremiseRetriever
@@ -91,17 +92,24 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
     ckpt = trainer.checkpoint_callback
     # The history travels in checkpoints (it survives a retry); keep this repository's epochs only.
     history = [h for h in model.validation_history if h["epoch"] >= plan.start_epochs]
-    best_name = Path(ckpt.best_model_path).name
-    best_metrics = next((h for h in history if best_name.startswith(f"epoch={h['epoch']}-step={h['step']}-")),
-                        history[-1] if history else {})
+
+    def validated(path: str | None) -> dict:
+        """The validation of the epoch a checkpoint was written at (its name starts `epoch=E-step=S-`)."""
+        name = Path(path or "").name
+        return next((h for h in history if name.startswith(f"epoch={h['epoch']}-step={h['step']}-")), {})
+
+    best_metrics = validated(ckpt.best_model_path) or (history[-1] if history else {})
     latest = latest_epoch_checkpoint(ckpt)
+    chosen = latest if cfg.lifelong.checkpoint == "latest" else ckpt.best_model_path
     metrics = {k: best_metrics.get(k) for k in ("Recall@1_val", "Recall@10_val", "MRR")}
+    # The checkpoint the next repository starts from may not be the best epoch's: the report shows both.
+    metrics["checkpoint_Recall@10_val"] = validated(chosen).get("Recall@10_val")
     # Real tokens over tokens processed (padding included) in this job's training steps; rank 0's, as loss_train.
     tokens = model.token_count_since(plan.start_epochs)
     metrics["train_token_efficiency"] = tokens.efficiency if tokens.processed else None
     return {
         # What the next repository starts from and what is evaluated: LeanAgent takes the newest.
-        "checkpoint": latest if cfg.lifelong.checkpoint == "latest" else ckpt.best_model_path,
+        "checkpoint": chosen,
         "best_checkpoint": ckpt.best_model_path,
         "latest_checkpoint": latest,
         "last_checkpoint": ckpt.last_model_path,
@@ -194,7 +202,7 @@ def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, check
             modules.append(datamodule)
         stage = StageIndex(index.datasets, [dm.corpus for dm in modules]) if index is not None else None
         served = stage.served() if stage is not None else []
-        # LeanAgent's `all`: each test embeds its whole corpus, and the index's premises are a table of their own.
+        # LeanAgent's `all`: each test embeds its whole corpus, and the index's rows are copied from theirs.
         shared = union_table(modules, "test", served) if cfg.model.embed_premises == "needed" else None
         kept = None
         if stage is not None:
@@ -211,13 +219,14 @@ def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, check
     result = {"evaluations": evaluations, "world_size": trainer.world_size,
               "checkpoint": str(checkpoint) if checkpoint else cfg.model.name_or_path}
     if stage is not None:
+        embedding = model.evaluation.kept_embedding(model)  # on every rank: the rows no test embedded, if any
         if global_rank() == 0:
             with clock.part("index"):
                 source = checkpoint or Path(cfg.model.name_or_path)
                 meta = {"checkpoint": str(source) if checkpoint else None, "model": None if checkpoint else str(source),
                         "model_identity": model_identity.identify(source),
                         "max_seq_len": model.options.max_seq_len, "context_max_len": cfg.data.max_seq_len}
-                stage.write(index.out, model.evaluation.embedding_of(kept), kept, meta,
+                stage.write(index.out, embedding, kept, meta,
                             read_names(index.after) if index.after else None)
         result["index"] = str(index.out)
     model.evaluation.release()
@@ -231,7 +240,7 @@ def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, check
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m leanagent.train.programs")
-    parser.add_argument("program", choices=["train", "fisher", "evaluate"])
+    parser.add_argument("program", choices=list(PROGRAMS))
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument("--dataset", required=True, type=Path, action="append",
                         help="evaluate takes several; train and fisher exactly one")
@@ -266,6 +275,21 @@ def job_account(clock: JobClock) -> dict:
             "premises_in_corpora": clock.premises_in_corpora, "peak_rss_mb": round(max(peaks), 1)}
 
 
+def _evaluate(cfg: PipelineConfig, args: argparse.Namespace, job_dir: Path, clock: JobClock) -> dict:
+    index = None if args.index is None else IndexRequest(args.index, tuple(args.index_dataset or args.dataset),
+                                                         args.index_after)
+    return run_evaluate(cfg, args.dataset, job_dir, args.checkpoint, clock, index)
+
+
+# Each program of `leanagent.job.PROGRAMS`, run inside a rank from its parsed arguments.
+RUNNERS: dict[str, Callable[[PipelineConfig, argparse.Namespace, Path, JobClock], dict]] = {
+    "train": lambda cfg, args, job_dir, clock: run_train(cfg, args.dataset[0], job_dir, args.checkpoint, args.fisher,
+                                                         clock),
+    "fisher": lambda cfg, args, job_dir, clock: run_fisher(cfg, args.dataset[0], job_dir, args.checkpoint, clock),
+    "evaluate": _evaluate,
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     clock = JobClock()  # first: the job's time is counted from this process's start (`leanagent.timings`)
     supervision.start()  # record this rank's pid; end it if the launcher or torchrun dies (supervision.py)
@@ -281,23 +305,16 @@ def main(argv: list[str] | None = None) -> None:
     set_nccl_environment(cfg.trainer)
     init_process_group(cfg.trainer)
     pl.seed_everything(cfg.trainer.seed, workers=True)
-    if args.program != "evaluate" and len(args.dataset) != 1:
+    if not PROGRAMS[args.program].several_datasets and len(args.dataset) != 1:
         raise SystemExit(f"{args.program} takes exactly one --dataset, got {len(args.dataset)}")
-    if args.program == "train":
-        try:
-            result = run_train(cfg, args.dataset[0], job_dir, args.checkpoint, args.fisher, clock)
-        except StopRequested as stopped:
-            # Asked to stop before a time limit: the step checkpoint is written; a rerun resumes from it.
-            if global_rank() == 0:
-                write_json_atomic(job_dir / NEEDS_RESUME_FILE, {"checkpoint": str(stopped), "time": time.time()})
-            shutdown_process_group()
-            return
-    elif args.program == "fisher":
-        result = run_fisher(cfg, args.dataset[0], job_dir, args.checkpoint, clock)
-    else:
-        index = None if args.index is None else IndexRequest(args.index, tuple(args.index_dataset or args.dataset),
-                                                             args.index_after)
-        result = run_evaluate(cfg, args.dataset, job_dir, args.checkpoint, clock, index)
+    try:
+        result = RUNNERS[args.program](cfg, args, job_dir, clock)
+    except StopRequested as stopped:
+        # Asked to stop before a time limit: the step checkpoint is written; a rerun resumes from it.
+        if global_rank() == 0:
+            write_json_atomic(job_dir / NEEDS_RESUME_FILE, {"checkpoint": str(stopped), "time": time.time()})
+        shutdown_process_group()
+        return
     result.update(job_account(clock))
     if local_rank() == 0:
         node = 0 if global_rank() == 0 else node_rank()

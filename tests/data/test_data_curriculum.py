@@ -221,7 +221,7 @@ def test_cli_json_is_the_flows_curriculum(tmp_path: Path, capsys: pytest.Capture
     printed = capsys.readouterr().out
     assert f"order: {', '.join(expected.order)}" in printed
     p33, p67 = expected.percentiles
-    assert f"p33 = {p33:.6g}, p67 = {p67:.6g}" in printed
+    assert f"p33 = {p33:.6g} (3 tactics), p67 = {p67:.6g} (4 tactics)" in printed
     for name in expected.order:
         c = expected.counts[name]
         assert (f"{name}: easy {c.easy}, medium {c.medium}, hard {c.hard}, hard (no proof) {c.hard_no_proof}"

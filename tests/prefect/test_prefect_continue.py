@@ -13,15 +13,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
+from leanagent.flows.artifacts import SUMMARY_KEY, TABLE_KEY
+from leanagent.flows.lifelong import lifelong_retrieval
 
-from flows.artifacts import SUMMARY_KEY, TABLE_KEY
-from flows.lifelong import lifelong_retrieval
 from leanagent.atomic import read_json
 from leanagent.run_state import ManifestMismatchError
 from tests.conftest import FinishedRun, file_times
@@ -53,11 +57,62 @@ def continued(lifelong_run3: FinishedRun, demo_assets, write_cpu_config, tmp_pat
         env.setenv("OMP_NUM_THREADS", "1")  # as the reference run had it
         two, two_id = _run(config)
         jobs_after_two = file_times(root / "run" / "jobs")
-        shutil.copytree(demo_assets.repos[2], incoming / ".repo_2")  # copy under a dot-name, then rename
-        (incoming / ".repo_2").rename(incoming / "repo_2")
-        three, three_id = _run(config)
+        # `leanagent serve RUN_DIR` beside the run, asked all along by a client while the run learns repo_2.
+        with ServedRun(root / "run") as served:
+            shutil.copytree(demo_assets.repos[2], incoming / ".repo_2")  # copy under a dot-name, then rename
+            (incoming / ".repo_2").rename(incoming / "repo_2")
+            three, three_id = _run(config)
+            served.wait_for_stage("repo_2")
     return {"root": root, "config": config, "incoming": incoming, "two": two, "two_id": two_id, "three": three,
-            "three_id": three_id, "jobs_after_two": jobs_after_two}
+            "three_id": three_id, "jobs_after_two": jobs_after_two, "served": served}
+
+
+class ServedRun:
+    """`leanagent serve RUN_DIR --follow-s 1` in its own process, and a client thread asking it all along."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.answers: list[tuple[int, str | None]] = []  # (status, the stage /health named just before)
+        self.stages: list[str] = []
+        self._stop = threading.Event()
+
+    def __enter__(self) -> ServedRun:
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        self.proc = subprocess.Popen([sys.executable, "-m", "leanagent.cli", "serve", str(self.run_dir), "--port",
+                                      "0", "--follow-s", "1"], stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                                     env=env)
+        self.banner = self.proc.stderr.readline()
+        assert self.banner.startswith("serving "), self.banner
+        self.url = self.banner.split(" at ", 1)[1].split(";", 1)[0]
+        self.first_health = httpx.get(f"{self.url}/health", timeout=60).json()
+        self.first_modules = httpx.get(f"{self.url}/indexed-modules", timeout=60).json()
+        self.thread = threading.Thread(target=self._ask, daemon=True)
+        self.thread.start()
+        return self
+
+    def _ask(self) -> None:
+        body = {"state": "x y n m : Nat\n⊢ frob 0 = 0", "k": 5, "imported_modules": [0, 1]}
+        with httpx.Client(timeout=120) as http:
+            while not self._stop.is_set():
+                stage = http.get(f"{self.url}/health").json()["stage"]
+                self.stages.append(stage)
+                self.answers.append((http.post(f"{self.url}/retrieve", json=body).status_code, stage))
+                self._stop.wait(0.2)
+
+    def wait_for_stage(self, name: str, seconds: float = 120) -> None:
+        deadline = time.monotonic() + seconds
+        while httpx.get(f"{self.url}/health", timeout=60).json()["stage"] != name:
+            assert time.monotonic() < deadline, f"the server did not take stage {name}"
+            time.sleep(0.2)
+        self.modules = httpx.get(f"{self.url}/indexed-modules", timeout=60).json()
+        time.sleep(1.0)  # a few more requests on the new stage (not a deadline: the client asks every 0.2 s)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self.thread.join(timeout=120)
+        self.proc.send_signal(signal.SIGINT)
+        self.rc = self.proc.wait(timeout=60)
+        self.log = self.proc.stderr.read()
 
 
 def test_the_third_repository_continues_the_run_and_ends_as_a_fresh_run_of_three(continued, lifelong_run3) -> None:
@@ -173,3 +228,19 @@ def test_a_run_that_does_not_extend_the_sequence_is_refused_by_name(continued, c
     after = file_times(run_dir)
     after.pop(".lock", None)
     assert after == before
+
+
+def test_the_server_follows_the_run_to_its_new_stage_without_a_restart(continued) -> None:
+    served = continued["served"]
+    assert served.first_health["stage"] == "second" and served.first_health["stage_number"] == 2
+    assert "stage second (#2) of" in served.banner
+    # Every request answered, on the old stage and then on the new, by the one process.
+    statuses = [status for status, _ in served.answers]
+    assert statuses and set(statuses) == {200}, served.answers
+    assert served.stages[0] == "second" and served.stages[-1] == "repo_2"
+    assert "now serving stage repo_2 (#3)" in served.log and served.log.count("now serving") == 1
+    assert served.rc == 128 + signal.SIGINT
+    # The new repository's modules are listed, after those the clients cached at the earlier stage.
+    assert served.modules[: len(served.first_modules)] == served.first_modules
+    assert any(m.startswith("RepoC.") for m in served.modules[len(served.first_modules):])
+    assert not any(m.startswith("RepoC.") for m in served.first_modules)

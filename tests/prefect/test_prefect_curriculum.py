@@ -23,11 +23,11 @@ import math
 from pathlib import Path
 
 import pytest
+from leanagent.tasks.data import order_curriculum
 from prefect import flow
 
 from leanagent.cli import build_parser
 from leanagent.config import RepoConfig
-from tasks.data import order_curriculum
 from tests.prefect.prefect_api import wait_for_logs
 
 pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect_harness")]
@@ -40,7 +40,8 @@ EXPECTED_LINES = [
     "curriculum: 1. beta: easy 3, medium 1, hard 0, hard (no proof) 0",
     "curriculum: 2. alpha: easy 1, medium 3, hard 0, hard (no proof) 1",
     "curriculum: 3. gamma: easy 1, medium 5, hard 2, hard (no proof) 0",
-    f"curriculum: percentiles: p33 = {P33:.6g}, p67 = {P67:.6g}",
+    f"curriculum: percentiles of difficulty (e^tactics): p33 = {P33:.6g} ({math.log(P33):.3g} tactics), "
+    f"p67 = {P67:.6g} (5 tactics)",
     "curriculum: order: beta, alpha, gamma",
 ]
 

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from leanagent.flows.artifacts import PROGRESS_KEY, SUMMARY_KEY, TABLE_KEY
+from leanagent.flows.lifelong import lifelong_retrieval
 
-from flows.artifacts import PROGRESS_KEY, SUMMARY_KEY, TABLE_KEY
-from flows.lifelong import lifelong_retrieval
 from leanagent.atomic import read_json
 from leanagent.data.corpus import Corpus
+from leanagent.index import PremiseIndex, read_names
 from leanagent.report import RunReport
-from leanagent.run_state import ManifestMismatchError
+from leanagent.run_state import ManifestMismatchError, stage_indexes
 from tests.conftest import FinishedRun, file_times
 from tests.prefect.prefect_api import flow_run_artifacts, wait_for_logs
 
@@ -174,6 +175,9 @@ def test_every_job_says_where_its_time_went(run3: FinishedRun) -> None:
     manifest = read_json(run3.run_dir / "manifest.json")
     train = manifest["repos"][f"00-{run3.summary['order'][0]}"]["stages"]["train"]["result"]
     assert train["wall_seconds"] >= train["timings"]["total"]
+    # LeanAgent's lifelong.checkpoint: latest, whose own validation the report shows beside the best epoch's.
+    assert train["checkpoint"] == train["latest_checkpoint"]
+    assert f"Recall@10_val={train['metrics']['checkpoint_Recall@10_val']:.2f}" in Path(train["checkpoint"]).name
 
 
 def test_the_last_evaluation_embeds_each_shared_premise_once_and_scores_as_each_alone(
@@ -202,3 +206,26 @@ def test_the_last_evaluation_embeds_each_shared_premise_once_and_scores_as_each_
         assert (got["Recall@1"], got["Recall@10"], got["num_contexts"]) == \
             (want["Recall@1"], want["Recall@10"], want["num_contexts"])
         assert got["MRR"] == pytest.approx(want["MRR"], abs=1e-6)
+
+
+def test_each_stage_keeps_the_index_a_server_answers_from(run3: FinishedRun) -> None:
+    """Each stage's evaluation writes its model's premise index over every repository seen so far, from the
+    embeddings it computed for its tests and the rest once; the lists of each extend the previous one's."""
+    manifest = read_json(run3.run_dir / "manifest.json")
+    names = run3.summary["order"]
+    stages = stage_indexes(manifest)
+    assert [(position, name) for position, name, _ in stages] == list(enumerate(names))
+    results = _job_results(run3.run_dir)
+    lists = [read_names(Path(folder)) for _, _, folder in stages]
+    for earlier, later in zip(lists, lists[1:], strict=False):
+        for key in ("premises", "modules"):
+            assert later[key][: len(earlier[key])] == earlier[key]
+    last = PremiseIndex.load(stages[-1][2])  # checked as a server loads it: digest, rows, the model's own
+    assert last.meta["checkpoint"] == results[f"02-{names[2]}/train"]["checkpoint"]
+    corpora = [Corpus.from_jsonl(Path(e["dataset"]) / "corpus.jsonl")
+               for e in results[f"02-{names[2]}/evaluate-00-01-02"]["evaluations"]]
+    assert set(last.files) == {path for c in corpora for path in c.paths}
+    distinct = {(p.path, p.full_name, p.code) for c in corpora for p in c.premises}
+    assert len(last) == len(distinct)  # the demo's repositories carry one version of each shared file
+    # Nothing was embedded twice for it: the job's count is the index's premises (the tests' are among them).
+    assert results[f"02-{names[2]}/evaluate-00-01-02"]["premises_embedded"] == len(last)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from leanagent.flows.lifelong import lifelong_retrieval
 from transformers import T5Config, T5EncoderModel
 
-from flows.lifelong import lifelong_retrieval
 from leanagent.atomic import read_json
 from leanagent.checkpoints import read_checkpoint
 from tests.reference_layout import save_reference

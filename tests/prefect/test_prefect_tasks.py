@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from leanagent.tasks.jobs import compute_fisher, evaluate_retriever, retry_unless_bad_input, train_retriever
+from leanagent.tasks.options import JobOptions
 from prefect.states import Failed
 
 from leanagent.job import JobFinishedError, JobInputError
 from leanagent.launch.base import LaunchError
-from tasks.jobs import compute_fisher, evaluate_retriever, retry_unless_bad_input, train_retriever
-from tasks.options import JobOptions
 
 
 def test_retries_are_not_spent_on_refused_input() -> None:

@@ -39,7 +39,8 @@ def live(built):
         yield server
 
 
-STRICT = ServeLimits(max_k=5, max_new_premises=2, max_state_chars=200, max_decl_chars=100, max_body_bytes=3000)
+STRICT = ServeLimits(max_k=5, max_new_premises=2, max_state_chars=200, max_decl_chars=100, max_body_bytes=3000,
+                     max_positions=500)
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +218,19 @@ BAD_REQUESTS = [
     ("strict", json.dumps({"state": "s", "new_premises": [_decl("a", 100)]}).encode(), 413,
      'new premise "a": decl of 112 characters, more than this server\'s 100'),
     ("strict", json.dumps({"state": "s", "pad": " " * 3000}).encode(), 413, "more than this server's 3,000"),
+    # What once ended in a 500 and a 115-line traceback, each a 4xx with one line now:
+    ("live", b'{"state": "s", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+     "nests arrays or objects deeper than this server decodes"),
+    ("live", b'{"state": "s", "local_premises": [1000000000000000000000000000000]}', 422,
+     "local_premises[0]: 1000000000000000000000000000000 is not a position in GET /indexed-premises (0-37)"),
+    ("strict", b'{"state": "s", "local_premises": [' + b"1" * 2000 + b"]}", 422,
+     'an integer of 2,000 digits ("111111111111111111111111111111111111...): no field takes one that large'),
+    ("live", b'{"state": "s\\ud800"}', 422, "state: not Unicode text (a lone surrogate at character 1)"),
+    ("live", b'{"state": "s", "new_premises": [{"name": "\\udfff", "decl": "d"}]}', 422,
+     "new_premises[0].name: not Unicode text (a lone surrogate at character 0)"),
+    ("live", b'{"state": "s", "local_premises": [NaN]}', 400, "NaN is not a JSON value"),
+    ("live", json.dumps({"state": "s", "local_premises": ["x" * 5000]}).encode(), 422,
+     'local_premises[0]: "' + "x" * 36 + '... is not a premise name'),
 ]
 
 
@@ -228,6 +242,7 @@ def test_each_bad_request_is_refused_in_one_line(request, which: str, body: byte
     error = answer.json()
     assert isinstance(error, dict) and set(error) == {"error"}  # never parses as a result array
     assert reason in error["error"] and "\n" not in error["error"] and "Traceback" not in answer.text, error
+    assert len(answer.content) < 600  # a short prefix of the input at most, whatever its size
 
 
 @pytest.mark.parametrize(("method", "path", "status"), [("GET", "/retrieve", 405), ("POST", "/indexed-premises", 405),

@@ -65,8 +65,8 @@ class _Recording(PremiseRetriever):
 
     seen: list[tuple[bool, torch.dtype]]
 
-    def embed_corpus(self, corpus, batch_tokens: int | None = None) -> torch.Tensor:
-        emb = super().embed_corpus(corpus, batch_tokens)
+    def embed_corpus(self, corpus, batch_tokens: int | None = None, rows=None) -> torch.Tensor:
+        emb = super().embed_corpus(corpus, batch_tokens, rows)
         self.seen.append((torch.is_autocast_enabled("cpu"), emb.dtype))
         return emb
 

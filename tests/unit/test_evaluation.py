@@ -14,6 +14,7 @@ from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule, union_table
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.synthetic_scale import ScaleSpec
+from leanagent.index import StageIndex
 from leanagent.model.evaluation import CorpusEmbedding
 from leanagent.model.mining import mine_table
 from leanagent.model.options import RetrieverOptions
@@ -108,3 +109,26 @@ def test_mined_negatives_from_the_needed_embedding_are_the_whole_corpus_table(re
         whole = CorpusEmbedding.of_corpus(model.embed_corpus(dm.corpus), dm.corpus)
     mined = [mine_table(model, e, dm.corpus, dm.train_examples, 6, MAX_LEN, batch_size=8) for e in (part, whole)]
     assert torch.equal(mined[0], mined[1]) and (mined[0] >= 0).sum() > 0
+
+
+def test_a_kept_index_table_takes_its_rows_from_the_tests_that_embed_their_whole_corpus(repos, tiny_model) -> None:
+    """LeanAgent's `all` with a stage index: each test embeds its whole corpus, and the index's rows are copied from
+    those embeddings, whichever corpus the index has a shared file from; only what no test embedded is embedded
+    again, and the rows are those of the index's table embedded on its own."""
+    model = _model(tiny_model, embed_premises="all")
+    modules = _modules(repos, model)
+    stage = StageIndex(repos, [dm.corpus for dm in modules])  # the shared files come from the third corpus
+    kept = stage.table()
+    model.evaluation.keep(kept)
+    for dm in modules[:2]:  # the third repository is not evaluated: its own files are embedded for the index
+        _test(model, dm, "32-true")
+    by_tests = model.clock.premises_embedded
+    assert by_tests == len(modules[0].corpus) + len(modules[1].corpus)
+    emb = model.evaluation.kept_embedding(model)
+    own_third = sum(1 for p in modules[2].corpus.premises if not p.path.startswith(".lake/"))
+    assert model.clock.premises_embedded - by_tests == own_third > 0
+    with torch.no_grad():
+        alone = model.embed_corpus(kept)
+    torch.testing.assert_close(emb, alone, rtol=1e-4, atol=1e-5)
+    assert model.evaluation.kept_embedding(model) is emb  # nothing more to embed
+    model.evaluation.release()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from leanagent.lifelong_metrics import METRICS, composite_scores, lifelong_metrics
+from leanagent.lifelong_metrics import composite_scores, lifelong_metrics, metric_names
 
 TABLE4 = Path(__file__).resolve().parents[1] / "fixtures" / "leanagent_table4"
 SETUPS = ["leanagent", *(f"setup{k}" for k in range(1, 8))]
@@ -24,7 +24,7 @@ def _flat(rows: list[float]) -> list[list[float]]:
 
 def test_no_repository_yet() -> None:
     m = lifelong_metrics([], None)
-    assert m["avg"] == [] and all(m[k] is None for k in METRICS)
+    assert m["avg"] == [] and all(m[k] is None for k in metric_names())
 
 
 def test_one_repository_leaves_what_needs_two_as_none() -> None:

@@ -200,3 +200,23 @@ def test_the_infonce_config_changes_the_recipe_only() -> None:
     recipe = {"model": {"loss", "temperature"}, "data": {"negatives", "mined_pool"}}
     assert cfg.model_dump(exclude={**recipe, "run_dir": True, "repos": True}) == default.model_dump(
         exclude={**recipe, "run_dir": True, "repos": True})
+
+
+def test_a_new_loss_is_one_table_entry(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Registered once, a loss is accepted by the options and is what the step minimises (the Fisher estimators
+    read the same table's per-context form); a name of no entry is refused before any launch, naming the known."""
+    from leanagent.model import losses
+    from leanagent.preflight import check_options
+
+    def l1_rows(similarity: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        return (similarity - label).abs().mean(dim=1)
+
+    entry = losses.Loss("l1", lambda c, p, label, o: l1_rows(c @ p.t(), label.to(c.dtype)).mean(),
+                        lambda s, label, o: l1_rows(s, label), "mean absolute error")
+    monkeypatch.setitem(losses.LOSSES, "l1", entry)
+    options = RetrieverOptions(loss="l1")
+    ctx, prem, label = (t.float() for t in fixed_batch())
+    torch.testing.assert_close(retrieval_loss(ctx, prem, label, options), (ctx @ prem.t() - label).abs().mean())
+    assert check_options(PipelineConfig.model_validate({"model": {"loss": "l1"}})) == []
+    assert check_options(PipelineConfig.model_validate({"model": {"loss": "l2"}})) == [
+        "model.loss: unknown loss 'l2' (known: mse, infonce, l1)"]

@@ -184,7 +184,7 @@ def test_every_problem_at_once_one_message_each(assets, tmp_path):
 
 
 def test_a_refused_flow_writes_nothing_into_run_dir(assets, tmp_path):
-    from flows.lifelong import lifelong_retrieval
+    from leanagent.flows.lifelong import lifelong_retrieval
 
     cfg = cpu_config(assets, tmp_path, trainer={"accelerator": "gpu", "devices": 64})
     config = tmp_path / "config.yaml"

@@ -66,7 +66,7 @@ def test_rows_carry_the_metrics_after_each_repository() -> None:
 def test_text_and_markdown_show_percent_and_the_metrics() -> None:
     report = _three_repositories()
     text = report.text()
-    assert UNTRAINED in text and "EBWT (expanded backward transfer) -6.67" in text
+    assert UNTRAINED in text and "EBWT -6.67" in text and "EBWT (higher is better): expanded backward transfer" in text
     assert "FM 25.00" in text and "R@10 gain over untrained: 43.33" in text
     md = report.markdown("m.json")
     assert "| (untrained) | 20.00 | 30.00 | 10.00 |" in md
@@ -237,3 +237,50 @@ def test_load_run_reads_a_partial_run_dir(tmp_path: Path) -> None:
     (run_dir / "manifest.json").write_text(json.dumps(manifest))
     run = load_run(run_dir)
     assert run.names == ["a"] and run.test_r10 == [[80.0]] and run.metrics()["FM"] is None
+
+
+def test_a_new_lifelong_metric_is_one_table_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registered once, a metric is computed after each repository, printed with its meaning in the text, the
+    markdown and the comparison, written to the comparison's JSON and weighed in the composite score."""
+    from leanagent import lifelong_metrics as lm
+    from leanagent.report import LifelongRun, comparison_json, comparison_text
+
+    def final_gap(c: lm.Curves) -> float | None:
+        return max(c.R[-1]) - min(c.R[-1])
+
+    entry = lm.LifelongMetric("GAP", final_gap, True, "the spread of the last row's recalls", weight=0.1)
+    monkeypatch.setitem(lm.REGISTRY, "GAP", entry)
+    report = _three_repositories()
+    assert [r["GAP"] for r in report.rows] == [0.0, 30.0, 20.0]
+    assert "GAP 20.00" in report.text() and "GAP (lower is better): the spread of the last row's recalls" in \
+        report.text()
+    assert "| CFR | GAP |" in report.markdown("m.json") and "- GAP (lower is better)" in report.markdown("m.json")
+    runs = [LifelongRun(str(k), f"run{k}", report.names, report._triangle(), report.val_r10, None, None, None,
+                        report, None) for k in range(2)]
+    assert "GAP (lower is better)" in comparison_text(runs)
+    assert all(r["GAP"] == 20.0 for r in comparison_json(runs)["runs"])
+
+
+def test_the_png_has_recalls_whole_axis_the_metrics_and_the_runs_setup() -> None:
+    from leanagent.report import LifelongRun
+    from leanagent.report.png import render
+
+    report = _three_repositories()
+    run = LifelongRun("runs/ewc", "ewc", report.names, report._triangle(), report.val_r10, None, None, None, report,
+                      "single, curriculum, EWC 0.1")
+    heat, curve = render([run]).axes[:2]
+    assert curve.get_ylim() == (0.0, 100.0)
+    assert "ewc (single, curriculum, EWC 0.1)" in heat.get_title()
+    box = "\n".join(t.get_text() for t in curve.texts)
+    assert "FM 25.00 (lower is better)" in box and "WF5 - (lower is better)" in box
+
+
+def test_the_table_says_which_checkpoint_the_next_repository_starts_from_and_its_own_recall() -> None:
+    report = RunReport(["a"])
+    train = {"epoch": 9, "checkpoint": "epoch=8-step=90-Recall@10_val=86.00.ckpt",
+             "metrics": {"Recall@10_val": 87.0, "checkpoint_Recall@10_val": 86.0}}
+    report.add_repository(0, train, [_eval(80.0)])
+    text = report.text()
+    assert "next starts from" in text and "87.00" in text
+    assert "epoch=8-step=90-Recall@10_val=86.00.ckpt (86.00)" in text
+    assert "(86.00) |" in report.markdown("m.json")

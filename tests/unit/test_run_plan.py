@@ -16,7 +16,7 @@ import yaml
 
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig, TrainerConfig, load_config
 from leanagent.data.merge import digests
-from leanagent.run_plan import plan_run
+from leanagent.run_plan import plan_run, progress_line
 from leanagent.run_state import RepoEntry, RunState
 
 
@@ -106,7 +106,7 @@ def test_the_documented_upload_rule_hides_a_copy_until_it_is_renamed(demo_assets
     docs = (Path(__file__).resolve().parents[2] / "docs" / "continuing.md").read_text()
     command = docs.split("<!-- upload-rule -->", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].strip()
     shutil.copytree(demo_assets.repos[2], tmp_path / "demo" / "more" / "repo_3")
-    incoming = tmp_path / "demo" / "incoming"
+    incoming = tmp_path / "incoming"  # configs/scheduled.yaml's repos_dir
     cfg = _cfg(demo_assets, tmp_path, [], repos_dir=incoming)
     incoming.mkdir(parents=True)
     shutil.copytree(demo_assets.repos[2], incoming / ".repo_3")  # what the command's copy leaves before its rename
@@ -114,3 +114,56 @@ def test_the_documented_upload_rule_hides_a_copy_until_it_is_renamed(demo_assets
     shutil.rmtree(incoming / ".repo_3")
     subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=tmp_path, check=True, timeout=60)
     assert [r.display_name for r in plan_run(cfg).repos] == ["repo_3"]
+
+
+def test_the_progress_line_names_the_waiting_repositories_before_the_not_ready_count() -> None:
+    assert progress_line(4, ["repo_4"], 1) == "4 repositories trained, 1 waiting (repo_4), 1 not ready in repos_dir"
+    assert progress_line(1, [], 0) == "1 repository trained, 0 waiting"
+    assert progress_line(3, 0, 2) == "3 repositories trained, 0 waiting, 2 not ready in repos_dir"
+
+
+@pytest.mark.parametrize("text, says", [('{"version": 2, "repos": {"00-repo_0": {"sta', "not valid JSON at line 1"),
+                                        ("[]", "a JSON list, not a run manifest")])
+def test_a_cut_or_foreign_manifest_is_one_line_naming_it(demo_assets, tmp_path: Path, text: str, says: str) -> None:
+    cfg = _cfg(demo_assets, tmp_path, demo_assets.repos[:1])
+    cfg.run_dir.mkdir(parents=True)
+    manifest = cfg.run_dir / "manifest.json"
+    manifest.write_text(text)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    for command in (["run", "--config", str(config)], ["report", str(cfg.run_dir)]):
+        proc = subprocess.run([sys.executable, "-m", "leanagent.cli", *command], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 1, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {manifest}: {says}"), proc.stderr
+    assert manifest.read_text() == text  # nothing changed
+
+
+def test_set_overrides_are_typed_and_checked_as_the_file_is(tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  lr: 0.001\nrun_dir: runs/x\n")
+    cfg = load_config(config, ["model.lr=2e-4", "lifelong.ewc_lambda=0.1", "trainer.devices=2", "run_dir=runs/y"])
+    assert (cfg.model.lr, cfg.lifelong.ewc_lambda, cfg.trainer.devices) == (2e-4, 0.1, 2)
+    assert cfg.run_dir == tmp_path / "runs" / "y"  # relative to the file, as its own keys
+    with pytest.raises(ConfigError, match=r"model\.lrr: unknown key \(did you mean 'lr'\?\)"):
+        load_config(config, ["model.lrr=2e-4"])
+    with pytest.raises(ConfigError, match=r"lifelong\.ewc_lambda: Input should be greater than or equal to 0"):
+        load_config(config, ["lifelong.ewc_lambda=-1"])
+    with pytest.raises(ConfigError, match=r"--set model\.lr: expected KEY=VALUE"):
+        load_config(config, ["model.lr"])
+    with pytest.raises(ConfigError, match=r"model\.lr is a value, not a section"):
+        load_config(config, ["model.lr.x=1"])
+
+
+def test_run_set_refuses_an_unknown_key_in_one_line(demo_assets, tmp_path: Path) -> None:
+    cfg = _cfg(demo_assets, tmp_path, demo_assets.repos[:1])
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    proc = subprocess.run([sys.executable, "-m", "leanagent.cli", "run", "--config", str(config), "--set",
+                           "lifelong.ewc_lamda=0.1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {config} with --set lifelong.ewc_lamda=0.1: lifelong.ewc_lamda: unknown key (did you mean "
+        f"'ewc_lambda'?)"]
+    assert not cfg.run_dir.exists()

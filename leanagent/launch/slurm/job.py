@@ -23,7 +23,7 @@ from pathlib import Path
 
 from leanagent.atomic import read_json, write_atomic, write_json_atomic
 from leanagent.config import PipelineConfig
-from leanagent.job import NEEDS_RESUME_FILE, heartbeat_dir
+from leanagent.job import NEEDS_RESUME_FILE, PROGRAMS_ENTRY, heartbeat_dir
 from leanagent.launch.base import Launcher, RunningJob, child_environment
 from leanagent.launch.quiet import quiet_environment
 from leanagent.launch.slurm.queue import (
@@ -38,7 +38,7 @@ from leanagent.launch.slurm.queue import (
     query_state,
     slurm_command,
 )
-from leanagent.launch.slurm.script import PROGRAMS_ENTRY, SCRIPT, STOP_FILE, render_script
+from leanagent.launch.slurm.script import SCRIPT, STOP_FILE, render_script
 from leanagent.launch.slurm.settings import SlurmConfig, slurm_settings
 from leanagent.supervision import SUPERVISION_ENV
 

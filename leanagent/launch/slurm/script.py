@@ -17,13 +17,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from leanagent.config import PipelineConfig
-from leanagent.job import PROGRAMS_MODULE, STOP_FILE_ENV
+from leanagent.job import PROGRAMS_ENTRY, STOP_FILE_ENV
 from leanagent.launch.slurm.queue import SLURM_DIR
 from leanagent.launch.slurm.settings import SlurmConfig
 
 SCRIPT = "job.sbatch"
 STOP_FILE = "stop"
-PROGRAMS_ENTRY = ("-m", PROGRAMS_MODULE)
 
 
 def job_name(label: str) -> str:
