@@ -20,7 +20,7 @@ from leanagent.tasks.options import JobOptions
 from prefect import flow, get_run_logger
 from prefect.states import Failed, State
 
-from leanagent.checkpoints import prune_checkpoints
+from leanagent.checkpoint_files import prune_checkpoints
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, resolve_paths
 from leanagent.dataset_strategy import training_datasets
 from leanagent.job import IndexRequest

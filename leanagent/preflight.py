@@ -342,7 +342,8 @@ def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path
 
 def start_checkpoint_config(path: Path, name_or_path: str) -> tuple[dict[str, Any] | None, str | None]:
     """(the architecture a start checkpoint gives, None) or (None, the one-line problem naming the file)."""
-    from leanagent.checkpoints import BadFileError, is_leanagent, read_any_checkpoint
+    from leanagent.checkpoint_files import BadFileError
+    from leanagent.foreign_checkpoints import is_leanagent, read_any_checkpoint
 
     try:
         checkpoint = read_any_checkpoint(path)
@@ -356,7 +357,7 @@ def start_checkpoint_config(path: Path, name_or_path: str) -> tuple[dict[str, An
 
 
 def fisher_problems(path: Path) -> list[str]:
-    from leanagent.checkpoints import BadFileError, check_fisher
+    from leanagent.checkpoint_files import BadFileError, check_fisher
 
     try:
         check_fisher(path)

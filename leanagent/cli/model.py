@@ -41,7 +41,7 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from leanagent.checkpoints import BadFileError
+    from leanagent.checkpoint_files import BadFileError
     from leanagent.export import export_model
     from leanagent.model.loading import ModelSourceError
 

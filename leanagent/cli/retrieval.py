@@ -47,7 +47,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from leanagent.checkpoints import BadFileError
+    from leanagent.checkpoint_files import BadFileError
     from leanagent.data.errors import DatasetError
     from leanagent.index import PremiseIndexError, build_index
     from leanagent.model.loading import ModelSourceError

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from transformers import T5Config, T5EncoderModel
 
-from leanagent.checkpoints import (
+from leanagent.checkpoint_files import CheckpointError
+from leanagent.config import PipelineConfig
+from leanagent.foreign_checkpoints import (
     ENCODER_PREFIX,
     TIED,
-    CheckpointError,
     complete_tied,
     first_few,
     is_leanagent,
@@ -35,7 +36,6 @@ from leanagent.checkpoints import (
     reference_hparams,
     reference_state_dict,
 )
-from leanagent.config import PipelineConfig
 from leanagent.model.options import RetrieverOptions, stored_encoder_config
 from leanagent.model.presets import encoder_config
 from leanagent.model.progress_bars import no_progress_bars

@@ -15,16 +15,9 @@ import pytorch_lightning as pl
 import torch
 
 from leanagent.atomic import read_json
-from leanagent.checkpoints import (
-    complete_tied,
-    epochs_completed,
-    first_readable,
-    is_leanagent,
-    read_any_checkpoint,
-    reference_state_dict,
-    resume_candidates,
-)
+from leanagent.checkpoints import epochs_completed, first_readable, resume_candidates
 from leanagent.config import PipelineConfig
+from leanagent.foreign_checkpoints import complete_tied, is_leanagent, read_any_checkpoint, reference_state_dict
 from leanagent.model.loading import load_retriever
 
 JOB_PLAN = "job.json"

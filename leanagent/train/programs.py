@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from leanagent import model_identity, supervision
 from leanagent.atomic import write_json_atomic
-from leanagent.checkpoints import BadFileError, epoch_step, read_fisher, save_fisher
+from leanagent.checkpoint_files import BadFileError, epoch_step
+from leanagent.checkpoints import read_fisher, save_fisher
 from leanagent.config import PipelineConfig, load_config
 from leanagent.data.datamodule import RetrievalDataModule, union_table
 from leanagent.data.errors import DatasetError

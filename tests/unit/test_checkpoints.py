@@ -19,16 +19,8 @@ from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from transformers import ByT5Tokenizer
 
 from leanagent.atomic import write_json_atomic
-from leanagent.checkpoints import (
-    CheckpointError,
-    FisherFileError,
-    check_checkpoint,
-    check_fisher,
-    prune_checkpoints,
-    read_checkpoint,
-    read_fisher,
-    save_fisher,
-)
+from leanagent.checkpoint_files import CheckpointError, FisherFileError, check_fisher, prune_checkpoints
+from leanagent.checkpoints import check_checkpoint, read_checkpoint, read_fisher, save_fisher
 from leanagent.config import DataConfig, PipelineConfig
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.model.loading import load_model, load_retriever

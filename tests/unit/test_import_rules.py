@@ -73,10 +73,11 @@ def test_the_library_imports_no_prefect() -> None:
     assert not found, "\n".join(found)
 
 
-def test_the_launchers_load_no_torch() -> None:
-    """Imported as a launcher uses them (`leanagent.launch.torchrun` is the program torchrun runs, not one)."""
+def test_the_launchers_and_the_file_checks_load_no_torch() -> None:
+    """Imported as a launcher uses them (`leanagent.launch.torchrun` is the program torchrun runs, not one); the
+    flow prunes checkpoints and the checks read Fisher headers with `checkpoint_files` alone."""
     launch = [name for name, _ in _modules() if name.startswith("leanagent.launch.")
-              and name != "leanagent.launch.torchrun"]
+              and name != "leanagent.launch.torchrun"] + ["leanagent.checkpoint_files"]
     probe = ("import importlib, sys\n"
              f"for name in {launch!r}: importlib.import_module(name)\n"
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pytorch_lightning', 'prefect')))")

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from transformers import ByT5Tokenizer, T5EncoderModel
 
-from leanagent.checkpoints import CheckpointError, epochs_completed, read_any_checkpoint, read_checkpoint
+from leanagent.checkpoint_files import CheckpointError
+from leanagent.checkpoints import epochs_completed, read_checkpoint
 from leanagent.config import PipelineConfig
+from leanagent.foreign_checkpoints import read_any_checkpoint
 from leanagent.model.loading import load_retriever, reference_encoder_config
 from leanagent.model.presets import encoder_config
 from leanagent.preflight import PreflightError, preflight_job
