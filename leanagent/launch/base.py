@@ -6,7 +6,7 @@ every launcher:
 
 - every output line goes to `on_line`, rank lines as `[rank N] ...` (torchrun prefixes them), less
   known third-party noise unless LEANAGENT_VERBOSE is set (`quiet.py`; the rank logs under JOB/logs/
-  keep everything), plus rank 0's progress as a bar or `[progress] ...` lines (`progress_view.py`);
+  keep everything), plus rank 0's progress as a bar or `[progress] ...` lines (`output.py`, `progress_view.py`);
 - a deadline (`timeout_s`) and a heartbeat watchdog (`heartbeat_timeout_s`: with the seed's one-year
   collective timeout only a file that stops changing reveals a hung rank) end the job;
 - an interrupt of the launching thread (Ctrl-C, SIGTERM, a Prefect cancel) ends the job before it
@@ -22,9 +22,7 @@ a login node or a Prefect worker as well as beside the ranks.
 
 from __future__ import annotations
 
-import collections
 import os
-import re
 import shutil
 import time
 from abc import ABC, abstractmethod
@@ -37,9 +35,9 @@ from pydantic import BaseModel
 
 from leanagent.atomic import read_json
 from leanagent.config import PipelineConfig
-from leanagent.job import heartbeat_dir, read_progress, result_filename, stale_ranks
-from leanagent.launch.progress_view import job_label, progress_view
-from leanagent.launch.quiet import NoiseFilter, verbose
+from leanagent.job import heartbeat_dir, result_filename, stale_ranks
+from leanagent.launch.output import JobOutput
+from leanagent.launch.progress_view import job_label
 from leanagent.supervision import SUPERVISION_ENV, pids_dir
 
 SCRUBBED_ENV = (
@@ -48,9 +46,6 @@ SCRUBBED_ENV = (
     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
     "TORCHELASTIC_ERROR_FILE", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS", *SUPERVISION_ENV,
 )
-RANK_LINE = re.compile(r"^\[rank (\d+)\] ?(.*)$")
-FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)")
-TAIL_LINES = 30
 GRACE_SECONDS = 30.0
 # Ending a job because the launcher was interrupted: Prefect's runner SIGKILLs a cancelled flow-run process 30 s
 # after its SIGTERM, and the job must be over (and the stage recorded) before that. Under Lightning 2.6 the grace
@@ -164,85 +159,12 @@ class Launcher(ABC):
         # The job has exited: a rank it could not end (stopped, hung) or a forked child may still run.
         job.end(1.0, output.emit)
         if returncode != 0:
-            raise output.failure(program, job_dir, returncode)
+            raise LaunchError(*output.failure(program, job_dir, returncode))
         result_path = job_dir / result_filename(self.node_rank)
         if not result_path.is_file():
             raise LaunchError(f"{job_dir}: the job exited 0 but wrote no {result_path.name}", None,
                               output.launcher_tail)
         return read_json(result_path)
-
-
-class JobOutput:
-    """A job's output on its way to `on_line`: split into lines, attributed to ranks, filtered, with progress."""
-
-    def __init__(self, label: str, on_line: Callable[[str], None] | None, progress_interval_s: float | None) -> None:
-        self.sink = on_line or (lambda line: print(line, flush=True))
-        self.view = progress_view(label, self.sink, progress_interval_s)
-        self.noise = NoiseFilter(enabled=not verbose())
-        self.tails: dict[int, collections.deque[str]] = collections.defaultdict(
-            lambda: collections.deque(maxlen=TAIL_LINES))
-        self.launcher_tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self._buffer = b""
-
-    def emit(self, line: str) -> None:
-        if self.view is None:
-            self.sink(line)
-            return
-        with self.view.writing():
-            self.sink(line)
-
-    def feed(self, chunk: bytes) -> None:
-        self._buffer += chunk
-        *lines, self._buffer = self._buffer.split(b"\n")
-        for raw in lines:
-            self._route(raw.decode("utf-8", "replace").rstrip("\r"))
-
-    def _route(self, line: str) -> None:
-        m = RANK_LINE.match(line)
-        if m:
-            self.tails[int(m.group(1))].append(m.group(2))
-            if self.noise.keep(int(m.group(1)), m.group(2)):
-                self.emit(line)
-        else:
-            self.launcher_tail.append(line)
-            self.emit(f"[launcher] {line}" if line else line)
-
-    def show_progress(self, job_dir: Path) -> None:
-        if self.view is not None:
-            progress = read_progress(job_dir)
-            if progress is not None:
-                self.view.update(progress)
-
-    def close(self, job_dir: Path) -> None:
-        """The last progress snapshot (written as the job ended), then whatever output had no newline yet."""
-        if self.view is not None:
-            self.show_progress(job_dir)
-            self.view.close()
-        if self._buffer:
-            self._route(self._buffer.decode("utf-8", "replace"))
-            self._buffer = b""
-
-    def failure(self, label: str, job_dir: Path, returncode: int) -> LaunchError:
-        tails = {r: list(t) for r, t in self.tails.items()}
-        rank = failing_rank(tails, list(self.launcher_tail))
-        lines = tails.get(rank, []) if rank is not None else list(self.launcher_tail)
-        where = f"rank {rank}" if rank is not None else "torchrun"
-        body = "\n".join(f"  {line}" for line in lines[-TAIL_LINES:])
-        return LaunchError(f"{label} job in {job_dir} failed (exit {returncode}); last lines of {where}:\n{body}",
-                           rank, lines)
-
-
-def failing_rank(tails: dict[int, list[str]], launcher_tail: list[str]) -> int | None:
-    """torchrun's summary names the first failed rank; otherwise the rank that printed a traceback."""
-    summary = "\n".join(launcher_tail)
-    if "Root Cause" in summary:
-        m = FAILED_RANK.search(summary[summary.index("Root Cause"):])
-        if m:
-            return int(m.group(1))
-    for rank in sorted(tails):
-        if any(line.startswith("Traceback") for line in tails[rank]):
-            return rank
-    return min(tails) if tails else None
 
 
 def child_environment(base: dict[str, str] | None = None) -> dict[str, str]:
