@@ -5,7 +5,7 @@
 # torch and transformers takes 15-30 s to start (measured 2026-12-04), so the parts do not all fit in the 600 s one
 # device command may take: give each call the parts that fit (the times below), one after another while the
 # machine is warm.
-#   serve    `leanagent serve` on the device, alone on the GPU: scripts/measure_serve.py on the mathlib-scale index
+#   serve    `leanagent serve` on the device, alone on the GPU: `leanagent bench serve` on the mathlib-scale index
 #            (76,000 premises) of SERVE_PRESET (tiny; byt5-small builds its index in 50 s on an H200), batched and
 #            unbatched, --dtype bf16, the new client's body; its JSON in $OUT/serve.json, its rows in serve.log
 #            [SERVE_S, 300 s]
@@ -54,7 +54,7 @@ done
 STATE_ARG=()  # what the recipes and the bench pass on
 [ -n "$STATES" ] && STATE_ARG=(--states "$STATES")
 if [ "$SMOKE" = "--cpu-smoke" ]; then
-  DEVICE=cpu; ACCEL=cpu; PRESET=tiny; SERVE_DTYPE=fp32; SERVE_ARGS=--skip-mathlib; CHECK_ARGS=--cpu-smoke
+  DEVICE=cpu; ACCEL=cpu; PRESET=tiny; SERVE_DTYPE=fp32; SERVE_ARGS=--no-mathlib; CHECK_ARGS=--cpu-smoke
   BENCH_DATA="--repos 1"; BENCH_ARGS="--train-batches 1 --fisher-examples 4 --embed-sample 16"
   DEFAULT_PARTS="serve recipes checks curriculum bench"
   RECIPE_ARGS=${RECIPE_ARGS:---scale 1 --theorems 30 --epochs 1}
@@ -80,10 +80,10 @@ wanted() { [[ " $PARTS " == *" $1 "* ]] && echo "=== $1 ($(date -u +%T))"; }
 
 if wanted serve; then
   # shellcheck disable=SC2086
-  timeout "${SERVE_S:-300}" $PY scripts/measure_serve.py "$WORK/serve" --preset "${SERVE_PRESET:-tiny}" \
-    --device $DEVICE --modes batched,unbatched --bodies "new client" --serve-args "--dtype $SERVE_DTYPE" $SERVE_ARGS \
+  timeout "${SERVE_S:-300}" $PY -m leanagent.cli bench serve "$WORK/serve" --preset "${SERVE_PRESET:-tiny}" \
+    --device $DEVICE --modes batched unbatched --bodies "new client" --serve-args "--dtype $SERVE_DTYPE" $SERVE_ARGS \
     --json "$OUT/serve.json" > "$OUT/serve.log" 2>&1
-  echo "serve: rc $?"; grep -v '^ *"' "$OUT/serve.log" | tail -12
+  echo "serve: rc $?"; tail -12 "$OUT/serve.log"
 fi
 
 if wanted recipes; then

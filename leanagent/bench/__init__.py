@@ -26,11 +26,14 @@ On a CPU the training rows use the model's first 2 layers (`--train-layers`): ev
 width has the same matmuls and attention shapes, so fewer layers keep each step's balance (the share of
 matmuls against attention's and dropout's elementwise work) at a sixth of the time.
 
-One module per concern: `data.py`, `retrieval.py` (embedding and retrieval), `train_step.py`, `fisher.py`,
-`launch.py`, `cuda.py` (fixed-length batches), `table.py`; `options.py` (each section's options, what a run
-measures: light, so the command line builds its flags from them without importing torch), `results.py` (a typed
-section per measurement, and the flat JSON `--json` writes), `run.py` (`run_bench`); `curriculum.py` (a whole
-curriculum twice, and the projection at LeanAgent's scale). Import what you use from its module: this package
-imports nothing, so that reading the options costs nothing.
+That is the `path` section. One module per concern: `data.py`, `retrieval.py` (embedding and retrieval),
+`train_step.py`, `fisher.py`, `launch.py`, `cuda.py` (fixed-length batches), `table.py`; `options.py` (each
+section's options, what a run measures: light, so the command line builds its flags from them without importing
+torch), `results.py` (a typed section per measurement, and the flat JSON `--json` writes), `timing.py` (the one
+set of timing helpers), `run.py` (`run_bench`). The other sections, a module each: `curriculum.py` (a whole
+curriculum twice, and the projection at LeanAgent's scale), `swap.py` (a server following a run), `dtypes.py` (the
+served encoder per dtype), `grad_cache.py` (`model.grad_cache`'s memory and time), `batching.py` (a server in
+process, batched or not), `serving.py` (real `leanagent serve` processes under concurrent clients). Import what
+you use from its module: this package imports nothing, so that reading the options costs nothing.
 """
 

@@ -25,6 +25,7 @@ import yaml
 
 from leanagent.atomic import read_json
 from leanagent.bench.options import CurriculumOptions, ProjectionOptions
+from leanagent.bench.results import Section
 from leanagent.data.corpus import Corpus
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.synthetic_scale import ScaleSpec
@@ -53,7 +54,7 @@ class ModeFigures:
 
 
 @dataclass
-class CurriculumFigures:
+class CurriculumFigures(Section):
     repos: int
     dependency_premises: int
     corpus_premises: float  # one repository's corpus: the dependency and its own files (the mean)
@@ -165,7 +166,7 @@ def curriculum_table(figures: CurriculumFigures) -> str:
 # ---- the projection --------------------------------------------------------------------------------------------
 
 @dataclass
-class Projection:
+class Projection(Section):
     options: ProjectionOptions
     passes_before: float  # over the shared dependency, LeanAgent's re-embedding
     passes_after: float

@@ -135,3 +135,69 @@ class SwapOptions(BaseModel):
         "model", description="model: the indexes embedded by the model; random: random unit rows of its width, "
                              "served with --force (a byt5-small index at its true size, without a day of CPU)")
     work: Path | None = Field(None, description="keep the data, indexes and run here (default: a temporary folder)")
+
+
+class DtypesOptions(BaseModel):
+    """What `leanagent bench dtypes` measures: the served encoder's pass per `--dtype`, at byt5-small's full shape."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    states: Path | None = Field(None, description="a LeanDojo split file: its median-length proof state and a "
+                                                  "1,024-byte one are encoded (default: generated states)")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the encoder runs")
+    dtypes: tuple[Literal["fp32", "bf16", "int8", "auto"], ...] = Field(
+        ("fp32", "bf16", "int8"), description="the dtypes measured, in this order (int8: CPU only)")
+    repeats: PositiveInt = Field(3, description="passes per state, after a warm-up; the median is kept")
+    premises: PositiveInt = Field(64, description="premises of the corpus embedding rate")
+    preset: Literal["tiny", "byt5-small"] = Field("byt5-small", description="the random encoder's shape")
+
+
+class GradCacheOptions(BaseModel):
+    """What `leanagent bench grad-cache` measures: one InfoNCE training step's peak memory and time, with
+    `model.grad_cache` and without, each in a process of its own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    preset: Literal["tiny", "byt5-small"] = Field("tiny", description="the random encoder's shape")
+    layers: PositiveInt = Field(2, description="layers of the encoder kept")
+    batch: PositiveInt = Field(32, description="contexts of the step")
+    negatives: int = Field(3, ge=0, description="negatives per context")
+    budget: PositiveInt = Field(16384, description="model.token_budget: tokens per encoder call")
+    states: Path | None = Field(None, description="a LeanDojo split file whose proof states' lengths the contexts "
+                                                  "and premises take (default: 300 bytes each)")
+
+
+class BatchingOptions(BaseModel):
+    """What `leanagent bench batching` measures: `PremiseServer.retrieve` in process (no HTTP), batched against one
+    request at a time, and the two parts of a batched pass."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: Path = Field(description="an INDEX folder (`leanagent index`)")
+    dataset: Path = Field(description="the dataset whose test split's proof states are sent")
+    threads: PositiveInt = Field(32, description="concurrent requests")
+    rounds: PositiveInt = Field(3, description="rounds in which the two servers take turns")
+    dtype: Literal["auto", "fp32", "bf16", "int8"] = Field("fp32", description="the index's dtype on load")
+
+
+ServeBody = Literal["new client", "old client"]
+
+
+class ServeOptions(BaseModel):
+    """What `leanagent bench serve` measures: real `leanagent serve` processes, batched and not, at 1, 8 and 32
+    concurrent clients."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    work: Path = Field(description="a folder for the data, model and indexes (reused when present)")
+    preset: Literal["tiny", "byt5-small"] = Field("tiny", description="the random encoder's shape")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the servers run")
+    mathlib: bool = Field(True, description="also a Mathlib-sized index (76,000 premises), beside the demo's")
+    modes: tuple[Literal["batched", "unbatched"], ...] = Field(("batched", "unbatched"),
+                                                               description="the servers measured, in this order")
+    bodies: tuple[ServeBody, ...] = Field(("new client", "old client"),
+                                          description="the request bodies measured (new client: imported modules "
+                                                      "and new premises; old client: every position listed)")
+    serve_args: str = Field("", description="more `leanagent serve` options, e.g. '--dtype bf16'")
+    server_cpus: tuple[int, ...] = Field((), description="Linux: run the server on these CPUs and the clients on "
+                                                         "the others (default: both share every CPU)")

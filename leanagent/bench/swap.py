@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 
 from leanagent import model_identity
 from leanagent.bench.options import SwapOptions
+from leanagent.bench.results import Section
 from leanagent.data.corpus import Corpus
 from leanagent.data.synthetic_scale import ScaleSpec, write_scale_dataset
 from leanagent.index import build_index, read_names, write_index
@@ -42,7 +43,7 @@ from leanagent.run_state import MANIFEST_NAME, repo_key
 
 
 @dataclass
-class SwapFigures:
+class SwapFigures(Section):
     premises: int
     width: int
     embed: str

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -58,3 +59,16 @@ def best_of_rounds(passes: dict[str, Callable[[], Any]], device: torch.device, m
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device | None = None) -> float:
+    """The median seconds of `repeats` calls of `fn`, after one warm-up call (the first allocates)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if device is not None:
+            sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -1,70 +1,53 @@
 """`bench`: where the time goes, section by section (the measurements are `leanagent.bench`).
 
-Each section's flags come from its options model (`leanagent.bench`), so a flag, its default and its help are
-written once.
+Each section is one entry of `SECTIONS`: its options model (whose fields are its flags: a flag, its default and its
+help written once), the function that measures and the one that prints its table, named in their module and
+imported when the section runs (the parser imports no torch). Every section's figures have `flat()`, the JSON
+`--json` writes.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import BaseModel
+
+from leanagent.bench.options import (
+    BatchingOptions,
+    BenchOptions,
+    CurriculumOptions,
+    DtypesOptions,
+    GradCacheOptions,
+    ProjectionOptions,
+    ServeOptions,
+    SwapOptions,
+)
 from leanagent.cli.common import CommandError, add_model_options, check_device, model_from_args
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
-    from leanagent.bench.options import BenchOptions, CurriculumOptions, ProjectionOptions, SwapOptions
-
-    p = sub.add_parser("bench", help="measure where the time goes: the data and model path, a curriculum, a "
-                                     "projection at LeanAgent's scale",
-                       description="Benchmarks, one section at a time; each prints a table and can write its "
-                                   "figures as JSON. Compare figures as ratios within one run.")
-    sections = p.add_subparsers(dest="section", required=True, metavar="SECTION")
-
-    path = sections.add_parser("path", help="the data and model path: corpus load, negatives, embedding, retrieval, "
-                                            "the training step, the Fisher pass, a job's launch")
-    add_model_options(path, BenchOptions)
-    path.add_argument("--json", metavar="OUT", help="write every figure here")
-    path.set_defaults(func=cmd_bench_path)
-
-    curriculum = sections.add_parser(
-        "curriculum", help="a whole curriculum on repositories sharing a dependency, run twice: re-embedding every "
-                           "corpus (LeanAgent) and embedding once; where each run's time went",
-        description="Writes repositories that share a dependency and a tiny encoder, then runs `leanagent run` twice "
-                    "in one sitting (model.embed_premises: all, then needed) and reads every job's time by part and "
-                    "the premises it embedded from the two manifests. Minutes on a CPU.")
-    add_model_options(curriculum, CurriculumOptions)
-    curriculum.add_argument("--json", metavar="OUT", help="write the figures here")
-    curriculum.set_defaults(func=cmd_bench_curriculum)
-
-    projection = sections.add_parser(
-        "projection", help="LeanAgent's curriculum at its scale (14 repositories, Mathlib, 4 GPUs), from embedding "
-                           "and step rates: passes and hours, before and after embedding once (arithmetic)")
-    add_model_options(projection, ProjectionOptions)
-    projection.add_argument("--json", metavar="OUT", help="write the figures here")
-    projection.set_defaults(func=cmd_bench_projection)
-
-    swap = sections.add_parser(
-        "swap", help="`leanagent serve RUN_DIR` taking a run's next stage at Mathlib size: the swap's time, the "
-                     "server's memory before, at its peak and after, every request's status meanwhile (Linux)")
-    add_model_options(swap, SwapOptions)
-    swap.add_argument("--json", metavar="OUT", help="write the figures here")
-    swap.set_defaults(func=cmd_bench_swap)
+@dataclass(frozen=True)
+class BenchSection:
+    name: str
+    options: type[BaseModel]
+    help: str
+    module: str  # leanagent.bench.<module>: holds `measure` and `table`
+    measure: str
+    table: str
+    description: str | None = None
+    positional: tuple[str, ...] = ()
+    check: Callable[[BaseModel], None] | None = None  # refusals answered before anything heavy is imported
 
 
-def _write(figures: dict, out: str | None) -> None:
-    if out:
-        Path(out).write_text(json.dumps(figures, indent=2, sort_keys=True, default=str))
-
-
-def cmd_bench_path(args: argparse.Namespace) -> int:
-    from leanagent.bench.options import BenchOptions
-
-    if args.model is not None and args.preset is not None:
+def _check_path(options: BenchOptions) -> None:
+    if options.model is not None and options.preset is not None:
         raise CommandError("--model and --preset: give one (the preset is a random encoder of that shape)")
-    options = model_from_args(BenchOptions, args)
-    if not (options.dataset / "corpus.jsonl").is_file():  # before torch is imported: answered at once
+    if not (options.dataset / "corpus.jsonl").is_file():
         raise CommandError(f"{options.dataset}: no corpus.jsonl (write one with `leanagent demo-data OUT "
                            f"--mathlib-scale`)")
     missing = [str(p) for p in options.states if not p.is_file()]
@@ -72,54 +55,93 @@ def cmd_bench_path(args: argparse.Namespace) -> int:
         raise CommandError(f"--states: no such file: {', '.join(missing)}")
     check_device(options.device)
 
-    from leanagent.bench.results import write_json
-    from leanagent.bench.run import run_bench
-    from leanagent.bench.table import format_table
 
-    result = run_bench(options)
-    print(format_table(result))
-    if args.json:
-        write_json(result, Path(args.json))
-    return 0
-
-
-def cmd_bench_curriculum(args: argparse.Namespace) -> int:
-    from leanagent.bench.curriculum import bench_curriculum, curriculum_table
-    from leanagent.bench.options import CurriculumOptions
-
-    options = model_from_args(CurriculumOptions, args)
+def _check_empty_work(options: CurriculumOptions | SwapOptions) -> None:
     if options.work is not None and options.work.exists() and any(options.work.iterdir()):
         raise CommandError(f"--work {options.work}: not empty; give a new folder (nothing was overwritten)")
-    try:
-        figures = bench_curriculum(options)
-    except RuntimeError as exc:
-        raise CommandError(str(exc)) from None
-    print(curriculum_table(figures))
-    _write(figures.flat(), args.json)
-    return 0
 
 
-def cmd_bench_projection(args: argparse.Namespace) -> int:
-    from leanagent.bench.curriculum import project_curriculum, projection_table
-    from leanagent.bench.options import ProjectionOptions
-
-    projection = project_curriculum(model_from_args(ProjectionOptions, args))
-    print(projection_table(projection))
-    _write(projection.flat(), args.json)
-    return 0
-
-
-def cmd_bench_swap(args: argparse.Namespace) -> int:
-    from leanagent.bench.options import SwapOptions
-    from leanagent.bench.swap import bench_swap, swap_table
-
-    options = model_from_args(SwapOptions, args)
+def _check_linux(options: SwapOptions) -> None:
+    _check_empty_work(options)
     if not Path("/proc/self/status").is_file():
         raise CommandError("bench swap reads the server's memory from /proc (Linux)")
+
+
+def _check_file(attribute: str) -> Callable[[BaseModel], None]:
+    def check(options: BaseModel) -> None:
+        value = getattr(options, attribute)
+        if value is not None and not Path(value).is_file():
+            raise CommandError(f"--{attribute}: {value}: no such file")
+        device = getattr(options, "device", "cpu")
+        check_device(device)
+    return check
+
+
+def _check_batching(options: BatchingOptions) -> None:
+    if not (options.index / "index.json").is_file():
+        raise CommandError(f"{options.index}: no index.json (build one with `leanagent index`)")
+    if not (options.dataset / "random" / "test.json").is_file():
+        raise CommandError(f"{options.dataset}: no random/test.json to take proof states from")
+
+
+SECTIONS: tuple[BenchSection, ...] = (
+    BenchSection("path", BenchOptions, "the data and model path: corpus load, negatives, embedding, retrieval, the "
+                 "training step, the Fisher pass, a job's launch", "run", "run_bench", "format_table",
+                 check=_check_path),
+    BenchSection("curriculum", CurriculumOptions, "a whole curriculum on repositories sharing a dependency, run "
+                 "twice: re-embedding every corpus (LeanAgent) and embedding once; where each run's time went",
+                 "curriculum", "bench_curriculum", "curriculum_table",
+                 description="Writes repositories that share a dependency and a tiny encoder, then runs `leanagent "
+                             "run` twice in one sitting (model.embed_premises: all, then needed) and reads every "
+                             "job's time by part and the premises it embedded from the two manifests. Minutes on a "
+                             "CPU.", check=_check_empty_work),
+    BenchSection("projection", ProjectionOptions, "LeanAgent's curriculum at its scale (14 repositories, Mathlib, 4 "
+                 "GPUs), from embedding and step rates: passes and hours, before and after embedding once "
+                 "(arithmetic)", "curriculum", "project_curriculum", "projection_table"),
+    BenchSection("swap", SwapOptions, "`leanagent serve RUN_DIR` taking a run's next stage at Mathlib size: the "
+                 "swap's time, the server's memory before, at its peak and after, every request's status meanwhile "
+                 "(Linux)", "swap", "bench_swap", "swap_table", check=_check_linux),
+    BenchSection("dtypes", DtypesOptions, "the served encoder's pass per --dtype (fp32, bf16, int8) at byt5-small's "
+                 "shape, and its corpus embedding rate", "dtypes", "bench_dtypes", "dtypes_table",
+                 check=_check_file("states")),
+    BenchSection("grad-cache", GradCacheOptions, "what model.grad_cache saves and costs: one InfoNCE step's peak "
+                 "memory and time, cached and not, each in a process of its own", "grad_cache", "bench_grad_cache",
+                 "grad_cache_table", check=_check_file("states")),
+    BenchSection("batching", BatchingOptions, "a premise server in process (no HTTP): batched against one request "
+                 "at a time, and the encoder and ranking parts of a batched pass", "batching", "bench_batching",
+                 "batching_table", positional=("index", "dataset"), check=_check_batching),
+    BenchSection("serve", ServeOptions, "real `leanagent serve` processes, batched and not: latency and requests/s "
+                 "at 1, 8 and 32 clients, cold starts", "serving", "bench_serve", "serve_table",
+                 positional=("work",), check=lambda options: check_device(options.device)),
+)
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure where the time goes: the data and model path, a curriculum, a "
+                                     "projection at LeanAgent's scale, the server, the dtypes",
+                       description="Benchmarks, one section at a time; each prints a table and can write its "
+                                   "figures as JSON. Compare figures as ratios within one run.")
+    sections = p.add_subparsers(dest="section", required=True, metavar="SECTION")
+    for section in SECTIONS:
+        q = sections.add_parser(section.name, help=section.help, description=section.description)
+        add_model_options(q, section.options, positional=section.positional)
+        q.add_argument("--json", metavar="OUT", help="write the figures here")
+        q.set_defaults(func=cmd_bench, bench_section=section)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    section: BenchSection = args.bench_section
+    options = model_from_args(section.options, args)
+    if section.check is not None:
+        section.check(options)
+    module = importlib.import_module(f"leanagent.bench.{section.module}")
+    measure, table = getattr(module, section.measure), getattr(module, section.table)
     try:
-        figures = bench_swap(options)
-    except RuntimeError as exc:
+        figures = measure(options)
+    except (RuntimeError, ValueError) as exc:
         raise CommandError(str(exc)) from None
-    print(swap_table(figures))
-    _write(figures.flat(), args.json)
+    print(table(figures))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures.flat(), indent=2, sort_keys=True, default=str))
+        print(f"wrote {args.json}", file=sys.stderr)
     return 0

@@ -33,7 +33,7 @@ import torch
 
 DTYPES = ("auto", "fp32", "bf16", "int8")
 # The CPU's choice, keyed by whether it has bf16 matmuls: the fastest dtype whose agreement is recorded in the module
-# docstring (speed: scripts/measure_dtypes.py; agreement: the trained-model test named there).
+# docstring (speed: `leanagent bench dtypes`; agreement: the trained-model test named there).
 AUTO_CPU = {True: "bf16", False: "fp32"}
 
 class DtypeError(ValueError):

@@ -21,7 +21,7 @@ the first pass left it, as after an uncached step. With `sort_by_length` (the de
 masks are the uncached step's, so the gradient is the same to float summation order
 (`tests/unit/test_grad_cache.py`, in float64 with dropout on); with padded pools the pieces are runs of rows within
 the token budget, whose dropout masks have other shapes than one padded call's. The cost: each piece is encoded
-twice and its gradient taken alone (1.7x the step time, 0.5x its peak memory in scripts/measure_grad_cache.py's
+twice and its gradient taken alone (1.7x the step time, 0.5x its peak memory in `leanagent bench grad-cache`'s
 run, docs/training.md).
 """
 

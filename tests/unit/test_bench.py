@@ -211,3 +211,59 @@ def test_the_path_section_runs_only_the_parts_asked_for(tmp_path):
     results = json.loads(out.read_text())
     assert results["embed_premises_per_s"] > 0 and results["embed_autocast_premises_per_s"] > 0
     assert not {"retrieval_ms_per_context", "train_s_per_example", "launch_overhead_s"} & set(results)
+
+
+def _bench(argv: list[str], out: Path) -> dict:
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["bench", *argv, "--json", str(out)])
+    assert stop.value.code == 0
+    return json.loads(out.read_text())
+
+
+def test_the_dtypes_section_times_each_dtype(tmp_path):
+    figures = _bench(["dtypes", "--preset", "tiny", "--repeats", "1", "--premises", "4", "--dtypes", "fp32", "bf16"],
+                     tmp_path / "dtypes.json")
+    for dtype in ("fp32", "bf16"):
+        assert figures[f"{dtype}_premises_per_s"] > 0
+        states = [k for k in figures if k.startswith(f"{dtype}_state_")]
+        assert len(states) == 2 and all(figures[k] > 0 for k in states), figures
+
+
+def test_the_grad_cache_section_runs_each_variant_in_its_own_process(tmp_path):
+    figures = _bench(["grad-cache", "--batch", "4", "--layers", "1", "--negatives", "1"], tmp_path / "gc.json")
+    assert figures["uncached_peak_added_mb"] > 0 and figures["cached_step_s"] > 0
+    assert figures["memory_ratio"] == pytest.approx(figures["cached_peak_added_mb"] / figures["uncached_peak_added_mb"])
+
+
+@pytest.fixture(scope="module")
+def small_index(tmp_path_factory, tiny_model) -> tuple[Path, Path]:
+    from leanagent.index import build_index
+
+    root = tmp_path_factory.mktemp("bench-index")
+    repo = write_demo_repos(root / "data", 1, seed=3)[0]
+    build_index(tiny_model, repo, root / "index")
+    return root / "index", repo
+
+
+def test_the_batching_section_compares_both_servers_and_the_parts(tmp_path, small_index):
+    index, repo = small_index
+    figures = _bench(["batching", str(index), str(repo), "--threads", "4", "--rounds", "1"], tmp_path / "b.json")
+    for key in ("batched_threads_ms", "unbatched_threads_ms", "encoder_alone_ms", "encoder_together_ms",
+                "ranking_1472_together_ms"):
+        assert figures[key] > 0, key
+
+
+def test_the_batching_section_refuses_a_folder_without_an_index(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["bench", "batching", str(tmp_path), str(tmp_path)])
+    assert stop.value.code == 1
+    assert "no index.json" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_serve_section_measures_real_servers(tmp_path):
+    figures = _bench(["serve", str(tmp_path / "work"), "--no-mathlib", "--modes", "batched", "--bodies", "new client",
+                      "--serve-args", "--dtype fp32"], tmp_path / "serve.json")
+    assert [row["clients"] for row in figures["rows"]] == [1, 8, 32]
+    assert all(row["requests_per_s"] > 0 and row["p99_ms"] >= row["p50_ms"] for row in figures["rows"])
+    assert figures["cold_start_s_demo_batched"] > 0
