@@ -47,11 +47,14 @@ def test_training_continues_epochs_across_repositories(lifelong):
     assert b["ewc"] is True and a["ewc"] is False
     for result in (a, b):
         assert Path(result["checkpoint"]).is_file() and Path(result["last_checkpoint"]).is_file()
-        assert set(result["metrics"]) == {"Recall@1_val", "Recall@10_val", "MRR", "train_token_efficiency"}
+        assert set(result["metrics"]) == {"Recall@1_val", "Recall@10_val", "MRR", "train_token_efficiency",
+                                          "checkpoint_Recall@10_val"}
         # lifelong.checkpoint: latest (LeanAgent continues from, and evaluates, the newest checkpoint)
         assert result["checkpoint"] == result["latest_checkpoint"]
         assert Path(result["checkpoint"]).name.startswith(f"epoch={result['epoch'] - 1}-")
         assert re.search(r"Recall@10_val=\d+\.\d\d\.ckpt$", result["checkpoint"])  # percent, 2 decimals
+        # The validation of the checkpoint the next repository starts from (the report shows it beside the best's).
+        assert f"Recall@10_val={result['metrics']['checkpoint_Recall@10_val']:.2f}.ckpt" in result["checkpoint"]
         assert 0.0 <= result["metrics"]["Recall@1_val"] <= result["metrics"]["Recall@10_val"] <= 100.0
         assert 0.0 < result["metrics"]["train_token_efficiency"] <= 1.0
         assert result["compiled"] is False  # model.compile: auto, and these ranks are CPU ones
