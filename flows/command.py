@@ -21,7 +21,7 @@ from leanagent.atomic import read_json
 from leanagent.config import PipelineConfig
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import report_from_manifest
-from leanagent.run_plan import BAD_INPUT, plan_run
+from leanagent.run_plan import BAD_INPUT, UNRECORDED, plan_run
 from leanagent.run_state import RunLock
 
 
@@ -69,7 +69,7 @@ def _run_flow(config_path: str, cfg: PipelineConfig | None = None) -> int:
                     lifelong_retrieval(config_path=config_path)
             finally:
                 send_queued()
-    except (*BAD_INPUT, TemporaryServerError) as exc:
+    except (*BAD_INPUT, *UNRECORDED, TemporaryServerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except LaunchError as exc:

@@ -26,7 +26,7 @@ from leanagent.dataset_strategy import training_datasets
 from leanagent.job import IndexRequest
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import RunReport, job_costs, report_from_manifest
-from leanagent.run_plan import BAD_INPUT, RunPlan, plan_run, progress_line
+from leanagent.run_plan import BAD_INPUT, UNRECORDED, RunPlan, plan_run, progress_line
 from leanagent.run_state import (
     EVAL_UNTRAINED,
     FISHER,
@@ -108,7 +108,10 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
             datasets = training_data(cfg, ordered, state)  # merge_all: the merged datasets, checked before any job
         except BAD_INPUT as exc:
             return refused(exc)
-        report = _run_curriculum(cfg, config_file, ordered, datasets, state, options or JobOptions(), not_ready)
+        try:
+            report = _run_curriculum(cfg, config_file, ordered, datasets, state, options or JobOptions(), not_ready)
+        except UNRECORDED as exc:  # one line, no traceback: the disk, not the code, went wrong
+            return refused(exc)
     return summary(report, state, cfg, not_ready)
 
 

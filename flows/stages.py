@@ -21,7 +21,7 @@ from prefect import Task, get_run_logger
 from prefect.exceptions import Abort, ExternalSignal
 
 from leanagent.job import IndexRequest
-from leanagent.run_state import RunState
+from leanagent.run_state import RunState, RunStateWriteError
 from leanagent.supervision import HoldSignals
 from leanagent.timings import COST_KEYS
 
@@ -60,8 +60,13 @@ def recording(state: RunState, names: list[str], artifacts: RunArtifacts | None)
         raise
     except BaseException as exc:
         with HoldSignals():
-            for name in names:
-                state.fail(name, f"{type(exc).__name__}: {exc}")
+            try:
+                for name in names:
+                    state.fail(name, f"{type(exc).__name__}: {exc}")
+            except RunStateWriteError as unrecorded:  # a full disk fails the job and its record alike
+                first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+                raise RunStateWriteError(f"{', '.join(names)} failed ({first[:200]}), and the failure could not be "
+                                         f"recorded: {unrecorded}") from None
         raise
 
 

@@ -34,6 +34,7 @@ from leanagent.run_state import (
     ManifestMismatchError,
     RepoEntry,
     RunLockedError,
+    RunStateWriteError,
     check_experiment,
     check_sequence,
     read_manifest,
@@ -44,6 +45,8 @@ from leanagent.run_state import (
 # What a refused run raises, each with one message naming the file, key or repository (PreflightError is a
 # JobInputError): no traceback, nothing written.
 BAD_INPUT = (ConfigError, ManifestMismatchError, RunLockedError, JobInputError)
+# What ends a run in one line though nothing was wrong with its input: the manifest could not be written.
+UNRECORDED = (RunStateWriteError,)
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,10 @@ class ManifestMismatchError(ValueError):
     was written."""
 
 
+class RunStateWriteError(OSError):
+    """The manifest could not be written (a full disk, a read-only folder); the file on disk is as it was."""
+
+
 class ManifestUnreadableError(ManifestMismatchError):
     """The run_dir's manifest.json is cut short, not JSON, or not a manifest; nothing was written."""
 
@@ -316,7 +320,12 @@ class RunState:
     def _write(self) -> None:
         self.data["version"] = MANIFEST_VERSION
         self.data["updated_at"] = _now()
-        write_json_atomic(self.path, self.data)
+        try:
+            write_json_atomic(self.path, self.data)
+        except OSError as exc:  # the atomic write leaves the manifest as it was
+            raise RunStateWriteError(f"{self.path}: could not be written ({exc.strerror or exc}); free space on its "
+                                     f"disk (or make its folder writable) and rerun the same command: what the "
+                                     f"manifest holds is kept, and an unrecorded stage runs again") from None
         self._stored = json.dumps(self.data, sort_keys=True)
 
 
