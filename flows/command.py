@@ -3,7 +3,7 @@
 The library (`leanagent/`) knows nothing of Prefect; `leanagent/cli/` reaches the app layer only here,
 for the one command that runs a flow. It adds what a terminal needs around the flow:
 
-- a fast first answer: the run's checks (`leanagent.run_plan.plan_run`: config, repositories, model, disk, the
+- a fast first answer: the run's checks (`leanagent.run.plan.plan_run`: config, repositories, model, disk, the
   run_dir's manifest and lock) run before Prefect is imported or its temporary server started, so a bad input
   is one line within a second or two, and a run with nothing new says so and prints its report, without Prefect;
 - Prefect's temporary server when no server is configured (`temporary_server.py`), one message per refused
@@ -21,8 +21,8 @@ from leanagent.atomic import read_json
 from leanagent.config import PipelineConfig
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import report_from_manifest
-from leanagent.run_plan import BAD_INPUT, UNRECORDED, plan_run
-from leanagent.run_state import RunLock
+from leanagent.run.plan import BAD_INPUT, UNRECORDED, plan_run
+from leanagent.run.state import RunLock
 
 
 def run_from_cli(config_path: str, overrides: Sequence[str] = ()) -> int:

@@ -1,6 +1,6 @@
 """The lifelong curriculum as LeanAgent describes it, one repository after another.
 
-Read top to bottom: check everything (`leanagent.run_plan`), order the repositories the run does not have yet
+Read top to bottom: check everything (`leanagent.run.plan`), order the repositories the run does not have yet
 and append them to those it has, then per repository train from the previous repository's checkpoint (the
 newest, as LeanAgent, or the best; EWC-anchored by its Fisher when `ewc_lambda > 0`), compute the new Fisher,
 and evaluate on every repository seen so far. Each stage is recorded in the run manifest as soon as it finishes
@@ -22,12 +22,11 @@ from prefect.states import Failed, State
 
 from leanagent.checkpoint_files import prune_checkpoints
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, resolve_paths
-from leanagent.dataset_strategy import training_datasets
 from leanagent.job import IndexRequest
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import RunReport, job_costs, report_from_manifest
-from leanagent.run_plan import BAD_INPUT, UNRECORDED, RunPlan, plan_run, progress_line
-from leanagent.run_state import (
+from leanagent.run.plan import BAD_INPUT, UNRECORDED, RunPlan, plan_run, progress_line
+from leanagent.run.state import (
     EVAL_UNTRAINED,
     FISHER,
     INDEX_DIR,
@@ -39,6 +38,7 @@ from leanagent.run_state import (
     stage_indexes,
     stage_name,
 )
+from leanagent.run.strategy import training_datasets
 
 # The name of a refused run's final state (its type is FAILED): the UI tells it from a failure, and `leanagent
 # run`, which prints the reason itself, keeps Prefect's console from repeating it.

@@ -21,7 +21,7 @@ from prefect import Task, get_run_logger
 from prefect.exceptions import Abort, ExternalSignal
 
 from leanagent.job import IndexRequest
-from leanagent.run_state import RunState, RunStateWriteError
+from leanagent.run.state import RunState, RunStateWriteError
 from leanagent.supervision import HoldSignals
 from leanagent.timings import COST_KEYS
 

@@ -32,7 +32,7 @@ from leanagent.data.synthetic_scale import ScaleSpec
 from leanagent.launch.progress_view import MODE_ENV
 from leanagent.model.presets import write_random_encoder
 from leanagent.report.timing import JobCost, job_costs
-from leanagent.run_state import MANIFEST_NAME
+from leanagent.run.state import MANIFEST_NAME
 
 MODES = ("all", "needed")  # model.embed_premises: LeanAgent's re-embedding, then embedding once
 

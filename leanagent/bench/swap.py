@@ -39,7 +39,7 @@ from leanagent.data.corpus import Corpus
 from leanagent.data.synthetic_scale import ScaleSpec, write_scale_dataset
 from leanagent.index import build_index, read_names, write_index
 from leanagent.model.presets import write_random_encoder
-from leanagent.run_state import MANIFEST_NAME, repo_key
+from leanagent.run.state import MANIFEST_NAME, repo_key
 
 
 @dataclass

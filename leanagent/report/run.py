@@ -17,7 +17,7 @@ from typing import Any
 from leanagent.lifelong_metrics import REGISTRY, check_matrix, glossary, lifelong_metrics, metric_names
 from leanagent.report.cells import mean, mean_of, metric, mrr, pct
 from leanagent.report.timing import JobCost, job_costs, time_markdown, time_summary, time_text
-from leanagent.run_state import EVAL_UNTRAINED, TRAIN, eval_stage, stage_result
+from leanagent.run.state import EVAL_UNTRAINED, TRAIN, eval_stage, stage_result
 
 MATRIX_METRIC = "Recall@10"
 VAL_METRIC = "Recall@10_val"  # the train stage's best validation Recall@10, percent

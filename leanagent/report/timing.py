@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from leanagent.run_state import EVAL_UNTRAINED, FISHER, TRAIN, eval_stage, stage_name, stage_result
+from leanagent.run.state import EVAL_UNTRAINED, FISHER, TRAIN, eval_stage, stage_name, stage_result
 from leanagent.timings import LAUNCH, PARTS, WALL_SECONDS
 
 TITLE = "Where the time went"

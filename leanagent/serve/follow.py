@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from leanagent.atomic import read_json
-from leanagent.run_state import MANIFEST_NAME, stage_indexes
+from leanagent.run.state import MANIFEST_NAME, stage_indexes
 from leanagent.serve.server import PremiseServer
 
 DEFAULT_FOLLOW_S = 10.0

@@ -17,9 +17,9 @@ from leanagent.data.example_files import write_example_files
 from leanagent.data.merge import MERGE_FILE, digests, merge_datasets
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.validate import validate_dataset
-from leanagent.dataset_strategy import MERGE, training_datasets
 from leanagent.preflight import PreflightError
-from leanagent.run_state import ManifestMismatchError, RepoEntry, RunState, stage_name
+from leanagent.run.state import ManifestMismatchError, RepoEntry, RunState, stage_name
+from leanagent.run.strategy import MERGE, training_datasets
 
 CORE = ".lake/packages/core/Core/Basic.lean"
 

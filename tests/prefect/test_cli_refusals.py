@@ -20,7 +20,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.sorting import FlowRunSort
 from prefect.settings import PREFECT_API_URL
 
-from leanagent.run_state import RunLock
+from leanagent.run.state import RunLock
 
 pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect_harness")]
 

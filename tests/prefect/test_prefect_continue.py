@@ -27,7 +27,7 @@ from leanagent.flows.artifacts import SUMMARY_KEY, TABLE_KEY
 from leanagent.flows.lifelong import lifelong_retrieval
 
 from leanagent.atomic import read_json
-from leanagent.run_state import ManifestMismatchError
+from leanagent.run.state import ManifestMismatchError
 from tests.conftest import FinishedRun, file_times
 from tests.prefect.prefect_api import flow_run_artifacts, wait_for_logs
 

@@ -20,7 +20,7 @@ from leanagent.atomic import read_json
 from leanagent.data.corpus import Corpus
 from leanagent.index import PremiseIndex, read_names
 from leanagent.report import RunReport
-from leanagent.run_state import ManifestMismatchError, stage_indexes
+from leanagent.run.state import ManifestMismatchError, stage_indexes
 from tests.conftest import FinishedRun, file_times
 from tests.prefect.prefect_api import flow_run_artifacts, wait_for_logs
 

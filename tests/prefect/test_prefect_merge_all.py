@@ -20,7 +20,7 @@ import pytest
 from leanagent.flows.lifelong import lifelong_retrieval
 
 from leanagent.atomic import read_json
-from leanagent.run_state import ManifestMismatchError
+from leanagent.run.state import ManifestMismatchError
 from tests.conftest import FinishedRun, file_times
 from tests.prefect.prefect_api import wait_for_logs
 

@@ -14,7 +14,7 @@ from leanagent.flows.command import run_from_cli
 from leanagent.flows.lifelong import lifelong_retrieval
 
 from leanagent.preflight import PreflightError
-from leanagent.run_state import RunLock, RunLockedError
+from leanagent.run.state import RunLock, RunLockedError
 
 pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect_harness")]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from leanagent.config import PipelineConfig, RepoConfig
-from leanagent.run_state import (
+from leanagent.run.state import (
     ManifestMismatchError,
     RepoEntry,
     RunLock,
@@ -186,7 +186,7 @@ def test_a_probe_of_the_lock_writes_nothing(tmp_path: Path) -> None:
 
 def test_lock_names_the_holder_in_another_process(tmp_path: Path) -> None:
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from leanagent.run_state import RunLock; "
+        [sys.executable, "-c", "import sys, time; from leanagent.run.state import RunLock; "
          "l = RunLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)", str(tmp_path)],
         stdout=subprocess.PIPE, text=True)
     try:

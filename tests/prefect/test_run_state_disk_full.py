@@ -10,9 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from leanagent.flows.stages import recording
-from leanagent.run_state import RunState, RunStateWriteError, stage_name
+
+from leanagent.run.state import RunState, RunStateWriteError, stage_name
 from tests.prefect.test_run_state import _cfg, _started
 
 

@@ -11,7 +11,7 @@ import weakref
 from pathlib import Path
 
 from leanagent.index import EMBEDDINGS_FILE, PremiseIndex
-from leanagent.run_state import MANIFEST_NAME, repo_key
+from leanagent.run.state import MANIFEST_NAME, repo_key
 from leanagent.serve import PremiseServer, RetrieveRequest, ServerHolder, StageFollower, StageInfo, run_stages
 from leanagent.serve.follow import Stage
 

@@ -17,7 +17,7 @@ FLOORS: dict[str, int] = {
     "leanagent.data": 1,
     "leanagent.model": 2, "leanagent.index": 2, "leanagent.export": 2,
     "leanagent.train": 3, "leanagent.launch": 3,  # the rank programs and the launchers
-    "leanagent.preflight": 4, "leanagent.jobs": 4, "leanagent.dataset_strategy": 4, "leanagent.run_plan": 4,
+    "leanagent.preflight": 4, "leanagent.jobs": 4, "leanagent.run.strategy": 4, "leanagent.run.plan": 4,
     "leanagent.report": 4, "leanagent.serve": 4,
     "leanagent.bench": 5, "leanagent.tasks": 5, "leanagent.flows": 5,  # the folders tasks/ and flows/
     "leanagent.deployments": 6,

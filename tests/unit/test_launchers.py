@@ -17,7 +17,7 @@ from leanagent.config import ConfigError, PipelineConfig, dump_config, load_conf
 from leanagent.launch import local, slurm
 from leanagent.launch.base import LauncherPlugin
 from leanagent.launch.registry import config_problems, launcher_for, load_checked_config, plugins
-from leanagent.run_state import config_fingerprint
+from leanagent.run.state import config_fingerprint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

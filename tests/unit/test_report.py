@@ -11,7 +11,7 @@ import pytest
 from leanagent.cli import main
 from leanagent.config import PipelineConfig, RepoConfig
 from leanagent.report import UNTRAINED, RunReport, load_run, report_from_manifest
-from leanagent.run_state import EVAL_UNTRAINED, TRAIN, RepoEntry, RunState, eval_stage, stage_name
+from leanagent.run.state import EVAL_UNTRAINED, TRAIN, RepoEntry, RunState, eval_stage, stage_name
 
 
 def _eval(r10: float) -> dict:

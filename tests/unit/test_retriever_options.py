@@ -28,7 +28,7 @@ from leanagent.model.fisher.vectorised import fisher_groups
 from leanagent.model.loading import load_retriever
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
-from leanagent.run_state import MANIFEST_NAME, ManifestMismatchError, RepoEntry, RunState, check_experiment
+from leanagent.run.state import MANIFEST_NAME, ManifestMismatchError, RepoEntry, RunState, check_experiment
 
 MAX_LEN = 256
 BUDGET = 600  # small enough that length-sorted groups of a batch's examples are cut

@@ -1,4 +1,4 @@
-"""The checks of a run before anything is written (`leanagent.run_plan`), on real dataset folders, without Prefect:
+"""The checks of a run before anything is written (`leanagent.run.plan`), on real dataset folders, without Prefect:
 which repositories a config gives (`repos`, then `repos_dir`), what a continued run adds, and the first answers
 `leanagent run` gives (a key typo, an unreachable hub) without their noise."""
 
@@ -16,8 +16,8 @@ import yaml
 
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig, TrainerConfig, load_config
 from leanagent.data.merge import digests
-from leanagent.run_plan import plan_run, progress_line
-from leanagent.run_state import RepoEntry, RunState
+from leanagent.run.plan import plan_run, progress_line
+from leanagent.run.state import RepoEntry, RunState
 
 
 def _cfg(demo_assets, tmp_path: Path, repos: list[Path], **update) -> PipelineConfig:
@@ -167,3 +167,19 @@ def test_run_set_refuses_an_unknown_key_in_one_line(demo_assets, tmp_path: Path)
         f"error: {config} with --set lifelong.ewc_lamda=0.1: lifelong.ewc_lamda: unknown key (did you mean "
         f"'ewc_lambda'?)"]
     assert not cfg.run_dir.exists()
+
+
+def test_a_run_is_planned_once_until_what_the_plan_read_changes(demo_assets, tmp_path: Path) -> None:
+    """`leanagent run` plans, then its flow plans the same run in the same process: the second takes the first's
+    plan (no dataset hashed or validated again); a changed dataset file, manifest or config is planned afresh."""
+    repos = [shutil.copytree(r, tmp_path / "data" / r.name) for r in demo_assets.repos[:2]]
+    cfg = _cfg(demo_assets, tmp_path, repos)
+    first = plan_run(cfg)
+    assert plan_run(cfg) is first
+    test_file = repos[1] / "random" / "test.json"
+    test_file.write_text(test_file.read_text() + "\n")  # the same theorems, another file
+    second = plan_run(cfg)
+    assert second is not first and second.entries["repo_1"].dataset != first.entries["repo_1"].dataset
+    _record(cfg, repos)
+    assert plan_run(cfg) is not second  # the manifest was written
+    assert plan_run(cfg.model_copy(update={"run_dir": tmp_path / "other"})) is not plan_run(cfg)

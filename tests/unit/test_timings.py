@@ -8,7 +8,7 @@ import time
 import pytest
 
 from leanagent.report.timing import JobCost, job_costs, time_markdown, time_text
-from leanagent.run_state import stage_name
+from leanagent.run.state import stage_name
 from leanagent.timings import PART_NAMES, JobClock
 
 

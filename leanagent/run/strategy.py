@@ -25,7 +25,7 @@ from leanagent.data.errors import DatasetError
 from leanagent.data.merge import MERGE_FILE, dataset_files, digests, merge_datasets
 from leanagent.data.validate import validate_dataset
 from leanagent.preflight import PreflightError, format_bytes, free_space
-from leanagent.run_state import MERGE, ManifestMismatchError, RunState, repo_key, stage_name
+from leanagent.run.state import MERGE, ManifestMismatchError, RunState, repo_key, stage_name
 
 MERGED_DIR = "merged"
 LISTED = 20

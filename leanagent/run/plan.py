@@ -20,16 +20,17 @@ already recorded is different: it is part of the run, and a change to it is refu
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from leanagent.config import ConfigError, PipelineConfig, RepoConfig
-from leanagent.data.merge import digests
+from leanagent.data.merge import dataset_files, digests
 from leanagent.data.validate import validate_dataset
 from leanagent.job import JobInputError
 from leanagent.preflight import PreflightError, preflight_run
-from leanagent.run_state import (
+from leanagent.run.state import (
     MANIFEST_NAME,
     ManifestMismatchError,
     RepoEntry,
@@ -93,7 +94,46 @@ class RunPlan:
 
 def plan_run(cfg: PipelineConfig, free_bytes: int | None = None, device_count: int | None = None) -> RunPlan:
     """Every check of a run before anything is written: raises ConfigError, ManifestMismatchError or PreflightError
-    (each naming the file, key or repository), or returns the plan."""
+    (each naming the file, key or repository), or returns the plan.
+
+    A run is planned once: `leanagent run` plans before it starts Prefect (a refusal answered in a second), and the
+    flow it then runs in the same process takes that plan instead of hashing and validating every new dataset
+    again, as long as nothing it read has changed since (`_inputs`: the config, the manifest, each dataset file's
+    size and modification time, the folders of repos_dir)."""
+    key = _inputs(cfg) if free_bytes is None and device_count is None else None
+    cached = _LAST_PLAN.get(key) if key is not None else None
+    if cached is not None:
+        return cached
+    plan = _plan(cfg, free_bytes, device_count)
+    if key is not None:
+        _LAST_PLAN.clear()
+        _LAST_PLAN[key] = plan
+    return plan
+
+
+_LAST_PLAN: dict[str, RunPlan] = {}  # the last plan of this process, by what it read
+
+
+def _inputs(cfg: PipelineConfig) -> str:
+    """What a plan reads, as one key: the config, and the size and modification time of the manifest, of every
+    dataset file of the listed repositories and of repos_dir's folders (a new upload is a new key)."""
+    files = [cfg.run_dir / MANIFEST_NAME]
+    folders = [Path(r.path) for r in cfg.repos]
+    if cfg.repos_dir is not None and cfg.repos_dir.is_dir():
+        files.append(cfg.repos_dir)
+        folders += sorted(p for p in cfg.repos_dir.iterdir() if p.is_dir())
+    files += [folder / name for folder in folders for name in dataset_files(cfg.data.split)]
+    stats = []
+    for path in files:
+        try:
+            st = path.stat()
+            stats.append((str(path), st.st_size, st.st_mtime_ns))
+        except OSError:
+            stats.append((str(path), None, None))
+    return json.dumps([cfg.model_dump(mode="json"), stats], sort_keys=True, default=str)
+
+
+def _plan(cfg: PipelineConfig, free_bytes: int | None, device_count: int | None) -> RunPlan:
     manifest_path = cfg.run_dir / MANIFEST_NAME
     manifest = read_manifest(manifest_path) if manifest_path.is_file() else None
     if manifest is not None:
