@@ -140,11 +140,9 @@ def _plan(cfg: PipelineConfig, free_bytes: int | None, device_count: int | None)
         check_experiment(manifest_path, manifest, cfg)
     recorded = {e.name: e for e in recorded_sequence(manifest)} if manifest is not None else {}
     listed = list(cfg.repos)
-    entries = {r.display_name: _entry(r, cfg.data.split) for r in listed}
     folders, not_ready, validated = _repos_dir(cfg, listed, recorded)
-    for r in folders:
-        entries[r.display_name] = _entry(r, cfg.data.split)
     repos = listed + folders
+    entries = {r.display_name: _entry(r, cfg.data.split) for r in repos}
     given = [entries[r.display_name] for r in repos]
     sequence = check_sequence(manifest_path, manifest, given) if manifest is not None else []
     unread = [r for r in repos if r.display_name not in validated and not _unchanged(recorded.get(r.display_name),
