@@ -27,12 +27,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from leanagent.model.options import RetrieverOptions
+
+class LossOptions(Protocol):
+    """What a loss reads of the retriever's options (`leanagent.model.options.RetrieverOptions`, which checks
+    `loss` against this module's table, so this module names the options by what it reads)."""
+
+    loss: str
+    temperature: float
 
 # The options check `model.loss` against `LOSSES`, and the checks before a launch read the options: naming the
 # losses must not import torch (2 s of a core, which a refused input never pays), so each loss imports it when it
@@ -77,8 +83,8 @@ class Loss:
     squares the gradients of), both from the batch's embeddings and its 0/1 label matrix."""
 
     name: str
-    batch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RetrieverOptions], torch.Tensor]
-    rows: Callable[[torch.Tensor, torch.Tensor, RetrieverOptions], torch.Tensor]  # (similarity, label) per context
+    batch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LossOptions], torch.Tensor]
+    rows: Callable[[torch.Tensor, torch.Tensor, LossOptions], torch.Tensor]  # (similarity, label) per context
     summary: str
 
 
@@ -92,13 +98,13 @@ LOSSES: dict[str, Loss] = {loss.name: loss for loss in (
 )}
 
 
-def context_losses(similarity: torch.Tensor, label: torch.Tensor, options: RetrieverOptions) -> torch.Tensor:
+def context_losses(similarity: torch.Tensor, label: torch.Tensor, options: LossOptions) -> torch.Tensor:
     """The configured loss of each row (context) of a similarity matrix, unreduced: what a per-example
     Fisher squares the gradients of. `mse`: the row's mean squared error; `infonce`: `infonce_rows`."""
     return LOSSES[options.loss].rows(similarity, label.to(similarity.dtype), options)
 
 
 def retrieval_loss(context_emb: torch.Tensor, premise_emb: torch.Tensor, label: torch.Tensor,
-                   options: RetrieverOptions) -> torch.Tensor:
+                   options: LossOptions) -> torch.Tensor:
     """The configured loss of a batch (`model.loss`, `model.temperature`): what the training step minimises."""
     return LOSSES[options.loss].batch(context_emb, premise_emb, label, options)
