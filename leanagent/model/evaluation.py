@@ -11,6 +11,9 @@ re-embedded with the same weights for every repository evaluated; so here:
   premise once (`PremiseTable`), before its first test (`RetrievalEvaluation.share`); each dataset's contexts
   are then ranked against its own corpus's premises only, its accessibility masks mapped onto the union's rows
   (`CorpusEmbedding.top_k`).
+- **The stage index for free:** a job that also writes a premise index keeps that table's embedding
+  (`RetrievalEvaluation.keep`): its rows come from what the tests embedded (the shared union, or under `all` each
+  test's whole corpus), and only premises no test embedded are embedded once more (`kept_embedding`).
 
 A premise's embedding does not depend on its batch mates (padding is masked), so in fp32 each dataset's metrics
 equal those of the dataset evaluated alone; `model.embed_premises: all` embeds every premise of each dataset's
