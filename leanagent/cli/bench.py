@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +35,8 @@ class BenchSection:
     name: str
     options: type[BaseModel]
     help: str
-    module: str  # leanagent.bench.<module>: holds `measure` and `table`
-    measure: str
-    table: str
+    measure: str  # "module:function" in leanagent.bench: options -> figures
+    table: str  # "module:function": figures -> the printed table
     description: str | None = None
     positional: tuple[str, ...] = ()
     check: Callable[[BaseModel], None] | None = None  # refusals answered before anything heavy is imported
@@ -86,32 +84,32 @@ def _check_batching(options: BatchingOptions) -> None:
 
 SECTIONS: tuple[BenchSection, ...] = (
     BenchSection("path", BenchOptions, "the data and model path: corpus load, negatives, embedding, retrieval, the "
-                 "training step, the Fisher pass, a job's launch", "run", "run_bench", "format_table",
+                 "training step, the Fisher pass, a job's launch", "run:run_bench", "table:format_table",
                  check=_check_path),
     BenchSection("curriculum", CurriculumOptions, "a whole curriculum on repositories sharing a dependency, run "
                  "twice: re-embedding every corpus (LeanAgent) and embedding once; where each run's time went",
-                 "curriculum", "bench_curriculum", "curriculum_table",
+                 "curriculum:bench_curriculum", "curriculum:curriculum_table",
                  description="Writes repositories that share a dependency and a tiny encoder, then runs `leanagent "
                              "run` twice in one sitting (model.embed_premises: all, then needed) and reads every "
                              "job's time by part and the premises it embedded from the two manifests. Minutes on a "
                              "CPU.", check=_check_empty_work),
     BenchSection("projection", ProjectionOptions, "LeanAgent's curriculum at its scale (14 repositories, Mathlib, 4 "
                  "GPUs), from embedding and step rates: passes and hours, before and after embedding once "
-                 "(arithmetic)", "curriculum", "project_curriculum", "projection_table"),
+                 "(arithmetic)", "curriculum:project_curriculum", "curriculum:projection_table"),
     BenchSection("swap", SwapOptions, "`leanagent serve RUN_DIR` taking a run's next stage at Mathlib size: the "
                  "swap's time, the server's memory before, at its peak and after, every request's status meanwhile "
-                 "(Linux)", "swap", "bench_swap", "swap_table", check=_check_linux),
+                 "(Linux)", "swap:bench_swap", "swap:swap_table", check=_check_linux),
     BenchSection("dtypes", DtypesOptions, "the served encoder's pass per --dtype (fp32, bf16, int8) at byt5-small's "
-                 "shape, and its corpus embedding rate", "dtypes", "bench_dtypes", "dtypes_table",
+                 "shape, and its corpus embedding rate", "dtypes:bench_dtypes", "dtypes:dtypes_table",
                  check=_check_file("states")),
     BenchSection("grad-cache", GradCacheOptions, "what model.grad_cache saves and costs: one InfoNCE step's peak "
-                 "memory and time, cached and not, each in a process of its own", "grad_cache", "bench_grad_cache",
-                 "grad_cache_table", check=_check_file("states")),
+                 "memory and time, cached and not, each in a process of its own", "grad_cache:bench_grad_cache",
+                 "grad_cache:grad_cache_table", check=_check_file("states")),
     BenchSection("batching", BatchingOptions, "a premise server in process (no HTTP): batched against one request "
-                 "at a time, and the encoder and ranking parts of a batched pass", "batching", "bench_batching",
-                 "batching_table", positional=("index", "dataset"), check=_check_batching),
+                 "at a time, and the encoder and ranking parts of a batched pass", "batching:bench_batching",
+                 "batching:batching_table", positional=("index", "dataset"), check=_check_batching),
     BenchSection("serve", ServeOptions, "real `leanagent serve` processes, batched and not: latency and requests/s "
-                 "at 1, 8 and 32 clients, cold starts", "serving", "bench_serve", "serve_table",
+                 "at 1, 8 and 32 clients, cold starts", "serving:bench_serve", "serving:serve_table",
                  positional=("work",), check=lambda options: check_device(options.device)),
 )
 
@@ -134,8 +132,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     options = model_from_args(section.options, args)
     if section.check is not None:
         section.check(options)
-    module = importlib.import_module(f"leanagent.bench.{section.module}")
-    measure, table = getattr(module, section.measure), getattr(module, section.table)
+    measure, table = _named(section.measure), _named(section.table)
     try:
         figures = measure(options)
     except (RuntimeError, ValueError) as exc:
@@ -143,5 +140,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(table(figures))
     if args.json:
         Path(args.json).write_text(json.dumps(figures.flat(), indent=2, sort_keys=True, default=str))
-        print(f"wrote {args.json}", file=sys.stderr)
     return 0
+
+
+def _named(where: str) -> Callable:
+    """`module:function` of leanagent.bench, imported when its section runs."""
+    module, _, name = where.partition(":")
+    return getattr(importlib.import_module(f"leanagent.bench.{module}"), name)

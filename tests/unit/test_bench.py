@@ -267,3 +267,11 @@ def test_the_serve_section_measures_real_servers(tmp_path):
     assert [row["clients"] for row in figures["rows"]] == [1, 8, 32]
     assert all(row["requests_per_s"] > 0 and row["p99_ms"] >= row["p50_ms"] for row in figures["rows"])
     assert figures["cold_start_s_demo_batched"] > 0
+
+
+def test_every_section_names_functions_that_exist():
+    """A section is one table entry: its measure and table functions are found where it names them."""
+    from leanagent.cli.bench import SECTIONS, _named
+
+    for section in SECTIONS:
+        assert callable(_named(section.measure)) and callable(_named(section.table)), section.name
