@@ -21,6 +21,7 @@ already recorded is different: it is part of the run, and a change to it is refu
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,16 +103,19 @@ def plan_run(cfg: PipelineConfig, free_bytes: int | None = None, device_count: i
     size and modification time, the folders of repos_dir)."""
     key = _inputs(cfg) if free_bytes is None and device_count is None else None
     cached = _LAST_PLAN.get(key) if key is not None else None
-    if cached is not None:
-        return cached
+    if cached is not None and time.monotonic() - cached[0] < PLAN_FRESH_S:
+        return cached[1]
     plan = _plan(cfg, free_bytes, device_count)
     if key is not None:
         _LAST_PLAN.clear()
-        _LAST_PLAN[key] = plan
+        _LAST_PLAN[key] = (time.monotonic(), plan)
     return plan
 
 
-_LAST_PLAN: dict[str, RunPlan] = {}  # the last plan of this process, by what it read
+# The last plan of this process, by what it read, and when. A served deployment plans in one process week after
+# week: a plan older than this is made again, so the disk and the devices are checked as they are now.
+_LAST_PLAN: dict[str, tuple[float, RunPlan]] = {}
+PLAN_FRESH_S = 300.0
 
 
 def _inputs(cfg: PipelineConfig) -> str:

@@ -183,3 +183,14 @@ def test_a_run_is_planned_once_until_what_the_plan_read_changes(demo_assets, tmp
     _record(cfg, repos)
     assert plan_run(cfg) is not second  # the manifest was written
     assert plan_run(cfg.model_copy(update={"run_dir": tmp_path / "other"})) is not plan_run(cfg)
+
+
+def test_a_plan_older_than_its_freshness_is_made_again(demo_assets, tmp_path: Path, monkeypatch) -> None:
+    """A served deployment plans in one long-lived process: an old plan's disk and device checks are redone."""
+    from leanagent.run import plan as run_plan
+
+    cfg = _cfg(demo_assets, tmp_path, demo_assets.repos[:1])
+    first = plan_run(cfg)
+    assert plan_run(cfg) is first
+    monkeypatch.setattr(run_plan, "PLAN_FRESH_S", 0.0)
+    assert plan_run(cfg) is not first
