@@ -11,7 +11,6 @@ product cheap); each the best of 3 rounds in which the two ways take turns (`bes
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import torch
 from leanagent.bench.options import BatchingOptions
 from leanagent.bench.results import Section
 from leanagent.bench.timing import best_of_rounds
+from leanagent.data.theorems import load_states
 from leanagent.index import PremiseIndex
 from leanagent.model.topk import top_k_accessible
 from leanagent.serve.schemas import RetrieveRequest, ServeLimits
@@ -92,8 +92,7 @@ def _ranking(states: torch.Tensor, embeddings: torch.Tensor) -> tuple[float, flo
 
 def bench_batching(options: BatchingOptions) -> BatchingFigures:
     index = PremiseIndex.load(options.index, dtype=options.dtype)
-    theorems = json.loads((options.dataset / "random" / "test.json").read_text())
-    requests = [RetrieveRequest(state=t["state_before"], k=K) for th in theorems for t in th["traced_tactics"]]
+    requests = [RetrieveRequest(state=s, k=K) for s in load_states([options.dataset / "random" / "test.json"])]
     if not requests:
         raise ValueError(f"{options.dataset}/random/test.json: no proof state to send")
     servers = {"unbatched": PremiseServer(index, ServeLimits(batching=False)), "batched": PremiseServer(index)}

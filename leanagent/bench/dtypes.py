@@ -10,7 +10,6 @@ records what `auto` takes on a CPU from these figures.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from leanagent.bench.options import DtypesOptions
 from leanagent.bench.results import Section
 from leanagent.bench.timing import median_seconds
 from leanagent.data.dataset import tokenize_texts
+from leanagent.data.theorems import load_states
 from leanagent.model.dtypes import apply_dtype, precision
 from leanagent.model.loading import load_model
 from leanagent.model.presets import write_random_encoder
@@ -51,9 +51,7 @@ class DtypesFigures(Section):
 
 def pick_states(file: Path | None) -> dict[str, str]:
     """The median-length state of a LeanDojo split and a 1,024-byte one (a longer state repeated and cut)."""
-    theorems = json.loads(file.read_text()) if file is not None and file.is_file() else []
-    found = sorted({t["state_before"] for th in theorems for t in th.get("traced_tactics", [])},
-                   key=lambda s: len(s.encode()))
+    found = sorted(set(load_states([file])) if file is not None else set(), key=lambda s: len(s.encode()))
     if not found:
         found = ["x y : Nat\n⊢ x + y = y + x" * 8]
     median = found[len(found) // 2]

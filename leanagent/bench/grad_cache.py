@@ -25,6 +25,7 @@ from transformers import ByT5Tokenizer, T5EncoderModel
 from leanagent.bench.options import GradCacheOptions
 from leanagent.bench.results import Section
 from leanagent.bench.timing import peak_rss_mb, rss_mb
+from leanagent.data.theorems import load_states
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.presets import encoder_config
 from leanagent.model.retriever import PremiseRetriever
@@ -48,8 +49,7 @@ class GradCacheFigures(Section):
 
 
 def _lengths(states: Path | None, n: int, seed: int) -> list[int]:
-    found = [len(t["state_before"].encode()) + 1 for th in json.loads(states.read_text())
-             for t in th["traced_tactics"]] if states is not None and states.is_file() else [300]
+    found = [len(s.encode()) + 1 for s in load_states([states])] if states is not None else [300]
     rng = random.Random(seed)
     return [min(rng.choice(found), MAX_LEN) for _ in range(n)]
 

@@ -37,6 +37,7 @@ import psutil
 
 from leanagent.bench.options import ServeOptions
 from leanagent.bench.results import Section
+from leanagent.data.theorems import load_states
 
 CLIENTS = (1, 8, 32)
 REQUESTS = {1: 200, 8: 40, 32: 12}  # per client: 200, 320 and 384 requests per level
@@ -97,8 +98,7 @@ def build(work: Path, preset: str, device: str, mathlib: bool) -> dict[str, tupl
 
 
 def states(dataset: Path) -> list[str]:
-    theorems = json.loads((dataset / "random" / "test.json").read_text())
-    found = [t["state_before"] for th in theorems for t in th["traced_tactics"]]
+    found = load_states([dataset / "random" / "test.json"])
     return found or ["x : Nat\n⊢ Eq x x"]
 
 
