@@ -24,7 +24,7 @@ from leanagent.flows.lifelong import lifelong_retrieval  # noqa: E402
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy  # noqa: E402
 from prefect.schedules import Cron  # noqa: E402
 
-from leanagent.config import ConfigError  # noqa: E402
+from leanagent.ground.config import ConfigError  # noqa: E402
 from leanagent.launch.registry import load_checked_config  # noqa: E402
 
 # Two runs of one run_dir never overlap: the second waits for the first (the lock would refuse it).

@@ -17,8 +17,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from leanagent.atomic import read_json
-from leanagent.config import PipelineConfig
+from leanagent.ground.atomic import read_json
+from leanagent.ground.config import PipelineConfig
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import report_from_manifest
 from leanagent.run.plan import BAD_INPUT, UNRECORDED, plan_run

@@ -20,24 +20,23 @@ from leanagent.tasks.options import JobOptions
 from prefect import flow, get_run_logger
 from prefect.states import Failed, State
 
-from leanagent.checkpoint_files import prune_checkpoints
-from leanagent.config import ConfigError, PipelineConfig, RepoConfig, dump_config, resolve_paths
-from leanagent.job import IndexRequest
+from leanagent.checkpoints.files import prune_checkpoints
+from leanagent.ground.config import ConfigError, PipelineConfig, RepoConfig, dump_config, resolve_paths
+from leanagent.ground.job import IndexRequest
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import RunReport, job_costs, report_from_manifest
-from leanagent.run.plan import BAD_INPUT, UNRECORDED, RunPlan, plan_run, progress_line
-from leanagent.run.state import (
+from leanagent.run.manifest import (
     EVAL_UNTRAINED,
     FISHER,
     INDEX_DIR,
     TRAIN,
-    RunLock,
-    RunState,
     eval_stage,
     repo_key,
     stage_indexes,
     stage_name,
 )
+from leanagent.run.plan import BAD_INPUT, UNRECORDED, RunPlan, plan_run, progress_line
+from leanagent.run.state import RunLock, RunState
 from leanagent.run.strategy import training_datasets
 
 # The name of a refused run's final state (its type is FAILED): the UI tells it from a failure, and `leanagent

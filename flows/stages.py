@@ -20,10 +20,10 @@ from leanagent.tasks.options import JobOptions
 from prefect import Task, get_run_logger
 from prefect.exceptions import Abort, ExternalSignal
 
-from leanagent.job import IndexRequest
+from leanagent.ground.job import IndexRequest
+from leanagent.ground.supervision import HoldSignals
+from leanagent.ground.timings import COST_KEYS
 from leanagent.run.state import RunState, RunStateWriteError
-from leanagent.supervision import HoldSignals
-from leanagent.timings import COST_KEYS
 
 # A stage stopped from outside, not failed: Ctrl-C or SIGTERM (the CLI's handlers raise KeyboardInterrupt
 # subclasses), Prefect's TerminationSignal (a runner's cancel or any SIGTERM to a flow-run process), an

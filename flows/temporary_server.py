@@ -11,7 +11,7 @@ go wrong with that child as it is:
 
 So we create that same singleton first, from this (main) thread, with its uvicorn child in a session
 of its own (no terminal signal reaches it) and the parent-death signal set (`prctl(PR_SET_PDEATHSIG,
-SIGTERM)`, leanagent/supervision.py), and stop it ourselves when the command ends. Prefect's own code
+SIGTERM)`, leanagent/ground/supervision.py), and stop it ourselves when the command ends. Prefect's own code
 finds it running (`SubprocessASGIServer()` returns the one instance) and uses it. This module is the
 one place that knows those internals: a no-op with a configured server, or if Prefect's internals are
 not the ones expected.
@@ -40,7 +40,7 @@ from prefect.settings import (
     PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
 )
 
-from leanagent.supervision import parent_death_signal
+from leanagent.ground.supervision import parent_death_signal
 
 # The temporary server's defaults, under any value the user set (environment, profile, prefect.toml: Prefect
 # passes those to the server's environment after these). Its telemetry service writes a session row into the

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_LAZY = {"retrieve": "leanagent.index", "PremiseIndex": "leanagent.index", "Hit": "leanagent.index"}
+_LAZY = {"retrieve": "leanagent.index.cache", "PremiseIndex": "leanagent.index.query", "Hit": "leanagent.index.query"}
 __all__ = sorted(_LAZY)
 
 

@@ -3,7 +3,7 @@ bf16-mixed, on a random byt5-small-shaped encoder, reporting examples/s and mode
 
     .venv/bin/python scripts/gpu_check.py OUT [--devices N] [--peak-tflops T] [--cpu-smoke]
 
-FLOPs come from `leanagent.perf` (the one FLOP model: a training step is 3x the forward of every real
+FLOPs come from `leanagent.bench.perf` (the one FLOP model: a training step is 3x the forward of every real
 sequence; the Fisher loop does one forward and one backward per example, the same 3x) and the peak from
 its table by the GPU's name (`--peak-tflops` overrides it). The time is the whole `fit`, validation
 (corpus embedding) included, so the training figures are a lower bound. `--devices`: ranks, one per GPU
@@ -19,21 +19,21 @@ from pathlib import Path
 
 import torch
 
-from leanagent.config import PipelineConfig, dump_config
+from leanagent.bench.perf import mfu, peak_bf16_tflops, training_flops
 from leanagent.data.corpus import Corpus
 from leanagent.data.examples import build_train_examples
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.theorems import load_split
-from leanagent.jobs import run_job
+from leanagent.ground.config import PipelineConfig, dump_config
 from leanagent.model.presets import encoder_config, write_random_encoder
-from leanagent.perf import mfu, peak_bf16_tflops, training_flops
+from leanagent.preflight.run_job import run_job
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--devices", type=int, help="ranks (one GPU each); default: visible GPUs, at most 2")
-    parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak (default: leanagent.perf's table)")
+    parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak (default: leanagent.bench.perf's table)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the script itself")
     args = parser.parse_args()
     out = args.out.resolve()

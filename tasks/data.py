@@ -2,7 +2,7 @@
 
 The curriculum order is a task of its own so that the order chosen, and why, is in the flow run's
 logs and its own box in the UI. The datasets it reads were validated by the flow's preflight
-(`leanagent.preflight.preflight_run`), so it meets no bad input.
+(`leanagent.preflight.checks.preflight_run`), so it meets no bad input.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from leanagent.config import RepoConfig
 from leanagent.data.curriculum import curriculum_of_datasets, describe
+from leanagent.ground.config import RepoConfig
 
 
 @task(name="order-curriculum", cache_policy=NO_CACHE)

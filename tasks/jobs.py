@@ -1,6 +1,6 @@
 """Prefect tasks that launch one rank program each: launch, forward logs, return the result.
 
-The tasks hold no training logic: `leanagent.jobs.run_job` checks the inputs, runs torchrun
+The tasks hold no training logic: `leanagent.preflight.run_job.run_job` checks the inputs, runs torchrun
 in its own process group and enforces the deadline. What the tasks add is what only Prefect can
 give: every output line in the flow run's logs, and retries. A retry reuses the same job folder,
 so a train retry resumes from its `last.ckpt`, and a Fisher or evaluation retry overwrites only
@@ -22,9 +22,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
-from leanagent.config import PipelineConfig
-from leanagent.job import IndexRequest, JobFinishedError, JobInputError, Program
-from leanagent.jobs import run_job
+from leanagent.ground.config import PipelineConfig
+from leanagent.ground.job import IndexRequest, JobFinishedError, JobInputError, Program
+from leanagent.preflight.run_job import run_job
 
 # The flow passes its JobOptions to every task; these are the same defaults for a task called on its own.
 DEFAULT_RETRIES: int = JobOptions.model_fields["retries"].default

@@ -15,7 +15,7 @@ what a lifelong run spends its time on:
 - the real training step (`PremiseRetriever.training_step`, backward, clipping, AdamW) on the dataset's
   batches, optionally with the proof states of LeanDojo split files as contexts (`--states`: their real
   lengths), four ways: padded, length-sorted sub-batches, + one attention mask per forward, + compiled
-  blocks; examples/s, real tokens/s, token efficiency, MFU on CUDA (`leanagent.perf`), compile time
+  blocks; examples/s, real tokens/s, token efficiency, MFU on CUDA (`leanagent.bench.perf`), compile time
   cold and warm, and the sorted loss against the padded one;
 - that step against the Fisher pass, per example, on the same examples (loop; vectorised on CUDA);
 - the launch overhead of a real job, from its start to its first training step (on the demo);

@@ -21,7 +21,7 @@ from leanagent.bench.options import BatchingOptions
 from leanagent.bench.results import Section
 from leanagent.bench.timing import best_of_rounds
 from leanagent.data.theorems import load_states
-from leanagent.index import PremiseIndex
+from leanagent.index.query import PremiseIndex
 from leanagent.model.topk import top_k_accessible
 from leanagent.serve.schemas import RetrieveRequest, ServeLimits
 from leanagent.serve.server import PremiseServer

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
+from leanagent.bench.perf import mfu, training_flops
 from leanagent.bench.results import FixedLengthRow
 from leanagent.bench.timing import sync, to_device
 from leanagent.bench.train_step import TrainStep, set_levers
 from leanagent.data.dataset import with_lengths
 from leanagent.model.retriever import PremiseRetriever
-from leanagent.perf import mfu, training_flops
 
 
 def fixed_length_batch(batch_size: int, length: int, device: torch.device, seed: int = 0) -> dict[str, Any]:
@@ -34,7 +34,7 @@ def bench_fixed_length(model: PremiseRetriever, device: torch.device, precision_
                        steps: int = 10, peak_tflops: float | None = None, compiled: bool = False
                        ) -> list[FixedLengthRow]:
     """The real training step (`TrainStep`) on batches whose sequences all have length L, the worst case of
-    LeanAgent's 1024-byte budget: examples/s, tokens/s, MFU (`leanagent.perf`) and peak memory per (L, batch).
+    LeanAgent's 1024-byte budget: examples/s, tokens/s, MFU (`leanagent.bench.perf`) and peak memory per (L, batch).
     `compiled`: with the compiled blocks (`model.compile: true`)."""
     set_levers(model, True, True, compiled)
     model.drop_compiled()

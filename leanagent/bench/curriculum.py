@@ -23,16 +23,16 @@ from pathlib import Path
 
 import yaml
 
-from leanagent.atomic import read_json
 from leanagent.bench.options import CurriculumOptions, ProjectionOptions
 from leanagent.bench.results import Section
 from leanagent.data.corpus import Corpus
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.synthetic_scale import ScaleSpec
+from leanagent.ground.atomic import read_json
 from leanagent.launch.progress_view import MODE_ENV
 from leanagent.model.presets import write_random_encoder
 from leanagent.report.timing import JobCost, job_costs
-from leanagent.run.state import MANIFEST_NAME
+from leanagent.run.manifest import MANIFEST_NAME
 
 MODES = ("all", "needed")  # model.embed_premises: LeanAgent's re-embedding, then embedding once
 

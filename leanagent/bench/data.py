@@ -13,7 +13,6 @@ from transformers import ByT5Tokenizer
 
 from leanagent.bench.results import CorpusFigures, DataFigures
 from leanagent.bench.timing import rate, rss_mb
-from leanagent.config import DataConfig
 from leanagent.data.corpus import Corpus
 from leanagent.data.dataset import (
     TrainDataset,
@@ -23,6 +22,7 @@ from leanagent.data.dataset import (
     with_lengths,
 )
 from leanagent.data.theorems import load_split
+from leanagent.ground.config import DataConfig
 
 
 def bench_corpus(dataset: Path) -> tuple[Corpus, CorpusFigures]:

@@ -10,8 +10,8 @@ from leanagent.bench.data import bench_batches
 from leanagent.bench.results import FisherFigures, PassFigures
 from leanagent.bench.timing import best_of_rounds, sync, to_device
 from leanagent.bench.train_step import TrainStep
-from leanagent.config import DataConfig
 from leanagent.data.corpus import Corpus
+from leanagent.ground.config import DataConfig
 from leanagent.model.fisher import FisherModule
 from leanagent.model.retriever import PremiseRetriever
 

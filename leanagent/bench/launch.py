@@ -7,11 +7,11 @@ import time
 from pathlib import Path
 
 from leanagent.bench.results import LaunchFigures
-from leanagent.config import PipelineConfig, dump_config
 from leanagent.data.synthetic import write_demo_repos
-from leanagent.jobs import run_job
+from leanagent.ground.config import PipelineConfig, dump_config
 from leanagent.launch.progress_view import MODE_ENV
 from leanagent.model.presets import write_random_encoder
+from leanagent.preflight.run_job import run_job
 
 
 def bench_launch(workdir: Path) -> LaunchFigures:

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
-from leanagent.config import DataConfig
+from leanagent.ground.config import DataConfig
 
 FisherMethod = Literal["loop", "vectorised"]
 # The parts of `leanagent bench path` after the corpus and data figures (which every part needs), in run order.

@@ -12,6 +12,7 @@ from leanagent.bench.data import bench_batches, bench_corpus, bench_data
 from leanagent.bench.fisher import bench_train_vs_fisher
 from leanagent.bench.launch import bench_launch
 from leanagent.bench.options import BenchOptions
+from leanagent.bench.perf import peak_bf16_tflops
 from leanagent.bench.results import BenchResult, RunInfo
 from leanagent.bench.retrieval import bench_embedding, bench_retrieval
 from leanagent.bench.train_step import bench_train_step, keep_layers
@@ -19,7 +20,6 @@ from leanagent.data.theorems import load_states
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.presets import write_random_encoder
 from leanagent.model.retriever import PremiseRetriever
-from leanagent.perf import peak_bf16_tflops
 
 PRECISION = torch.bfloat16  # the seed's bf16-mixed
 

@@ -32,14 +32,15 @@ import httpx
 import torch
 from safetensors.torch import load_file
 
-from leanagent import model_identity
 from leanagent.bench.options import SwapOptions
 from leanagent.bench.results import Section
 from leanagent.data.corpus import Corpus
 from leanagent.data.synthetic_scale import ScaleSpec, write_scale_dataset
-from leanagent.index import build_index, read_names, write_index
+from leanagent.ground import model_identity
+from leanagent.index.build import build_index
+from leanagent.index.files import read_names, write_index
 from leanagent.model.presets import write_random_encoder
-from leanagent.run.state import MANIFEST_NAME, repo_key
+from leanagent.run.manifest import MANIFEST_NAME, repo_key
 
 
 @dataclass

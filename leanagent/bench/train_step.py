@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
+from leanagent.bench.perf import mfu, training_flops
 from leanagent.bench.results import TrainStepFigures, TrainStepRow
 from leanagent.bench.timing import best_of_rounds, sync, to_device
 from leanagent.model.lr_schedule import build_optimizer_and_schedule
 from leanagent.model.pool_plan import TokenCount
 from leanagent.model.retriever import PremiseRetriever
-from leanagent.perf import mfu, training_flops
 
 # The training step's levers, as the rows of the bench: (name, sort_by_length, one mask, compiled).
 TRAIN_STEP_ROWS = (("padded", False, False, False), ("sorted", True, False, False),
@@ -100,7 +100,7 @@ def bench_train_step(model: PremiseRetriever, batches: list[dict[str, Any]], dev
     """The training step on the dataset's batches, padded / sorted / sorted + one mask / + compiled.
 
     Per row: examples/s, real tokens/s, token efficiency (real over processed tokens) and, given a peak,
-    MFU on real tokens (`leanagent.perf`). The loss of the sorted path against the padded one comes first,
+    MFU on real tokens (`leanagent.bench.perf`). The loss of the sorted path against the padded one comes first,
     on the same weights (`_loss_rel_diff`). Each row runs the batches once to warm up (the compiled row
     compiles first, cold and warm, then at the batches' shapes), then the rows take turns
     (`_best_of_rounds`: each row's time is its fastest pass over the batches).

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from leanagent.config import format_validation_error
+from leanagent.ground.config import format_validation_error
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2  # argparse's own

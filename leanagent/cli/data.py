@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from leanagent.cli.common import CommandError
-from leanagent.config import ConfigError, PipelineConfig
+from leanagent.ground.config import ConfigError, PipelineConfig
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -71,10 +71,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_curriculum(args: argparse.Namespace) -> int:
-    from leanagent.atomic import write_json_atomic
     from leanagent.data.curriculum import curriculum_of_datasets, describe
     from leanagent.data.errors import DatasetError
-    from leanagent.preflight import check_unique_names
+    from leanagent.ground.atomic import write_json_atomic
+    from leanagent.preflight.checks import check_unique_names
 
     paths = [Path(d).resolve() for d in args.datasets]
     for d, path in zip(args.datasets, paths, strict=True):
@@ -95,9 +95,9 @@ def cmd_curriculum(args: argparse.Namespace) -> int:
 
 
 def cmd_examples(args: argparse.Namespace) -> int:
-    from leanagent.atomic import refuse_non_empty
     from leanagent.data.errors import DatasetError
     from leanagent.data.example_files import write_example_files
+    from leanagent.ground.atomic import refuse_non_empty
     from leanagent.launch.registry import load_checked_config
 
     try:
@@ -114,9 +114,9 @@ def cmd_examples(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_data(args: argparse.Namespace) -> int:
-    from leanagent.atomic import refuse_non_empty
     from leanagent.data.synthetic import DEPENDENCY_SIZES, write_demo_repos
     from leanagent.data.synthetic_scale import ScaleSpec, write_scale_dataset
+    from leanagent.ground.atomic import refuse_non_empty
 
     out = Path(args.out)
     sized = args.files is not None or args.premises is not None

@@ -9,9 +9,9 @@ import tempfile
 from pathlib import Path
 
 from leanagent.cli.common import VERBOSE_HELP, CommandError
-from leanagent.config import ConfigError, dump_config
-from leanagent.job import PROGRAMS
-from leanagent.supervision import Interrupted, interrupt_on_signals
+from leanagent.ground.config import ConfigError, dump_config
+from leanagent.ground.job import PROGRAMS
+from leanagent.ground.supervision import Interrupted, interrupt_on_signals
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -41,11 +41,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_job(args: argparse.Namespace) -> int:
-    from leanagent.atomic import refuse_non_empty
-    from leanagent.job import IndexRequest, JobFinishedError, JobInputError
-    from leanagent.jobs import run_job
+    from leanagent.ground.atomic import refuse_non_empty
+    from leanagent.ground.job import IndexRequest, JobFinishedError, JobInputError
     from leanagent.launch.base import LaunchError
     from leanagent.launch.registry import load_checked_config
+    from leanagent.preflight.run_job import run_job
 
     try:
         with interrupt_on_signals():

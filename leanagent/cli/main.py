@@ -14,7 +14,7 @@ from importlib import metadata
 
 from leanagent.cli import bench, data, jobs, model, report, retrieval, run, serve
 from leanagent.cli.common import EXIT_REFUSED, CommandError
-from leanagent.exit_fast import freeze_for_exit
+from leanagent.ground.exit_fast import freeze_for_exit
 
 # In the order `leanagent --help` lists them: the data, a job, the lifelong run, then using a trained model.
 COMMAND_GROUPS = (data, model, jobs, run, report, retrieval, serve, bench)

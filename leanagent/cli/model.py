@@ -41,8 +41,8 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from leanagent.checkpoint_files import BadFileError
-    from leanagent.export import export_model
+    from leanagent.checkpoints.files import BadFileError
+    from leanagent.export.hf import export_model
     from leanagent.model.loading import ModelSourceError
 
     try:

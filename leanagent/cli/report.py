@@ -22,9 +22,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from leanagent.atomic import write_json_atomic
+    from leanagent.ground.atomic import write_json_atomic
     from leanagent.report import SourceError, comparison_json, comparison_text, load_run, write_png
-    from leanagent.run.state import MANIFEST_NAME
+    from leanagent.run.manifest import MANIFEST_NAME
 
     try:
         runs = [load_run(source) for source in args.sources]

@@ -47,9 +47,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from leanagent.checkpoint_files import BadFileError
+    from leanagent.checkpoints.files import BadFileError
     from leanagent.data.errors import DatasetError
-    from leanagent.index import PremiseIndexError, build_index
+    from leanagent.index.build import build_index
+    from leanagent.index.files import PremiseIndexError
     from leanagent.model.loading import ModelSourceError
 
     check_device(args.device)
@@ -67,7 +68,8 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_retrieve(args: argparse.Namespace) -> int:
-    from leanagent.index import FILE_WITHOUT_LINE, PremiseIndex, PremiseIndexError
+    from leanagent.index.files import FILE_WITHOUT_LINE, PremiseIndexError
+    from leanagent.index.query import PremiseIndex
     from leanagent.serve import ServeError, resolve_source
 
     check_device(args.device)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from leanagent.cli.common import VERBOSE_HELP, CommandError
-from leanagent.supervision import Interrupted, interrupt_on_signals
+from leanagent.ground.supervision import Interrupted, interrupt_on_signals
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -48,7 +48,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """What a run has in a queue (and what its stages' last jobs became)."""
-    from leanagent.config import ConfigError
+    from leanagent.ground.config import ConfigError
     from leanagent.launch.base import LaunchError
     from leanagent.launch.registry import run_status
 
@@ -67,7 +67,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """End every job of a run still in a queue (a SIGKILLed flow could not)."""
-    from leanagent.config import ConfigError
+    from leanagent.ground.config import ConfigError
     from leanagent.launch.base import LaunchError
     from leanagent.launch.registry import cancel_run
 

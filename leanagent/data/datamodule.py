@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from leanagent.config import DataConfig
 from leanagent.data.corpus import Corpus
 from leanagent.data.dataset import (
     EvalDataset,
@@ -31,6 +30,7 @@ from leanagent.data.errors import DatasetError
 from leanagent.data.premise_table import PremiseTable
 from leanagent.data.records import Pos
 from leanagent.data.theorems import Theorem, load_split
+from leanagent.ground.config import DataConfig
 
 
 def next_training_epoch(trainer: pl.Trainer) -> int:

@@ -14,12 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from leanagent.config import DataConfig
 from leanagent.data.corpus import Corpus
 from leanagent.data.dataset import example_seed
 from leanagent.data.examples import build_eval_examples, build_train_examples
 from leanagent.data.negatives import sample_negatives
 from leanagent.data.theorems import load_split
+from leanagent.ground.config import DataConfig
 
 SPLITS = ("train", "val", "test")
 

@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from leanagent.atomic import write_atomic
 from leanagent.data.errors import DatasetError
 from leanagent.data.theorems import read_split_json, split_source
-from leanagent.file_digest import sha256_file
+from leanagent.ground.atomic import write_atomic
+from leanagent.ground.file_digest import sha256_file
 
 SPLIT_FILES = ("train.json", "val.json", "test.json")
 MERGE_FILE = "merge.json"

@@ -1,6 +1,6 @@
 """The launcher seam: what every way of starting a job's ranks shares, and what each must provide.
 
-A launcher starts one rank program (`leanagent.job.PROGRAMS_MODULE`, under torchrun) on the machines it
+A launcher starts one rank program (`leanagent.ground.job.PROGRAMS_MODULE`, under torchrun) on the machines it
 knows and hands back a `RunningJob`; `Launcher.launch` then watches it to the end, the same way for
 every launcher:
 
@@ -33,12 +33,12 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from leanagent.atomic import read_json
-from leanagent.config import PipelineConfig
-from leanagent.job import heartbeat_dir, result_filename, stale_ranks
+from leanagent.ground.atomic import read_json
+from leanagent.ground.config import PipelineConfig
+from leanagent.ground.job import heartbeat_dir, result_filename, stale_ranks
+from leanagent.ground.supervision import SUPERVISION_ENV, pids_dir
 from leanagent.launch.output import JobOutput
 from leanagent.launch.progress_view import job_label
-from leanagent.supervision import SUPERVISION_ENV, pids_dir
 
 SCRUBBED_ENV = (
     "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",

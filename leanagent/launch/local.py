@@ -11,7 +11,7 @@ SIGTERM every rank we know (`JobProcesses`: torchrun's descendants as psutil see
 records the ranks write), wake stopped ones, wait the grace (less on an interrupt, or once a rank has
 gone), then SIGKILL whatever is left, torchrun included, each pid checked against its start time. If the
 launcher itself dies, torchrun's watchdog (and on Linux its parent-death signal) and each rank's watcher
-end the job (`leanagent/supervision.py`).
+end the job (`leanagent/ground/supervision.py`).
 
 Runs wherever torchrun and psutil do (Linux, macOS): nothing here is Linux-only but the parent-death
 signal, which `parent_death_signal` leaves out elsewhere.
@@ -36,11 +36,9 @@ from urllib.parse import urlsplit
 
 import psutil
 
-from leanagent.config import PipelineConfig, TrainerConfig
-from leanagent.job import PROGRAMS_ENTRY
-from leanagent.launch.base import GRACE_SECONDS, Launcher, LauncherPlugin, RunningJob, child_environment
-from leanagent.launch.quiet import quiet_environment
-from leanagent.supervision import (
+from leanagent.ground.config import PipelineConfig, TrainerConfig
+from leanagent.ground.job import PROGRAMS_ENTRY
+from leanagent.ground.supervision import (
     HoldSignals,
     children,
     descendants,
@@ -51,6 +49,8 @@ from leanagent.supervision import (
     signal_verified,
     supervisor_environment,
 )
+from leanagent.launch.base import GRACE_SECONDS, Launcher, LauncherPlugin, RunningJob, child_environment
+from leanagent.launch.quiet import quiet_environment
 
 KILL_WAIT_SECONDS = 15.0  # after SIGKILL: only a process in uninterruptible sleep (D) takes longer
 REFRESH_SECONDS = 1.0  # how often the launcher looks for new processes of the job

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from leanagent.job import read_progress
+from leanagent.ground.job import read_progress
 from leanagent.launch.progress_view import progress_view
 from leanagent.launch.quiet import NoiseFilter, verbose
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pydantic import ConfigDict, Field, ValidationError, create_model
 
-from leanagent.config import ConfigError, PipelineConfig, format_validation_error, load_config
+from leanagent.ground.config import ConfigError, PipelineConfig, format_validation_error, load_config
 from leanagent.launch.base import JobStatus, Launcher, LauncherPlugin
 
 ENTRY_POINT_GROUP = "leanagent.launchers"
@@ -110,8 +110,8 @@ def config_problems(cfg: PipelineConfig) -> list[str]:
 
 
 def load_checked_config(path: str | Path, overrides: Sequence[str] = ()) -> PipelineConfig:
-    """`leanagent.config.load_config` (with `--set` overrides), then `config_problems`: ConfigError naming the file
-    and the key."""
+    """`leanagent.ground.config.load_config` (with `--set` overrides), then `config_problems`: ConfigError naming
+    the file and the key."""
     cfg = load_config(path, overrides)
     problems = config_problems(cfg)
     if problems:

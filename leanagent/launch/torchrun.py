@@ -22,8 +22,8 @@ from pathlib import Path
 
 import psutil
 
-from leanagent.exit_fast import freeze_for_exit
-from leanagent.supervision import (
+from leanagent.ground.exit_fast import freeze_for_exit
+from leanagent.ground.supervision import (
     ENV_JOB_DIR,
     ENV_SUPERVISOR_PID,
     ENV_SUPERVISOR_START,

@@ -7,7 +7,7 @@ retriever's options (`RetrieverOptions.from_config`). `load_model` is what `expo
 length and batch budget it was evaluated with carry over, and it reads what the model learned on (dataset,
 metrics) from the checkpoint and its job folder.
 
-A LeanAgent/ReProver checkpoint (read by `leanagent.checkpoints.read_any_checkpoint`) lacks the encoder's
+A LeanAgent/ReProver checkpoint (read by `leanagent.checkpoints.ours.read_any_checkpoint`) lacks the encoder's
 architecture, which ours store: it is looked up locally, never downloaded (`reference_architecture`), the
 weights are checked against it, and they go into a fresh model trained with our optimizer and schedule;
 only the epoch count carries over (`epochs_completed`), as LeanAgent's max_epochs does.
@@ -24,9 +24,8 @@ from typing import Any
 import torch
 from transformers import T5Config, T5EncoderModel
 
-from leanagent.checkpoint_files import CheckpointError
-from leanagent.config import PipelineConfig
-from leanagent.foreign_checkpoints import (
+from leanagent.checkpoints.files import CheckpointError
+from leanagent.checkpoints.foreign import (
     ENCODER_PREFIX,
     TIED,
     complete_tied,
@@ -36,6 +35,7 @@ from leanagent.foreign_checkpoints import (
     reference_hparams,
     reference_state_dict,
 )
+from leanagent.ground.config import PipelineConfig
 from leanagent.model.options import RetrieverOptions, stored_encoder_config
 from leanagent.model.presets import encoder_config
 from leanagent.model.progress_bars import no_progress_bars
@@ -74,7 +74,7 @@ def load_retriever(cfg: PipelineConfig, checkpoint: Path | None, weights: bool =
     From one of our checkpoints the architecture comes from its hparams, so no hub access is needed;
     `weights=False` when Lightning's `fit(ckpt_path=...)` restores them anyway. A LeanAgent/ReProver
     checkpoint (file or consolidated DeepSpeed folder) always has its weights loaded: Lightning
-    never resumes from it (see `leanagent.checkpoints`).
+    never resumes from it (see `leanagent.checkpoints.ours`).
     """
     options = RetrieverOptions.from_config(cfg)
     if checkpoint is None:

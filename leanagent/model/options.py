@@ -10,7 +10,7 @@ the server all read `PremiseRetriever.options`; nothing reads the hparams dict.
 In a checkpoint the options are stored flat under `hyper_parameters`, beside the encoder's architecture
 (`encoder_config`), as plain values that torch's restricted unpickler loads: the layout our checkpoints always
 had, so one written before this type existed reads back with `from_hparams`, a key it lacks taking the value
-that reproduces it (`leanagent.config.ABSENT_MEANS`, else the default).
+that reproduces it (`leanagent.ground.config.ABSENT_MEANS`, else the default).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, field_validator
 
-from leanagent.config import ABSENT_MEANS, DataConfig, ModelConfig, PipelineConfig
+from leanagent.ground.config import ABSENT_MEANS, DataConfig, ModelConfig, PipelineConfig
 from leanagent.model.losses import LOSSES
 
 ENCODER_CONFIG_KEY = "encoder_config"  # the architecture, stored beside the options in `hyper_parameters`

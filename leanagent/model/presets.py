@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
 
-from leanagent.atomic import refuse_non_empty
+from leanagent.ground.atomic import refuse_non_empty
 from leanagent.model.progress_bars import no_progress_bars
 
 PRESETS: dict[str, dict] = {

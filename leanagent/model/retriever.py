@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer, ByT5Tokenizer, T5Config, T5EncoderModel
 
+from leanagent.ground.timings import JobClock, no_clock
 from leanagent.model.encoder import CompiledBlocks, encoder_hidden
 from leanagent.model.evaluation import CorpusEmbedding, RetrievalEvaluation, embed_premises
 from leanagent.model.ewc import EWC
@@ -28,7 +29,6 @@ from leanagent.model.lr_schedule import build_optimizer_and_schedule, reference_
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.pool_plan import Piece, PoolPlan, TokenCount, plan_pool
 from leanagent.model.sub_batches import call_cost_for
-from leanagent.timings import JobClock, no_clock
 
 BYT5_VOCAB_SIZE = 384
 
@@ -75,7 +75,8 @@ class PremiseRetriever(pl.LightningModule):
         self.validation_history: list[dict[str, float]] = []
         # Set by the Heartbeat callback: called inside long loops so a watchdog sees progress.
         self.progress_hook: Callable[[str], None] | None = None
-        # Where the job's time goes (`leanagent.timings`): a rank program gives its own; elsewhere nothing is timed.
+        # Where the job's time goes (`leanagent.ground.timings`): a rank program gives its own; elsewhere nothing is
+        # timed.
         self.clock: JobClock = no_clock()
         # False: transformers' own forward, which builds the attention mask in every layer (the bench's
         # "sorted" row times it); True: `encoder_hidden`, one mask per forward, bit-identical outputs.

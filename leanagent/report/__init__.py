@@ -5,7 +5,7 @@ the tests all read one representation. The matrix is the point of lifelong learn
 the model after training on repository i, column j the repository it is evaluated on, so the
 column under an early repository shows what later training forgot. The untrained model's row
 (the baseline) shows what training gained at all. The metrics (WF5, FM, EBWT, WP5, IP, CFR; see
-`leanagent.lifelong_metrics`) are LeanAgent's summary of that matrix and of the validation recall
+`leanagent.report.metrics`) are LeanAgent's summary of that matrix and of the validation recall
 curve, and are recomputed after every repository, so a run can be judged while it is still going.
 
 Units, as in LeanAgent: Recall@1 and Recall@10 in percent (2 decimals), MRR a fraction (3 decimals).

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from leanagent.lifelong_metrics import REGISTRY
+from leanagent.report.metrics import REGISTRY
 
 
 def mean(values: Sequence[float]) -> float | None:

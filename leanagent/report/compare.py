@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from leanagent.lifelong_metrics import REGISTRY, check_matrix, composite_scores, lifelong_metrics
 from leanagent.report.cells import mean, metric, mrr, pct
+from leanagent.report.metrics import REGISTRY, check_matrix, composite_scores, lifelong_metrics
 from leanagent.report.run import MATRIX_METRIC, RunReport, glossary_text, report_from_manifest
-from leanagent.run.state import MANIFEST_NAME, ManifestUnreadableError, read_manifest
+from leanagent.run.manifest import MANIFEST_NAME, ManifestUnreadableError, read_manifest
 
 JSON_KEYS = {"names", "test_recall_at_10", "val_recall_at_10", "avg_test_recall_at_10", "test_recall_at_1",
              "test_mrr", "label", "source", "published", "comment"}

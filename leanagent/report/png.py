@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from leanagent.atomic import write_atomic
-from leanagent.lifelong_metrics import REGISTRY
+from leanagent.ground.atomic import write_atomic
 from leanagent.report.cells import metric
 from leanagent.report.compare import LifelongRun
+from leanagent.report.metrics import REGISTRY
 from leanagent.report.run import MATRIX_METRIC
 
 

@@ -4,7 +4,7 @@ Kept in the library (no Prefect) so that the CLI's plain-text table, the Prefect
 one representation. The matrix is the point of lifelong learning: row i is the model after training on
 repository i, column j the repository it is evaluated on, so the column under an early repository shows what
 later training forgot. The untrained model's row (the baseline) shows what training gained at all. The metrics
-(WF5, FM, EBWT, WP5, IP, CFR; see `leanagent.lifelong_metrics`) are LeanAgent's summary of that matrix and of the
+(WF5, FM, EBWT, WP5, IP, CFR; see `leanagent.report.metrics`) are LeanAgent's summary of that matrix and of the
 validation recall curve, and are recomputed after every repository, so a run can be judged while it is still going.
 A continued run (repositories that arrive later) grows by rows and columns.
 """
@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from leanagent.lifelong_metrics import REGISTRY, check_matrix, glossary, lifelong_metrics, metric_names
 from leanagent.report.cells import mean, mean_of, metric, mrr, pct
+from leanagent.report.metrics import REGISTRY, check_matrix, glossary, lifelong_metrics, metric_names
 from leanagent.report.timing import JobCost, job_costs, time_markdown, time_summary, time_text
-from leanagent.run.state import EVAL_UNTRAINED, TRAIN, eval_stage, stage_result
+from leanagent.run.manifest import EVAL_UNTRAINED, TRAIN, eval_stage, stage_result
 
 MATRIX_METRIC = "Recall@10"
 VAL_METRIC = "Recall@10_val"  # the train stage's best validation Recall@10, percent

@@ -1,5 +1,5 @@
 """Where a run's time went: one row per job (a training, a Fisher pass, an evaluation of several repositories), its
-seconds and each part's share of them (`leanagent.timings.PARTS`), and the premises it embedded.
+seconds and each part's share of them (`leanagent.ground.timings.PARTS`), and the premises it embedded.
 
 At LeanAgent's scale a curriculum can spend more time embedding the same premises than training; this table is
 where a user sees it. Read from the manifest, which records each job's `timings` with its stage (an evaluation
@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from leanagent.run.state import EVAL_UNTRAINED, FISHER, TRAIN, eval_stage, stage_name, stage_result
-from leanagent.timings import LAUNCH, PARTS, WALL_SECONDS
+from leanagent.ground.timings import LAUNCH, PARTS, WALL_SECONDS
+from leanagent.run.manifest import EVAL_UNTRAINED, FISHER, TRAIN, eval_stage, stage_name, stage_result
 
 TITLE = "Where the time went"
 _PARTS = {p.name: p for p in (*PARTS, LAUNCH)}

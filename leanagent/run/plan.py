@@ -26,23 +26,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from leanagent.config import ConfigError, PipelineConfig, RepoConfig
 from leanagent.data.merge import dataset_files, digests
 from leanagent.data.validate import validate_dataset
-from leanagent.job import JobInputError
-from leanagent.preflight import PreflightError, preflight_run
-from leanagent.run.state import (
+from leanagent.ground.config import ConfigError, PipelineConfig, RepoConfig
+from leanagent.ground.job import JobInputError
+from leanagent.preflight.checks import PreflightError, preflight_run
+from leanagent.run.fingerprint import check_experiment
+from leanagent.run.manifest import (
     MANIFEST_NAME,
     ManifestMismatchError,
     RepoEntry,
-    RunLockedError,
-    RunStateWriteError,
-    check_experiment,
-    check_sequence,
     read_manifest,
     recorded_sequence,
     waiting_repositories,
 )
+from leanagent.run.state import RunLockedError, RunStateWriteError, check_sequence
 
 # What a refused run raises, each with one message naming the file, key or repository (PreflightError is a
 # JobInputError): no traceback, nothing written.

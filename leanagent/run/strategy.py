@@ -19,13 +19,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from leanagent.atomic import read_json
-from leanagent.config import PipelineConfig
 from leanagent.data.errors import DatasetError
 from leanagent.data.merge import MERGE_FILE, dataset_files, digests, merge_datasets
 from leanagent.data.validate import validate_dataset
-from leanagent.preflight import PreflightError, format_bytes, free_space
-from leanagent.run.state import MERGE, ManifestMismatchError, RunState, repo_key, stage_name
+from leanagent.ground.atomic import read_json
+from leanagent.ground.config import PipelineConfig
+from leanagent.preflight.checks import PreflightError, format_bytes, free_space
+from leanagent.run.manifest import MERGE, ManifestMismatchError, repo_key, stage_name
+from leanagent.run.state import RunState
 
 MERGED_DIR = "merged"
 LISTED = 20

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from leanagent.index import PremiseIndex
+from leanagent.index.query import PremiseIndex
 from leanagent.serve.follow import ServerHolder
 from leanagent.serve.parse import excerpt, parse_request
 from leanagent.serve.schemas import RequestError, ServeLimits

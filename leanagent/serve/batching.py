@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from leanagent.index import PremiseIndex
+from leanagent.index.query import PremiseIndex
 from leanagent.serve.cache import EmbeddingCache
 
 

@@ -25,8 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from leanagent.atomic import read_json
-from leanagent.run.state import MANIFEST_NAME, stage_indexes
+from leanagent.ground.atomic import read_json
+from leanagent.run.manifest import MANIFEST_NAME, stage_indexes
 from leanagent.serve.server import PremiseServer
 
 DEFAULT_FOLLOW_S = 10.0

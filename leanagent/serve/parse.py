@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from leanagent.config import format_validation_error
+from leanagent.ground.config import format_validation_error
 from leanagent.serve.schemas import RequestError, RetrieveRequest, ServeLimits
 
 EXCERPT_CHARS = 40

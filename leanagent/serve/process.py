@@ -23,13 +23,14 @@ from typing import Any
 
 import uvicorn
 
-from leanagent.index import PremiseIndex, PremiseIndexError
+from leanagent.ground.supervision import Interrupted, interrupt_on_signals
+from leanagent.index.files import PremiseIndexError
+from leanagent.index.query import PremiseIndex
 from leanagent.serve.app import create_app
 from leanagent.serve.follow import DEFAULT_FOLLOW_S, ServerHolder, Stage, StageFollower, is_run_dir, run_stages
 from leanagent.serve.protocol import bounded_protocol, quiet_accept_errors
 from leanagent.serve.schemas import ServeLimits
 from leanagent.serve.server import PremiseServer, StageInfo
-from leanagent.supervision import Interrupted, interrupt_on_signals
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 23337
 GRACEFUL_SHUTDOWN_S = 10

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from leanagent import model_identity
 from leanagent.data.corpus import serialize_premise
 from leanagent.data.lean_names import lean_name, module_name, name_key
-from leanagent.index import PremiseIndex
+from leanagent.ground import model_identity
+from leanagent.index.query import PremiseIndex
 from leanagent.model.topk import top_k_accessible
 from leanagent.serve.batching import Arrival, EncoderBatcher
 from leanagent.serve.cache import EmbeddingCache

@@ -5,7 +5,7 @@
 - `MinedNegatives`: `data.negatives: mined`, the table refreshed at each validation;
 - `StepCheckpoint`: `last.ckpt` during an epoch as well, for a mid-epoch resume;
 - `RandomState`: every rank's RNG in every checkpoint, so that a resumed run draws what an uninterrupted one did;
-- `Heartbeat`: liveness and progress for the launcher's watchdog and display (`leanagent.job.beat`);
+- `Heartbeat`: liveness and progress for the launcher's watchdog and display (`leanagent.ground.job.beat`);
 - `JobTimings`: where the training loop's time goes, for result.json's `timings`.
 """
 
@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
 
-from leanagent.job import beat
+from leanagent.ground.job import beat
+from leanagent.ground.ranks import global_rank
+from leanagent.ground.timings import JobClock
 from leanagent.model.mining import mine_table
-from leanagent.ranks import global_rank
-from leanagent.timings import JobClock
 from leanagent.train.progress import ProgressTracker
 
 MONITOR = "Recall@10_val"
@@ -68,7 +68,7 @@ class MinedNegatives(Callback):
 
 
 class JobTimings(Callback):
-    """Charges a training loop to the job's clock (`leanagent.timings`): each batch's step to `train_steps`, the
+    """Charges a training loop to the job's clock (`leanagent.ground.timings`): each batch's step to `train_steps`, the
     rest of an epoch to `train_loader` (fetching batches, the loop between steps), except what other parts claim
     inside it (validation's `embed` and `rank`, `mining`, `checkpoints`). Startup ends when the first epoch
     starts."""
@@ -211,7 +211,7 @@ class StopOnRequest(Callback):
     step before another), save a step checkpoint together and raise `StopRequested`, which the train
     program turns into `needs-resume.json`. Not on an epoch's last batch (ModelCheckpoint's epoch checkpoint
     follows it; a step checkpoint there would resume past the epoch's validation): one step later. Inactive
-    without a stop file to watch (`leanagent.job.STOP_FILE_ENV`), so the local launcher pays nothing.
+    without a stop file to watch (`leanagent.ground.job.STOP_FILE_ENV`), so the local launcher pays nothing.
     """
 
     def __init__(self, dirpath: Path, stop_file: str | None) -> None:

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 
-from leanagent.atomic import read_json
-from leanagent.checkpoints import epochs_completed, first_readable, resume_candidates
-from leanagent.config import PipelineConfig
-from leanagent.foreign_checkpoints import complete_tied, is_leanagent, read_any_checkpoint, reference_state_dict
+from leanagent.checkpoints.foreign import complete_tied, is_leanagent, read_any_checkpoint, reference_state_dict
+from leanagent.checkpoints.ours import epochs_completed, first_readable, resume_candidates
+from leanagent.ground.atomic import read_json
+from leanagent.ground.config import PipelineConfig
 from leanagent.model.loading import load_retriever
 
 JOB_PLAN = "job.json"

@@ -3,7 +3,7 @@
 Started by torchrun (a launcher in `leanagent/launch/`), never imported by a launcher. Each creates
 the process group first so that the seed's barriers (before loading data, before and after fit)
 really synchronize, and rank 0 writes `JOB_DIR/result.json` atomically at the end, with where the job's
-time went (`timings`, `leanagent.timings`), the premises it embedded and its peak memory.
+time went (`timings`, `leanagent.ground.timings`), the premises it embedded and its peak memory.
 """
 
 from __future__ import annotations
@@ -18,21 +18,22 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
-from leanagent import model_identity, supervision
-from leanagent.atomic import write_json_atomic
-from leanagent.checkpoint_files import BadFileError, epoch_step
-from leanagent.checkpoints import read_fisher, save_fisher
-from leanagent.config import PipelineConfig, load_config
+from leanagent.checkpoints.files import BadFileError, epoch_step
+from leanagent.checkpoints.ours import read_fisher, save_fisher
 from leanagent.data.datamodule import RetrievalDataModule, union_table
 from leanagent.data.errors import DatasetError
-from leanagent.exit_fast import freeze_for_exit
-from leanagent.index import StageIndex, read_names
-from leanagent.job import NEEDS_RESUME_FILE, PROGRAMS, IndexRequest, beat, result_filename
+from leanagent.ground import model_identity, supervision
+from leanagent.ground.atomic import write_json_atomic
+from leanagent.ground.config import PipelineConfig, load_config
+from leanagent.ground.exit_fast import freeze_for_exit
+from leanagent.ground.job import NEEDS_RESUME_FILE, PROGRAMS, IndexRequest, beat, result_filename
+from leanagent.ground.ranks import global_rank, local_rank, node_rank
+from leanagent.ground.timings import JobClock, peak_rss_mb
+from leanagent.index.files import read_names
+from leanagent.index.stage import StageIndex
 from leanagent.model.fisher import fisher_estimator
 from leanagent.model.loading import load_retriever
 from leanagent.model.retriever import PremiseRetriever
-from leanagent.ranks import global_rank, local_rank, node_rank
-from leanagent.timings import JobClock, peak_rss_mb
 from leanagent.train.callbacks import Heartbeat, JobTimings, MinedNegatives, StopRequested
 from leanagent.train.plan import JOB_PLAN, ewc_anchor, plan_training, start_at_epoch
 from leanagent.train.trainer import (
@@ -282,7 +283,7 @@ def _evaluate(cfg: PipelineConfig, args: argparse.Namespace, job_dir: Path, cloc
     return run_evaluate(cfg, args.dataset, job_dir, args.checkpoint, clock, index)
 
 
-# Each program of `leanagent.job.PROGRAMS`, run inside a rank from its parsed arguments.
+# Each program of `leanagent.ground.job.PROGRAMS`, run inside a rank from its parsed arguments.
 RUNNERS: dict[str, Callable[[PipelineConfig, argparse.Namespace, Path, JobClock], dict]] = {
     "train": lambda cfg, args, job_dir, clock: run_train(cfg, args.dataset[0], job_dir, args.checkpoint, args.fisher,
                                                          clock),
@@ -292,7 +293,7 @@ RUNNERS: dict[str, Callable[[PipelineConfig, argparse.Namespace, Path, JobClock]
 
 
 def main(argv: list[str] | None = None) -> None:
-    clock = JobClock()  # first: the job's time is counted from this process's start (`leanagent.timings`)
+    clock = JobClock()  # first: the job's time is counted from this process's start (`leanagent.ground.timings`)
     supervision.start()  # record this rank's pid; end it if the launcher or torchrun dies (supervision.py)
     args = parse_args(argv)
     cfg = load_config(args.config)

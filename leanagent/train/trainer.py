@@ -20,9 +20,9 @@ from pytorch_lightning.callbacks import Callback, LearningRateMonitor, ModelChec
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.strategies import DDPStrategy
 
-from leanagent.atomic import write_atomic
-from leanagent.config import TrainerConfig
-from leanagent.job import STOP_FILE_ENV
+from leanagent.ground.atomic import write_atomic
+from leanagent.ground.config import TrainerConfig
+from leanagent.ground.job import STOP_FILE_ENV
 from leanagent.train.callbacks import (
     MONITOR,
     DatasetEpoch,
@@ -59,7 +59,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 class Trainer(pl.Trainer):
     """Lightning's Trainer, whose checkpoint writes are charged to the job's `checkpoints` time (the module's
-    `clock`, `leanagent.timings`): ModelCheckpoint's, the step checkpoints and the stop-request ones alike."""
+    `clock`, `leanagent.ground.timings`): ModelCheckpoint's, the step checkpoints and the stop-request ones alike."""
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         clock = getattr(self.lightning_module, "clock", None)

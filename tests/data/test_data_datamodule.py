@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.data.errors import DatasetError
+from leanagent.ground.config import DataConfig
 
 
 def make(demo_dir: Path, tokenizer, **overrides) -> RetrievalDataModule:

@@ -13,9 +13,9 @@ import torch
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule, next_training_epoch
 from leanagent.data.dataset import example_seed, sample_negatives
+from leanagent.ground.config import DataConfig
 
 
 def make(demo_dir: Path, tokenizer, seed: int = 3, **overrides) -> RetrievalDataModule:

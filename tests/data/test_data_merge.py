@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from leanagent.config import DataConfig, LifelongConfig, PipelineConfig, RepoConfig
 from leanagent.data.example_files import write_example_files
 from leanagent.data.merge import MERGE_FILE, digests, merge_datasets
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.validate import validate_dataset
-from leanagent.preflight import PreflightError
-from leanagent.run.state import ManifestMismatchError, RepoEntry, RunState, stage_name
+from leanagent.ground.config import DataConfig, LifelongConfig, PipelineConfig, RepoConfig
+from leanagent.preflight.checks import PreflightError
+from leanagent.run.manifest import ManifestMismatchError, RepoEntry, stage_name
+from leanagent.run.state import RunState
 from leanagent.run.strategy import MERGE, training_datasets
 
 CORE = ".lake/packages/core/Core/Basic.lean"

@@ -23,10 +23,10 @@ import psutil
 import pytest
 import yaml
 
-from leanagent.config import TrainerConfig
+from leanagent.ground.config import TrainerConfig
+from leanagent.ground.supervision import descendants, find_process, is_running, start_time
 from leanagent.launch.base import LaunchError
 from leanagent.launch.local import LocalLauncher
-from leanagent.supervision import descendants, find_process, is_running, start_time
 from tests.prefect.prefect_api import served_deployment, stop_serving
 from tests.waiting import wait_for
 
@@ -49,11 +49,11 @@ from pathlib import Path
 options, out = set(sys.argv[1].split(",")), Path(sys.argv[2])
 rank = int(os.environ["RANK"])
 if "watch" in options:
-    from leanagent import supervision
+    from leanagent.ground import supervision
     supervision.start()
 if "ignore-term" in options:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-from leanagent.supervision import start_time
+from leanagent.ground.supervision import start_time
 out.mkdir(parents=True, exist_ok=True)
 (out / f"pid{rank}").write_text(f"{os.getpid()} {start_time(os.getpid())}")
 print(f"rank {rank} ready with {sorted(options)}", flush=True)
@@ -206,7 +206,7 @@ def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_not_orphaned(tmp_p
 
 SUPERVISOR = (
     "import sys; from pathlib import Path;"
-    "from leanagent.config import TrainerConfig; from leanagent.launch.local import LocalLauncher;"
+    "from leanagent.ground.config import TrainerConfig; from leanagent.launch.local import LocalLauncher;"
     "out = Path(sys.argv[1]);"
     "LocalLauncher(TrainerConfig(accelerator='cpu', devices=2), entry=[sys.argv[2], sys.argv[3], str(out)])"
     ".launch([], out)"

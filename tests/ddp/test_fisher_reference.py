@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from leanagent.checkpoints import load_fisher
+from leanagent.checkpoints.ours import load_fisher
 from leanagent.data.corpus import Corpus
 from leanagent.data.examples import build_train_examples
 from leanagent.data.theorems import load_split
@@ -73,7 +73,7 @@ PROBE = textwrap.dedent('''
     from pytorch_lightning.callbacks import Callback
     from transformers import T5Config
 
-    from leanagent.config import DataConfig, TrainerConfig
+    from leanagent.ground.config import DataConfig, TrainerConfig
     from leanagent.data.datamodule import RetrievalDataModule
     from leanagent.model.fisher import ReferenceFisherModule
     from leanagent.model.options import RetrieverOptions

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from leanagent.config import TrainerConfig
+from leanagent.ground.config import TrainerConfig
+from leanagent.ground.supervision import find_process
 from leanagent.launch.base import LaunchError, child_environment
 from leanagent.launch.local import LocalLauncher
-from leanagent.supervision import find_process
 
 from .conftest import SCRIPTS
 
@@ -85,7 +85,7 @@ def test_interrupt_of_the_supervisor_ends_the_job(tmp_path):
     """SIGTERM to a supervising process (what Prefect sends on cancel) must not orphan the ranks."""
     code = (
         "import signal, sys; from pathlib import Path;"
-        "from leanagent.config import TrainerConfig; from leanagent.launch.local import LocalLauncher;"
+        "from leanagent.ground.config import TrainerConfig; from leanagent.launch.local import LocalLauncher;"
         "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143));"
         f"LocalLauncher(TrainerConfig(accelerator='cpu', devices=2), entry=[{str(SCRIPTS / 'fail_probe.py')!r}, 'hang',"
         f" {str(tmp_path)!r}]).launch([], Path({str(tmp_path)!r}), grace_s=2)"

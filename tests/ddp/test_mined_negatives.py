@@ -25,7 +25,7 @@ PROBE = textwrap.dedent('''
     import torch
     import torch.distributed as dist
 
-    from leanagent.config import DataConfig, TrainerConfig
+    from leanagent.ground.config import DataConfig, TrainerConfig
     from leanagent.data.datamodule import RetrievalDataModule
     from leanagent.model.evaluation import CorpusEmbedding
     from leanagent.model.mining import mine_table

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from leanagent.checkpoints import epochs_completed, load_fisher, read_checkpoint
+from leanagent.checkpoints.ours import epochs_completed, load_fisher, read_checkpoint
 from leanagent.data.corpus import Corpus
 from leanagent.data.examples import build_train_examples
 from leanagent.data.theorems import load_split

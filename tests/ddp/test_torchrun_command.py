@@ -3,7 +3,7 @@ started: what it would be started with)."""
 
 from __future__ import annotations
 
-from leanagent.config import TrainerConfig
+from leanagent.ground.config import TrainerConfig
 from leanagent.launch.base import SCRUBBED_ENV, child_environment
 from leanagent.launch.local import torchrun_command
 

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from leanagent.config import TrainerConfig
+from leanagent.ground.config import TrainerConfig
 from leanagent.train.trainer import build_training_trainer, init_process_group, set_nccl_environment
 
 out = Path(sys.argv[1])

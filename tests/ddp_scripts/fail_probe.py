@@ -18,7 +18,7 @@ if mode == "fail" and rank == 1:
 if mode == "ok":
     import json
 
-    from leanagent.job import beat
+    from leanagent.ground.job import beat
 
     for step in range(8):
         beat(out, "train", step)
@@ -27,7 +27,7 @@ if mode == "ok":
         (out / "result.json").write_text(json.dumps({"ok": True}))
     sys.exit(0)
 if mode == "stale":
-    from leanagent.job import beat
+    from leanagent.ground.job import beat
 
     beat(out, "train", 0)
 time.sleep(600)

@@ -26,8 +26,8 @@ import yaml
 from leanagent.flows.artifacts import SUMMARY_KEY, TABLE_KEY
 from leanagent.flows.lifelong import lifelong_retrieval
 
-from leanagent.atomic import read_json
-from leanagent.run.state import ManifestMismatchError
+from leanagent.ground.atomic import read_json
+from leanagent.run.manifest import ManifestMismatchError
 from tests.conftest import FinishedRun, file_times
 from tests.prefect.prefect_api import flow_run_artifacts, wait_for_logs
 

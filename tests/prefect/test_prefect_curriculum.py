@@ -27,7 +27,7 @@ from leanagent.tasks.data import order_curriculum
 from prefect import flow
 
 from leanagent.cli import build_parser
-from leanagent.config import RepoConfig
+from leanagent.ground.config import RepoConfig
 from tests.prefect.prefect_api import wait_for_logs
 
 pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect_harness")]

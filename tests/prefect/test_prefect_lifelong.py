@@ -16,11 +16,12 @@ import yaml
 from leanagent.flows.artifacts import PROGRESS_KEY, SUMMARY_KEY, TABLE_KEY
 from leanagent.flows.lifelong import lifelong_retrieval
 
-from leanagent.atomic import read_json
 from leanagent.data.corpus import Corpus
-from leanagent.index import PremiseIndex, read_names
+from leanagent.ground.atomic import read_json
+from leanagent.index.files import read_names
+from leanagent.index.query import PremiseIndex
 from leanagent.report import RunReport
-from leanagent.run.state import ManifestMismatchError, stage_indexes
+from leanagent.run.manifest import ManifestMismatchError, stage_indexes
 from tests.conftest import FinishedRun, file_times
 from tests.prefect.prefect_api import flow_run_artifacts, wait_for_logs
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from leanagent.flows.lifelong import lifelong_retrieval
 
-from leanagent.atomic import read_json
-from leanagent.run.state import ManifestMismatchError
+from leanagent.ground.atomic import read_json
+from leanagent.run.manifest import ManifestMismatchError
 from tests.conftest import FinishedRun, file_times
 from tests.prefect.prefect_api import wait_for_logs
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from leanagent.flows.lifelong import lifelong_retrieval
 
-from leanagent.atomic import read_json
+from leanagent.ground.atomic import read_json
 from tests.conftest import FinishedRun, file_times
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]

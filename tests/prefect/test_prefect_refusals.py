@@ -13,7 +13,7 @@ import pytest
 from leanagent.flows.command import run_from_cli
 from leanagent.flows.lifelong import lifelong_retrieval
 
-from leanagent.preflight import PreflightError
+from leanagent.preflight.checks import PreflightError
 from leanagent.run.state import RunLock, RunLockedError
 
 pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect_harness")]
@@ -58,7 +58,7 @@ def test_run_dir_in_use_is_refused_naming_the_holder(demo_assets, write_cpu_conf
 
 
 def test_exactly_one_config_source(demo_assets, write_cpu_config, tmp_path: Path) -> None:
-    from leanagent.config import ConfigError, load_config
+    from leanagent.ground.config import ConfigError, load_config
 
     config = write_cpu_config(tmp_path / "config.yaml", tmp_path / "run", demo_assets.repos[:1])
     with pytest.raises(ConfigError, match="exactly one"):

@@ -20,7 +20,7 @@ import yaml
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
 
-from leanagent.config import load_config
+from leanagent.ground.config import load_config
 from tests.conftest import FinishedRun
 from tests.prefect.prefect_api import flow_run_logs, served_deployment, stop_serving, wait_for_logs
 

@@ -6,7 +6,7 @@ from leanagent.tasks.jobs import compute_fisher, evaluate_retriever, retry_unles
 from leanagent.tasks.options import JobOptions
 from prefect.states import Failed
 
-from leanagent.job import JobFinishedError, JobInputError
+from leanagent.ground.job import JobFinishedError, JobInputError
 from leanagent.launch.base import LaunchError
 
 

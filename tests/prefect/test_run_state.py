@@ -10,17 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from leanagent.config import PipelineConfig, RepoConfig
-from leanagent.run.state import (
-    ManifestMismatchError,
-    RepoEntry,
-    RunLock,
-    RunLockedError,
-    RunState,
-    check_sequence,
-    config_fingerprint,
-    stage_name,
-)
+from leanagent.ground.config import PipelineConfig, RepoConfig
+from leanagent.run.fingerprint import config_fingerprint
+from leanagent.run.manifest import ManifestMismatchError, RepoEntry, stage_name
+from leanagent.run.state import RunLock, RunLockedError, RunState, check_sequence
 
 
 def _cfg(tmp_path: Path, **lifelong: float) -> PipelineConfig:

@@ -16,7 +16,8 @@ import uvicorn
 
 from leanagent.data.corpus import serialize_premise
 from leanagent.data.synthetic import write_demo_repos
-from leanagent.index import PremiseIndex, build_index
+from leanagent.index.build import build_index
+from leanagent.index.query import PremiseIndex
 from leanagent.model.presets import write_random_encoder
 from leanagent.serve import listen, module_name
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from leanagent.cli import build_parser
-from leanagent.index import build_index
+from leanagent.index.build import build_index
 from leanagent.model.presets import write_random_encoder
 from leanagent.serve import ServeLimits, listen
 

@@ -10,8 +10,9 @@ import shutil
 import weakref
 from pathlib import Path
 
-from leanagent.index import EMBEDDINGS_FILE, PremiseIndex
-from leanagent.run.state import MANIFEST_NAME, repo_key
+from leanagent.index.files import EMBEDDINGS_FILE
+from leanagent.index.query import PremiseIndex
+from leanagent.run.manifest import MANIFEST_NAME, repo_key
 from leanagent.serve import PremiseServer, RetrieveRequest, ServerHolder, StageFollower, StageInfo, run_stages
 from leanagent.serve.follow import Stage
 

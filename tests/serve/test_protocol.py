@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from leanagent.index import PremiseIndex
+from leanagent.index.query import PremiseIndex
 from leanagent.serve import ServeLimits, create_app, module_name
 
 from .conftest import (

@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from leanagent.config import load_config
+from leanagent.ground.config import load_config
 from leanagent.launch.base import LaunchError
 from leanagent.launch.slurm import SlurmLauncher
 from tests.ddp.conftest import fault_env

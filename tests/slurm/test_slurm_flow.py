@@ -17,7 +17,7 @@ import psutil
 import pytest
 from leanagent.flows.lifelong import lifelong_retrieval
 
-from leanagent.supervision import descendants, find_process, running
+from leanagent.ground.supervision import descendants, find_process, running
 from tests.prefect.prefect_api import served_deployment, stop_serving
 from tests.slurm.cluster import Cluster
 from tests.slurm.test_slurm import REPO_ROOT, STARTUP_S, held_at, job_ids

@@ -237,7 +237,7 @@ def test_the_grad_cache_section_runs_each_variant_in_its_own_process(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_index(tmp_path_factory, tiny_model) -> tuple[Path, Path]:
-    from leanagent.index import build_index
+    from leanagent.index.build import build_index
 
     root = tmp_path_factory.mktemp("bench-index")
     repo = write_demo_repos(root / "data", 1, seed=3)[0]

@@ -18,11 +18,11 @@ import yaml
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from transformers import ByT5Tokenizer
 
-from leanagent.atomic import write_json_atomic
-from leanagent.checkpoint_files import CheckpointError, FisherFileError, check_fisher, prune_checkpoints
-from leanagent.checkpoints import check_checkpoint, read_checkpoint, read_fisher, save_fisher
-from leanagent.config import DataConfig, PipelineConfig
+from leanagent.checkpoints.files import CheckpointError, FisherFileError, check_fisher, prune_checkpoints
+from leanagent.checkpoints.ours import check_checkpoint, read_checkpoint, read_fisher, save_fisher
 from leanagent.data.datamodule import RetrievalDataModule
+from leanagent.ground.atomic import write_json_atomic
+from leanagent.ground.config import DataConfig, PipelineConfig
 from leanagent.model.loading import load_model, load_retriever
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever

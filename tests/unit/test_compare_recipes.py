@@ -8,9 +8,9 @@ import importlib.util
 import json
 from pathlib import Path
 
-from leanagent.config import load_config
 from leanagent.data.theorems import format_context, load_split
 from leanagent.data.validate import validate_dataset
+from leanagent.ground.config import load_config
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compare_recipes.py"
 

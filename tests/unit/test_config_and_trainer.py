@@ -11,7 +11,7 @@ import torch
 from pytorch_lightning.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.strategies import DDPStrategy
 
-from leanagent.config import ONE_YEAR_SECONDS, ConfigError, PipelineConfig, TrainerConfig, load_config
+from leanagent.ground.config import ONE_YEAR_SECONDS, ConfigError, PipelineConfig, TrainerConfig, load_config
 from leanagent.model.loading import load_retriever
 from leanagent.train.trainer import build_fisher_trainer, build_training_trainer, ddp_strategy
 

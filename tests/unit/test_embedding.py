@@ -79,8 +79,8 @@ class _Recording(PremiseRetriever):
 def test_evaluation_embeds_the_corpus_in_fp32_unless_told(tmp_path, precision, corpus_autocast, expected):
     import pytorch_lightning as pl
 
-    from leanagent.config import DataConfig
     from leanagent.data.datamodule import RetrievalDataModule
+    from leanagent.ground.config import DataConfig
 
     repo = write_demo_repos(tmp_path / "data", 1, seed=6)[0]
     model = _Recording(RetrieverOptions(name_or_path=str(write_random_encoder(tmp_path / "model", "tiny")),

@@ -10,16 +10,16 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule, union_table
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.synthetic_scale import ScaleSpec
-from leanagent.index import StageIndex
+from leanagent.ground.config import DataConfig
+from leanagent.ground.timings import JobClock
+from leanagent.index.stage import StageIndex
 from leanagent.model.evaluation import CorpusEmbedding
 from leanagent.model.mining import mine_table
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
-from leanagent.timings import JobClock
 
 MAX_LEN = 96
 

@@ -23,13 +23,15 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from transformers import AutoTokenizer, ByT5Tokenizer, T5EncoderModel
 
 from leanagent import cli
-from leanagent.config import DataConfig
 from leanagent.data.corpus import Corpus
 from leanagent.data.dataset import build_eval_examples, tokenize_premises
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.theorems import load_split
-from leanagent.export import export_model
-from leanagent.index import PremiseIndex, PremiseIndexError, build_index
+from leanagent.export.hf import export_model
+from leanagent.ground.config import DataConfig
+from leanagent.index.build import build_index
+from leanagent.index.files import PremiseIndexError
+from leanagent.index.query import PremiseIndex
 from leanagent.model.loading import load_model
 from leanagent.model.metrics import aggregate, score_context
 from leanagent.model.options import RetrieverOptions

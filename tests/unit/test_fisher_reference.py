@@ -17,9 +17,9 @@ from pytorch_lightning.callbacks import Callback
 from torch.utils.data import DataLoader
 from transformers import T5Config
 
-from leanagent.checkpoints import load_fisher, save_fisher
-from leanagent.config import DataConfig
+from leanagent.checkpoints.ours import load_fisher, save_fisher
 from leanagent.data.datamodule import RetrievalDataModule
+from leanagent.ground.config import DataConfig
 from leanagent.model.fisher import FisherModule, ReferenceFisherModule
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever

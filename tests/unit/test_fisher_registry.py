@@ -6,7 +6,7 @@ import typing
 
 import pytest
 
-from leanagent.config import LifelongConfig
+from leanagent.ground.config import LifelongConfig
 from leanagent.model.fisher import ESTIMATORS, FisherEstimator, FisherModule, ReferenceFisherModule, fisher_estimator
 
 

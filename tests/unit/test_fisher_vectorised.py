@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from transformers import T5Config
 
-from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule
+from leanagent.ground.config import DataConfig
 from leanagent.model.fisher import FisherModule, per_example, vectorised
 from leanagent.model.fisher.batches import example_groups
 from leanagent.model.fisher.vectorised import accumulate_squared_example_grads, example_major_batch, unsupported_modules

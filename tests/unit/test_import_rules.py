@@ -11,14 +11,15 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("leanagent", "tasks", "flows", "deployments")
 
-# From the ground floor up. A module's floor is that of its longest listed prefix.
+# From the ground floor up: every folder of the library is one floor, and a module's floor is its folder's. A module
+# in no listed folder has none, and fails `test_every_module_has_a_floor`: a new folder is placed here on purpose.
 FLOORS: dict[str, int] = {
-    "leanagent": 0,  # ground: config, atomic files, job records, run state, timings, ...
+    "leanagent": 0,  # the package itself: `leanagent.retrieve`, resolved on first use
+    "leanagent.ground": 0, "leanagent.checkpoints": 0,  # config, atomic files, job records, checkpoints by name
     "leanagent.data": 1,
     "leanagent.model": 2, "leanagent.index": 2, "leanagent.export": 2,
     "leanagent.train": 3, "leanagent.launch": 3,  # the rank programs and the launchers
-    "leanagent.preflight": 4, "leanagent.jobs": 4, "leanagent.run.strategy": 4, "leanagent.run.plan": 4,
-    "leanagent.report": 4, "leanagent.serve": 4,
+    "leanagent.preflight": 4, "leanagent.run": 4, "leanagent.report": 4, "leanagent.serve": 4,
     "leanagent.bench": 5, "leanagent.tasks": 5, "leanagent.flows": 5,  # the folders tasks/ and flows/
     "leanagent.deployments": 6,
     "leanagent.cli": 7,
@@ -26,11 +27,11 @@ FLOORS: dict[str, int] = {
 
 
 def _floor(module: str) -> int:
+    """The floor of `module`'s folder (`leanagent.X`), or of the package itself; KeyError for any other."""
     parts = module.split(".")
-    for n in range(len(parts), 0, -1):
-        found = FLOORS.get(".".join(parts[:n]))
-        if found is not None:
-            return found
+    key = ".".join(parts[:2])
+    if key in FLOORS:
+        return FLOORS[key]
     raise KeyError(module)
 
 
@@ -50,6 +51,18 @@ def _imports(path: Path):
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             yield node.module
             yield from (f"{node.module}.{alias.name}" for alias in node.names)
+
+
+def test_every_module_has_a_floor() -> None:
+    unplaced = [name for name, _ in _modules() if _floor_or_none(name) is None]
+    assert not unplaced, f"modules in no folder of FLOORS (place the folder on a floor): {unplaced}"
+
+
+def _floor_or_none(module: str) -> int | None:
+    try:
+        return _floor(module)
+    except KeyError:
+        return None
 
 
 def test_no_module_imports_a_floor_above_its_own() -> None:
@@ -77,7 +90,7 @@ def test_the_launchers_and_the_file_checks_load_no_torch() -> None:
     """Imported as a launcher uses them (`leanagent.launch.torchrun` is the program torchrun runs, not one); the
     flow prunes checkpoints and the checks read Fisher headers with `checkpoint_files` alone."""
     launch = [name for name, _ in _modules() if name.startswith("leanagent.launch.")
-              and name != "leanagent.launch.torchrun"] + ["leanagent.checkpoint_files"]
+              and name != "leanagent.launch.torchrun"] + ["leanagent.checkpoints.files"]
     probe = ("import importlib, sys\n"
              f"for name in {launch!r}: importlib.import_module(name)\n"
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pytorch_lightning', 'prefect')))")

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from leanagent import cli, model_identity
+from leanagent import cli
 from leanagent.data.synthetic import write_demo_repos
-from leanagent.index import PremiseIndex, PremiseIndexError, build_index
+from leanagent.ground import model_identity
+from leanagent.index.build import build_index
+from leanagent.index.files import PremiseIndexError
+from leanagent.index.query import PremiseIndex
 from leanagent.model.presets import write_random_encoder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -14,15 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from leanagent.index import (
-    EMBEDDINGS_FILE,
-    FILES_FILE,
-    INDEX_FILE,
-    PREMISES_FILE,
-    PremiseIndex,
-    PremiseIndexError,
-    build_index,
-)
+from leanagent.index.build import build_index
+from leanagent.index.files import EMBEDDINGS_FILE, FILES_FILE, INDEX_FILE, PREMISES_FILE, PremiseIndexError
+from leanagent.index.query import PremiseIndex
 from leanagent.model.presets import write_random_encoder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -13,11 +13,11 @@ import pytest
 import yaml
 
 from leanagent.cli import main as cli_main
-from leanagent.config import ConfigError, PipelineConfig, dump_config, load_config
+from leanagent.ground.config import ConfigError, PipelineConfig, dump_config, load_config
 from leanagent.launch import local, slurm
 from leanagent.launch.base import LauncherPlugin
 from leanagent.launch.registry import config_problems, launcher_for, load_checked_config, plugins
-from leanagent.run.state import config_fingerprint
+from leanagent.run.fingerprint import config_fingerprint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

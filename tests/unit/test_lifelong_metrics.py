@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from leanagent.lifelong_metrics import composite_scores, lifelong_metrics, metric_names
+from leanagent.report.metrics import composite_scores, lifelong_metrics, metric_names
 
 TABLE4 = Path(__file__).resolve().parents[1] / "fixtures" / "leanagent_table4"
 SETUPS = ["leanagent", *(f"setup{k}" for k in range(1, 8))]

@@ -12,8 +12,8 @@ import torch
 from pytorch_lightning.callbacks import Callback
 from torch.utils.data import DataLoader
 
-from leanagent.config import DataConfig, ModelConfig, PipelineConfig, load_config
 from leanagent.data.datamodule import RetrievalDataModule
+from leanagent.ground.config import DataConfig, ModelConfig, PipelineConfig, load_config
 from leanagent.model.fisher import ESTIMATORS, FisherModule, ReferenceFisherModule
 from leanagent.model.losses import contrastive_mse, info_nce, retrieval_loss
 from leanagent.model.options import RetrieverOptions
@@ -206,7 +206,7 @@ def test_a_new_loss_is_one_table_entry(monkeypatch: pytest.MonkeyPatch, tmp_path
     """Registered once, a loss is accepted by the options and is what the step minimises (the Fisher estimators
     read the same table's per-context form); a name of no entry is refused before any launch, naming the known."""
     from leanagent.model import losses
-    from leanagent.preflight import check_options
+    from leanagent.preflight.checks import check_options
 
     def l1_rows(similarity: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
         return (similarity - label).abs().mean(dim=1)

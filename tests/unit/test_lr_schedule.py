@@ -9,8 +9,8 @@ import pytorch_lightning as pl
 import torch
 from transformers import ByT5Tokenizer
 
-from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule
+from leanagent.ground.config import DataConfig
 from leanagent.model.lr_schedule import build_optimizer_and_schedule, reference_horizon
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever

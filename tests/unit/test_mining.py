@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.data.negatives import negative_pools, pool_members, sample_negatives
 from leanagent.data.tokenize import tokenize
+from leanagent.ground.config import DataConfig
 from leanagent.model.evaluation import CorpusEmbedding
 from leanagent.model.mining import mine_table
 from leanagent.model.options import RetrieverOptions

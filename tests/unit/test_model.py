@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from leanagent.atomic import write_json_atomic
-from leanagent.checkpoints import epochs_completed, load_fisher, save_fisher
+from leanagent.checkpoints.ours import epochs_completed, load_fisher, save_fisher
 from leanagent.data.corpus import Corpus
 from leanagent.data.dataset import TrainDataset
 from leanagent.data.examples import build_train_examples
 from leanagent.data.theorems import load_split
+from leanagent.ground.atomic import write_json_atomic
 from leanagent.model.fisher import FisherModule
 from leanagent.model.fisher.batches import PaddedForRanks
 from leanagent.model.losses import contrastive_mse

@@ -12,15 +12,14 @@ import torch
 import yaml
 from transformers import T5EncoderModel
 
-from leanagent.config import PipelineConfig, RepoConfig, TrainerConfig
 from leanagent.data.synthetic import write_demo_repos
-from leanagent.job import JobInputError
-from leanagent.jobs import check_job
+from leanagent.ground.config import PipelineConfig, RepoConfig, TrainerConfig
+from leanagent.ground.job import JobInputError
 from leanagent.launch.local import check_rendezvous
 from leanagent.launch.registry import config_problems
 from leanagent.launch.slurm import PLUGIN
 from leanagent.model.presets import PRESETS, encoder_config, write_random_encoder
-from leanagent.preflight import (
+from leanagent.preflight.checks import (
     PreflightError,
     count_parameters,
     estimate_run,
@@ -28,6 +27,7 @@ from leanagent.preflight import (
     preflight_run,
     resolve_model,
 )
+from leanagent.preflight.run_job import check_job
 
 BIG = 1 << 50  # free bytes that fit anything
 

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from transformers import ByT5Tokenizer, T5EncoderModel
 
-from leanagent.checkpoint_files import CheckpointError
-from leanagent.checkpoints import epochs_completed, read_checkpoint
-from leanagent.config import PipelineConfig
-from leanagent.foreign_checkpoints import read_any_checkpoint
+from leanagent.checkpoints.files import CheckpointError
+from leanagent.checkpoints.foreign import read_any_checkpoint
+from leanagent.checkpoints.ours import epochs_completed, read_checkpoint
+from leanagent.ground.config import PipelineConfig
 from leanagent.model.loading import load_retriever, reference_encoder_config
 from leanagent.model.presets import encoder_config
-from leanagent.preflight import PreflightError, preflight_job
+from leanagent.preflight.checks import PreflightError, preflight_job
 from leanagent.train.plan import TrainPlan, ewc_anchor, plan_training
 from leanagent.train.programs import run_train
 from tests.reference_layout import reference_hparams, save_reference
@@ -184,7 +184,7 @@ def test_the_train_program_trains_one_repository_from_a_reference(assets, tmp_pa
 
 
 def test_lifelong_start_checkpoint_is_validated_and_resolved_against_the_config_file(assets, tmp_path):
-    from leanagent.config import ConfigError, load_config
+    from leanagent.ground.config import ConfigError, load_config
 
     path = tmp_path / "cfg" / "run.yaml"
     path.parent.mkdir()

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from leanagent.cli import main
-from leanagent.config import PipelineConfig, RepoConfig
+from leanagent.ground.config import PipelineConfig, RepoConfig
 from leanagent.report import UNTRAINED, RunReport, load_run, report_from_manifest
-from leanagent.run.state import EVAL_UNTRAINED, TRAIN, RepoEntry, RunState, eval_stage, stage_name
+from leanagent.run.manifest import EVAL_UNTRAINED, TRAIN, RepoEntry, eval_stage, stage_name
+from leanagent.run.state import RunState
 
 
 def _eval(r10: float) -> dict:
@@ -242,8 +243,8 @@ def test_load_run_reads_a_partial_run_dir(tmp_path: Path) -> None:
 def test_a_new_lifelong_metric_is_one_table_entry(monkeypatch: pytest.MonkeyPatch) -> None:
     """Registered once, a metric is computed after each repository, printed with its meaning in the text, the
     markdown and the comparison, written to the comparison's JSON and weighed in the composite score."""
-    from leanagent import lifelong_metrics as lm
     from leanagent.report import LifelongRun, comparison_json, comparison_text
+    from leanagent.report import metrics as lm
 
     def final_gap(c: lm.Curves) -> float | None:
         return max(c.R[-1]) - min(c.R[-1])

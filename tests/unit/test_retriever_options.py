@@ -20,15 +20,17 @@ import pytorch_lightning as pl
 import torch
 from pydantic import ValidationError
 
-from leanagent.config import ABSENT_MEANS, DataConfig, ModelConfig, PipelineConfig, RepoConfig
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.data.dataset import with_lengths
+from leanagent.ground.config import ABSENT_MEANS, DataConfig, ModelConfig, PipelineConfig, RepoConfig
 from leanagent.model.fisher import FisherModule
 from leanagent.model.fisher.vectorised import fisher_groups
 from leanagent.model.loading import load_retriever
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
-from leanagent.run.state import MANIFEST_NAME, ManifestMismatchError, RepoEntry, RunState, check_experiment
+from leanagent.run.fingerprint import check_experiment
+from leanagent.run.manifest import MANIFEST_NAME, ManifestMismatchError, RepoEntry
+from leanagent.run.state import RunState
 
 MAX_LEN = 256
 BUDGET = 600  # small enough that length-sorted groups of a batch's examples are cut

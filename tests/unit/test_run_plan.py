@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from leanagent.config import ConfigError, PipelineConfig, RepoConfig, TrainerConfig, load_config
 from leanagent.data.merge import digests
+from leanagent.ground.config import ConfigError, PipelineConfig, RepoConfig, TrainerConfig, load_config
+from leanagent.run.manifest import RepoEntry
 from leanagent.run.plan import plan_run, progress_line
-from leanagent.run.state import RepoEntry, RunState
+from leanagent.run.state import RunState
 
 
 def _cfg(demo_assets, tmp_path: Path, repos: list[Path], **update) -> PipelineConfig:
@@ -93,7 +94,7 @@ def test_a_hub_model_out_of_reach_is_said_once(tmp_path: Path, offline: bool) ->
     env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}")
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
-    probe = "from leanagent.preflight import resolve_model; print(resolve_model('owner/model')[1])"
+    probe = "from leanagent.preflight.checks import resolve_model; print(resolve_model('owner/model')[1])"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     expected = "the hub is offline (HF_HUB_OFFLINE)" if offline else "cannot be fetched from the hub"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from leanagent.config import PipelineConfig
-from leanagent.job import program_argv
+from leanagent.ground.config import PipelineConfig
+from leanagent.ground.job import program_argv
 from leanagent.launch.slurm.queue import JobState
 from leanagent.launch.slurm.script import job_name, render_script
 from leanagent.launch.slurm.settings import slurm_settings

@@ -16,9 +16,9 @@ import pytorch_lightning as pl
 import torch
 from transformers.models.t5.modeling_t5 import T5Attention
 
-from leanagent.config import DataConfig
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.data.dataset import with_lengths
+from leanagent.ground.config import DataConfig
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.model.sub_batches import padded_width, plan_sub_batches

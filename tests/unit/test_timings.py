@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from leanagent.ground.timings import PART_NAMES, JobClock
 from leanagent.report.timing import JobCost, job_costs, time_markdown, time_text
-from leanagent.run.state import stage_name
-from leanagent.timings import PART_NAMES, JobClock
+from leanagent.run.manifest import stage_name
 
 
 class Ticks:

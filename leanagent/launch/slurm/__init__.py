@@ -18,7 +18,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from leanagent.config import PipelineConfig
+from leanagent.ground.config import PipelineConfig
 from leanagent.launch.base import JobStatus, LauncherPlugin
 from leanagent.launch.slurm.job import SlurmLauncher
 from leanagent.launch.slurm.queue import run_jobs, slurm_command

@@ -21,9 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from leanagent.atomic import read_json, write_atomic, write_json_atomic
-from leanagent.config import PipelineConfig
-from leanagent.job import NEEDS_RESUME_FILE, PROGRAMS_ENTRY, heartbeat_dir
+from leanagent.ground.atomic import read_json, write_atomic, write_json_atomic
+from leanagent.ground.config import PipelineConfig
+from leanagent.ground.job import NEEDS_RESUME_FILE, PROGRAMS_ENTRY, heartbeat_dir
+from leanagent.ground.supervision import SUPERVISION_ENV
 from leanagent.launch.base import Launcher, RunningJob, child_environment
 from leanagent.launch.quiet import quiet_environment
 from leanagent.launch.slurm.queue import (
@@ -40,7 +41,6 @@ from leanagent.launch.slurm.queue import (
 )
 from leanagent.launch.slurm.script import SCRIPT, STOP_FILE, render_script
 from leanagent.launch.slurm.settings import SlurmConfig, slurm_settings
-from leanagent.supervision import SUPERVISION_ENV
 
 END_WAIT_SECONDS = 30.0  # after scancel: SLURM's KillWait, then the state turns final
 

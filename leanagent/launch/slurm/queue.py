@@ -14,7 +14,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from leanagent.atomic import read_json
+from leanagent.ground.atomic import read_json
 from leanagent.launch.base import LaunchError
 
 SLURM_DIR = "slurm"  # JOB/slurm/: the script, the record of submissions, SLURM's output, the exit records

@@ -16,8 +16,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from leanagent.config import PipelineConfig
-from leanagent.job import PROGRAMS_ENTRY, STOP_FILE_ENV
+from leanagent.ground.config import PipelineConfig
+from leanagent.ground.job import PROGRAMS_ENTRY, STOP_FILE_ENV
 from leanagent.launch.slurm.queue import SLURM_DIR
 from leanagent.launch.slurm.settings import SlurmConfig
 

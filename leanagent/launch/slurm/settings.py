@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from leanagent.config import PipelineConfig
+from leanagent.ground.config import PipelineConfig
 from leanagent.launch.base import section_settings
 
 NAME = "slurm"  # `launcher: slurm`, and the key of this section

@@ -16,7 +16,7 @@ dropout is off (eval mode), sums are fp32. Two computations of the same sums:
   in a real Fisher job; opt-in (README, Performance).
 
 `reference.py` is LeanAgent's own estimator. The Fisher files are written by
-`leanagent.checkpoints.save_fisher`.
+`leanagent.checkpoints.ours.save_fisher`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Checkpoint and Fisher files by their names and bytes, without torch: what a file is called, whether it is whole,
 which to prune. The flow prunes a finished repository's checkpoints and the checks before a launch read a Fisher
-file's header with this module alone; loading a checkpoint's tensors is `leanagent.checkpoints`'.
+file's header with this module alone; loading a checkpoint's tensors is `leanagent.checkpoints.ours`'.
 
 A crash while a checkpoint or a Fisher file is written, a full disk, or a copy cut short leaves a truncated file.
 Torch then says `PytorchStreamReader failed reading zip archive` in a long traceback that names no file; here every

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from leanagent.file_digest import sha256_file
+from leanagent.ground.file_digest import sha256_file
 
 # The files of a model folder that decide its embeddings: weights in any of the layouts we load (an HF
 # folder, a DeepSpeed folder consolidated by zero_to_fp32.py) and the architecture. Tokenizer files, model

@@ -27,8 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from leanagent.atomic import write_bytes_atomic
-from leanagent.checkpoint_files import (
+from leanagent.checkpoints.files import (
     EPOCH_PATTERN,
     LAST,
     BadFileError,
@@ -40,6 +39,7 @@ from leanagent.checkpoint_files import (
     one_line,
     unreadable,
 )
+from leanagent.ground.atomic import write_bytes_atomic
 
 # ---- checkpoints ------------------------------------------------------------------------------
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from leanagent.checkpoint_files import CheckpointError
-from leanagent.checkpoints import read_checkpoint
+from leanagent.checkpoints.files import CheckpointError
+from leanagent.checkpoints.ours import read_checkpoint
 
 # Lightning pickles hyper-parameters as an AttributeDict (a dict subclass), under the module where
 # the installed version defines it. The weights-only unpickler cannot fill a dict subclass, so these

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from leanagent.atomic import read_json, write_json_atomic
-from leanagent.ranks import global_rank
+from leanagent.ground.atomic import read_json, write_json_atomic
+from leanagent.ground.ranks import global_rank
 
 Program = Literal["train", "fisher", "evaluate"]
 

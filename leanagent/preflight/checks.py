@@ -1,4 +1,4 @@
-"""Checks before any launch, in one place: the CLI's jobs (`leanagent.jobs.check_job`) and the
+"""Checks before any launch, in one place: the CLI's jobs (`leanagent.preflight.run_job.check_job`) and the
 lifelong flow (`lifelong_retrieval`, before the curriculum starts) both come through here.
 
 A refusal costs seconds; the same problem found by the ranks costs a queue wait, a GPU allocation
@@ -6,7 +6,7 @@ and a traceback. Each check returns its problems as one clear message each; `Pre
 carries them all. Nothing here writes anything.
 
 - datasets validate (`leanagent.data.validate.validate_dataset`);
-- the input checkpoint and Fisher file are whole (`leanagent.checkpoints`);
+- the input checkpoint and Fisher file are whole (`leanagent.checkpoints.ours`);
 - the model resolves: a local folder holds a config.json, a hub id is in the local Hugging Face
   cache (or, online, its config.json can be fetched); a job starting from a checkpoint needs no model;
 - the launcher (`leanagent.launch.registry`): its name, its config section, and its own checks of where the
@@ -26,9 +26,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from leanagent.config import PipelineConfig, RepoConfig
 from leanagent.data.validate import validate_dataset
-from leanagent.job import PROGRAMS, JobInputError, Program
+from leanagent.ground.config import PipelineConfig, RepoConfig
+from leanagent.ground.job import PROGRAMS, JobInputError, Program
 from leanagent.launch.registry import launch_problems
 from leanagent.model.options import RetrieverOptions, stored_encoder_config
 
@@ -342,8 +342,8 @@ def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path
 
 def start_checkpoint_config(path: Path, name_or_path: str) -> tuple[dict[str, Any] | None, str | None]:
     """(the architecture a start checkpoint gives, None) or (None, the one-line problem naming the file)."""
-    from leanagent.checkpoint_files import BadFileError
-    from leanagent.foreign_checkpoints import is_leanagent, read_any_checkpoint
+    from leanagent.checkpoints.files import BadFileError
+    from leanagent.checkpoints.foreign import is_leanagent, read_any_checkpoint
 
     try:
         checkpoint = read_any_checkpoint(path)
@@ -357,7 +357,7 @@ def start_checkpoint_config(path: Path, name_or_path: str) -> tuple[dict[str, An
 
 
 def fisher_problems(path: Path) -> list[str]:
-    from leanagent.checkpoint_files import BadFileError, check_fisher
+    from leanagent.checkpoints.files import BadFileError, check_fisher
 
     try:
         check_fisher(path)

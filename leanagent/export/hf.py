@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers import ByT5Tokenizer
 
-from leanagent.atomic import file_mode, refuse_non_empty, write_atomic
+from leanagent.ground.atomic import file_mode, refuse_non_empty, write_atomic
 from leanagent.model.loading import RETRIEVER_FILE, LoadedModel, load_model
 from leanagent.model.progress_bars import no_progress_bars
 

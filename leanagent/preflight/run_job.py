@@ -1,7 +1,7 @@
 """One job = one rank program (train, fisher or evaluate) in one job folder: checked, then launched.
 
 The command line and the Prefect tasks both come through `run_job`, so the checks done before any
-accelerator time is spent (the job's shape, then `leanagent.preflight`: inputs, model, devices, disk,
+accelerator time is spent (the job's shape, then `leanagent.preflight.checks`: inputs, model, devices, disk,
 a finished job folder) are the same for both, and so is the launcher the config names.
 """
 
@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from leanagent.atomic import read_json
-from leanagent.config import PipelineConfig
-from leanagent.job import (
+from leanagent.ground.atomic import read_json
+from leanagent.ground.config import PipelineConfig
+from leanagent.ground.job import (
     PROGRAMS,
     IndexRequest,
     JobFinishedError,
@@ -23,14 +23,14 @@ from leanagent.job import (
     program_argv,
     result_filename,
 )
+from leanagent.ground.timings import WALL_SECONDS
 from leanagent.launch.registry import launcher_for
-from leanagent.preflight import preflight_job
-from leanagent.timings import WALL_SECONDS
+from leanagent.preflight.checks import preflight_job
 
 
 def check_job(cfg: PipelineConfig, program: Program, dataset: Path | Sequence[Path], checkpoint: Path | None = None,
               fisher: Path | None = None, validate: bool = True, out: Path | None = None) -> None:
-    """The job's shape here; its inputs, model, devices and disk in `leanagent.preflight` (PreflightError)."""
+    """The job's shape here; its inputs, model, devices and disk in `leanagent.preflight.checks` (PreflightError)."""
     datasets = as_datasets(dataset)
     spec = PROGRAMS[program]
     if not datasets:

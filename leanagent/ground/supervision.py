@@ -57,7 +57,7 @@ from types import TracebackType
 
 import psutil
 
-from leanagent.atomic import write_json_atomic
+from leanagent.ground.atomic import write_json_atomic
 
 ENV_SUPERVISOR_PID = "LEANAGENT_SUPERVISOR_PID"
 ENV_SUPERVISOR_START = "LEANAGENT_SUPERVISOR_START"

@@ -1,0 +1,176 @@
+"""An INDEX folder read back and verified: index.json, the embeddings against their recorded digest (finite, unit
+rows), the JSON-lines files line by line, and the model against the identity that embedded them. Every problem is
+one `PremiseIndexError` line naming the file (and line)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+
+from leanagent.data.corpus import Corpus, FileRecord, Premise
+from leanagent.ground import model_identity
+from leanagent.ground.config import format_validation_error
+from leanagent.index.files import (
+    EMBEDDINGS_FILE,
+    FILES_FILE,
+    FORMAT_VERSION,
+    INDEX_FILE,
+    NORM_TOLERANCE,
+    READABLE_FORMATS,
+    PremiseIndexError,
+)
+from leanagent.model.dtypes import DtypeError, apply_dtype
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    imports: list[str]
+    rows: tuple[int, int]
+    last_line: int | None
+
+
+def set_dtype(retriever: Any, dtype: str) -> str:
+    try:
+        return apply_dtype(retriever, dtype)
+    except DtypeError as exc:
+        raise PremiseIndexError(str(exc)) from None
+
+
+def check_model(folder: Path, meta: dict[str, Any], model: Path, force: bool) -> list[str]:
+    """Refuse (or, with `force`, warn about) a model that is not the one the corpus was embedded with."""
+    recorded = meta.get("model_identity")
+    if not isinstance(recorded, dict):
+        return [f"{folder / INDEX_FILE}: records no model identity (built before leanagent recorded one), so a "
+                f"changed model cannot be detected; rebuild it with `leanagent index` to have that checked"]
+    now = model_identity.mismatch(recorded, model)
+    if now is None:
+        return []
+    problem = (f"{folder}: its corpus was embedded with {model_identity.describe(recorded)}, but the model is now "
+               f"{now}; its embeddings would be stale")
+    if not force:
+        raise PremiseIndexError(f"{problem}. Rebuild it with `leanagent index`, or pass --force to use it anyway")
+    return [f"{problem}; used anyway (--force)"]
+
+
+def accessibility_corpus(premises: list[dict[str, Any]], files: dict[str, FileInfo]) -> Corpus:
+    """A `Corpus` with the index's files, imports and premise positions (no code): its import closure and
+    in-file cut-off are the ones evaluation computes, so accessibility cannot drift from evaluation's."""
+    records = []
+    for path, info in files.items():
+        lo, hi = info.rows
+        records.append(FileRecord(path, info.imports, [
+            Premise(p["full_name"], path, "", tuple(p["start"]), tuple(p["end"]), p.get("kind"))
+            for p in premises[lo:hi]]))
+    corpus = Corpus(records)
+    if len(corpus) != len(premises):
+        raise PremiseIndexError(f"{FILES_FILE}: its premise ranges cover {len(corpus)} of {len(premises)} premises; "
+                                f"rebuild the index")
+    return corpus
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    file = folder / INDEX_FILE
+    if not folder.is_dir():
+        raise PremiseIndexError(f"{folder}: no such index folder (build one with `leanagent index`)")
+    if not file.is_file():
+        raise PremiseIndexError(f"{folder}: not a finished index (no {INDEX_FILE}); build it with `leanagent index`")
+    try:
+        meta = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise PremiseIndexError(f"{file}: not UTF-8 (byte {exc.start})") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PremiseIndexError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
+        raise PremiseIndexError(f"{file}: not a format-{FORMAT_VERSION} leanagent index")
+    missing = [key for key in ("num_premises", "max_seq_len") if not isinstance(meta.get(key), int)]
+    if missing:
+        raise PremiseIndexError(f"{file}: {', '.join(missing)} missing or not an integer; rebuild the index")
+    return meta
+
+
+def read_embeddings(folder: Path, meta: dict[str, Any], warnings: list[str]) -> torch.Tensor:
+    """The embeddings, after their bytes are checked against index.json's SHA-256, each row finite and of unit
+    length."""
+    from safetensors.torch import load
+
+    file = folder / EMBEDDINGS_FILE
+    try:
+        blob = file.read_bytes()
+    except OSError as exc:
+        raise PremiseIndexError(f"{file}: cannot be read ({exc.strerror or exc}); rebuild the index") from None
+    recorded = meta.get("embeddings_sha256")
+    if recorded is None:
+        warnings.append(f"{folder / INDEX_FILE}: records no digest of its embeddings (written before leanagent "
+                        f"recorded one), so a changed file cannot be detected; rebuild it with `leanagent index`")
+    elif hashlib.sha256(blob).hexdigest() != recorded:
+        raise PremiseIndexError(f"{file}: its bytes are not those index.json records (SHA-256 "
+                                f"{hashlib.sha256(blob).hexdigest()[:12]}, recorded {str(recorded)[:12]}): changed or "
+                                f"damaged since the index was written; rebuild the index")
+    try:
+        embeddings = load(blob)["embeddings"]
+    except Exception as exc:  # safetensors raises its own SafetensorError; a wrong file, KeyError
+        raise PremiseIndexError(f"{file}: not a readable index embedding "
+                                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    if embeddings.dim() != 2:
+        raise PremiseIndexError(f"{file}: embeddings of shape {tuple(embeddings.shape)}, not rows; rebuild the index")
+    values = embeddings.float()
+    bad = (~torch.isfinite(values).all(dim=1)).nonzero().flatten()
+    if len(bad):
+        raise PremiseIndexError(f"{file}: row {int(bad[0])} (and {len(bad) - 1} more) is not finite; rebuild the "
+                                f"index")
+    norms = values.norm(dim=1)
+    off = ((norms - 1).abs() > NORM_TOLERANCE).nonzero().flatten()
+    if len(off):
+        raise PremiseIndexError(f"{file}: row {int(off[0])} has length {float(norms[off[0]]):.3f}, not 1 (and "
+                                f"{len(off) - 1} more): not an index's unit embeddings; rebuild the index")
+    return embeddings
+
+
+class PremiseLine(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    full_name: StrictStr
+    path: StrictStr
+    start: tuple[StrictInt, StrictInt]
+    end: tuple[StrictInt, StrictInt]
+    kind: StrictStr | None = None
+    text: StrictStr
+
+
+class FileLine(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    path: StrictStr
+    imports: list[StrictStr]
+    premises: tuple[StrictInt, StrictInt]
+    last_line: StrictInt | None = None
+
+
+def read_jsonl(file: Path, model: type[BaseModel]) -> list[Any]:
+    """Each line of `file` as `model`; the first line that is not one refused as `file:line: problem`."""
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        raise PremiseIndexError(f"{file}: missing from the index; rebuild it") from None
+    except OSError as exc:
+        raise PremiseIndexError(f"{file}: cannot be read ({exc.strerror or exc}); rebuild the index") from None
+    out = []
+    for lineno, raw in enumerate(data.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            out.append(model.model_validate(json.loads(raw.decode("utf-8"))))
+        except UnicodeDecodeError as exc:
+            raise PremiseIndexError(f"{file}:{lineno}: not UTF-8 (byte {exc.start} of the line); rebuild the "
+                                    f"index") from None
+        except json.JSONDecodeError as exc:
+            raise PremiseIndexError(f"{file}:{lineno}: not valid JSON ({exc.msg}); rebuild the index") from None
+        except ValidationError as exc:
+            raise PremiseIndexError(f"{file}:{lineno}: {format_validation_error(exc)}; rebuild the index") from None
+    return out

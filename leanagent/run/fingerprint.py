@@ -1,0 +1,108 @@
+"""Which settings make a run the experiment it is: the fingerprint two runs of one run_dir must share.
+
+Why a fingerprint: a rerun with a changed hyper-parameter would otherwise resume from checkpoints trained under the
+old one and silently mix two experiments. Keys that cannot change a result (where the run lives, how its jobs are
+launched, logging cadence, dataloader workers, multi-node addressing) are left out of the fingerprint, so moving
+such a knob does not lock the user out of their run. How a job is launched is `launcher` and every launcher's
+section, whatever launchers exist: the fingerprint keeps only the keys the ground config itself interprets.
+
+Why the repositories are not in the fingerprint: a lifelong run learns repositories that arrive later. The
+fingerprint guards the experiment (model, data, trainer, lifelong settings); the sequence of repositories is data
+that only grows at its end (`leanagent.run.state.check_sequence`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from leanagent.ground.config import ABSENT_MEANS, PipelineConfig
+from leanagent.run.manifest import ManifestMismatchError
+
+# Where the run's repositories come from: the sequence, which may grow, not the experiment.
+SEQUENCE_KEYS = ("repos", "repos_dir")
+
+
+# Dotted keys that do not change what a run computes; see the module docstring (model.embed_premises: which
+# premises are embedded, never what a premise's embedding or a context's ranking is). Not model.sort_by_length,
+# model.token_budget or model.compile: beyond float rounding they change which dropout masks training draws.
+RUN_IRRELEVANT_KEYS = (
+    "run_dir",
+    "launcher",
+    "data.num_workers",
+    "model.embed_premises",
+    "trainer.log_every_n_steps",
+    "trainer.node_rank",
+    "trainer.rdzv_endpoint",
+)
+
+
+def fingerprint_fields(cfg: PipelineConfig) -> dict[str, Any]:
+    """The config as JSON, minus RUN_IRRELEVANT_KEYS, the repositories and the launchers' sections: what two runs
+    must agree on to share a run_dir."""
+    data = {key: value for key, value in cfg.model_dump(mode="json").items() if key in PipelineConfig.model_fields}
+    for key in SEQUENCE_KEYS:
+        data.pop(key, None)
+    for dotted in RUN_IRRELEVANT_KEYS:
+        *parents, leaf = dotted.split(".")
+        node = data
+        for key in parents:
+            node = node.get(key, {})
+        node.pop(leaf, None)
+    return data
+
+
+def config_fingerprint(cfg: PipelineConfig) -> str:
+    canonical = json.dumps(fingerprint_fields(cfg), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for every difference that matters.
+
+    A key absent from the stored config is a knob added by a later version of leanagent; the run was computed
+    at the value that reproduces the old behaviour: `ABSENT_MEANS` where that is not today's default (an old
+    run without `model.sort_by_length` padded its pools: it continues under false only), else the default.
+    At that value it is not a change.
+    """
+    a, b = _flatten(old), _flatten(new)
+    before = {**_flatten(fingerprint_fields(PipelineConfig())), **ABSENT_MEANS}
+    return [f"{k}: {_stored(a, before, k)} -> {b.get(k, '(absent)')!r}" for k in sorted(a.keys() | b.keys())
+            if a.get(k) != b.get(k) and not (k not in a and k in before and b.get(k) == before[k])]
+
+
+def _stored(old: dict[str, Any], before: dict[str, Any], key: str) -> str:
+    if key in old:
+        return repr(old[key])
+    return f"(absent: {before[key]!r})" if key in ABSENT_MEANS else repr("(absent)")
+
+
+def describe_differences(old: dict[str, Any], new: dict[str, Any], limit: int = 10) -> str:
+    diffs = config_changes(old, new)
+    more = f" (and {len(diffs) - limit} more)" if len(diffs) > limit else ""
+    return "; ".join(diffs[:limit]) + more
+
+
+def check_experiment(path: Path, manifest: dict[str, Any], cfg: PipelineConfig) -> None:
+    """Refuse a manifest of another experiment (`path` names it in the message); reads nothing itself."""
+    check_config(path, manifest, fingerprint_fields(cfg))
+
+
+def check_config(path: Path, manifest: dict[str, Any], fields: dict[str, Any]) -> None:
+    # A version 1 manifest's config holds the repositories: they are the sequence, checked on their own.
+    old = {k: v for k, v in manifest.get("config", {}).items() if k not in SEQUENCE_KEYS}
+    if config_changes(old, fields):
+        raise ManifestMismatchError(
+            f"{path} belongs to a run of a different config ({describe_differences(old, fields)}); resuming it would "
+            f"mix two experiments. Restore the config or choose another run_dir.")

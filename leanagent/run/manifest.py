@@ -1,0 +1,152 @@
+"""A run's manifest.json as a file: its name, how it is read (one line naming the file for anything that is not a
+manifest), the stages it records and their names, and what a reader (the report, the server, the flow) asks of it.
+
+Why a manifest at all: a lifelong run is a chain of jobs (train, Fisher, evaluations per repository) that takes
+days; after a crash or a cancel the rerun must skip every finished stage and never touch its checkpoint. The
+manifest is rewritten atomically after every stage (`leanagent.run.state.RunState`), so a reader (the UI, a rerun,
+a person) always sees a whole file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from leanagent.ground.atomic import read_json
+
+MANIFEST_NAME = "manifest.json"
+
+
+# 2: the repositories left the fingerprint, each recorded with its dataset's digests; version 1 manifests load.
+MANIFEST_VERSION = 2
+
+
+class ManifestMismatchError(ValueError):
+    """The run_dir holds another experiment, or a sequence of repositories the config does not extend; nothing
+    was written."""
+
+
+class ManifestUnreadableError(ManifestMismatchError):
+    """The run_dir's manifest.json is cut short, not JSON, or not a manifest; nothing was written."""
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """A run's manifest.json, or ManifestUnreadableError naming the file, what is wrong and what to do (a file
+    cut short by a full disk or a copy, or edited by hand, is never overwritten)."""
+    try:
+        data = read_json(path)
+    except UnicodeDecodeError as exc:
+        raise ManifestUnreadableError(f"{path}: not UTF-8 text (byte {exc.start}); {_UNREADABLE}") from None
+    except json.JSONDecodeError as exc:
+        raise ManifestUnreadableError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno} "
+                                      f"({exc.msg}); {_UNREADABLE}") from None
+    except OSError as exc:
+        raise ManifestUnreadableError(f"{path}: cannot be read ({exc.strerror}); nothing was changed") from None
+    if not isinstance(data, dict) or not isinstance(data.get("repos", {}), dict):
+        raise ManifestUnreadableError(f"{path}: a JSON {type(data).__name__}, not a run manifest (an object with "
+                                      f"\"repos\"); {_UNREADABLE}")
+    return data
+
+
+_UNREADABLE = ("it was cut short or edited. Restore it from a copy, or move the run_dir aside to start the run "
+               "afresh; nothing was changed")
+
+
+@dataclass(frozen=True)
+class RepoEntry:
+    """A repository as the sequence knows it: its display name, its folder, and {file: SHA-256} of its dataset
+    (`leanagent.data.merge.digests`; None when its folder is missing, which the preflight reports)."""
+
+    name: str
+    path: Path
+    dataset: dict[str, str] | None = None
+
+
+def repo_key(index: int, name: str) -> str:
+    """`00-name`: the index keeps two repositories of one display name apart and sorts in curriculum order."""
+    return f"{index:02d}-{name}"
+
+
+TRAIN, FISHER, EVAL_UNTRAINED, MERGE = "train", "fisher", "eval-untrained", "merge"
+
+
+def eval_stage(target_index: int, target_name: str) -> str:
+    """The evaluation, after training on a repository, of the model on repository `target_index`'s test split."""
+    return f"eval-{target_index:02d}-{target_name}"
+
+
+def stage_name(index: int, name: str, stage: str) -> str:
+    """`00-name/train`, `00-name/fisher`, `00-name/eval-01-other`: also the job folder under run_dir/jobs."""
+    return f"{repo_key(index, name)}/{stage}"
+
+
+def repo_stages(index: int, names: list[str], merged: bool = False) -> list[str]:
+    """Every stage of repository `index` of the sequence `names`: its untrained evaluation, (its merge,) its
+    training, its Fisher, and the evaluations of its model on repositories 0..index."""
+    name = names[index]
+    stages = [EVAL_UNTRAINED, *([MERGE] if merged else []), TRAIN, FISHER,
+              *(eval_stage(j, names[j]) for j in range(index + 1))]
+    return [stage_name(index, name, stage) for stage in stages]
+
+
+def recorded_sequence(manifest: dict[str, Any]) -> list[RepoEntry]:
+    """The repositories a manifest has recorded, in their order (a version 1 manifest's have no digests)."""
+    repos = manifest.get("repos", {})
+    out = []
+    for i, name in enumerate(manifest.get("order") or []):
+        repo = repos.get(repo_key(i, name), {})
+        out.append(RepoEntry(name, Path(repo.get("path", "")), repo.get("dataset")))
+    return out
+
+
+def given_before(manifest: dict[str, Any]) -> list[str]:
+    """The names in the order the run's config gave them (a version 1 manifest has them in its config)."""
+    if manifest.get("given") is not None:
+        return list(manifest["given"])
+    listed = manifest.get("config", {}).get("repos") or []
+    return [r.get("name") or Path(r.get("path", "")).name for r in listed if isinstance(r, dict)]
+
+
+def waiting_repositories(manifest: dict[str, Any]) -> list[str]:
+    """The repositories of a manifest's sequence with a stage still to run (not finished, failed or interrupted)."""
+    names = list(manifest.get("order") or [])
+    merged = manifest.get("config", {}).get("lifelong", {}).get("dataset_strategy") == "merge_all"
+    return [names[i] for i in range(len(names))
+            if any(finished_result(stage_entry(manifest, stage)) is None for stage in repo_stages(i, names, merged))]
+
+
+def stage_entry(manifest: dict[str, Any], stage: str) -> dict[str, Any] | None:
+    key, _, name = stage.partition("/")
+    return manifest.get("repos", {}).get(key, {}).get("stages", {}).get(name)
+
+
+def stage_result(manifest: dict[str, Any], index: int, name: str, stage: str) -> dict | None:
+    """A finished stage's result from a manifest read from disk; None if it has not finished."""
+    return finished_result(stage_entry(manifest, stage_name(index, name, stage)))
+
+
+def finished_result(entry: dict[str, Any] | None) -> dict | None:
+    """What "finished" means, for the flow resuming a run and for a report read from disk alike."""
+    return entry["result"] if entry and entry.get("status") == "done" else None
+
+
+INDEX_DIR = "index"  # run_dir/index/00-name: the premise index of the stage trained through that repository
+
+
+def stage_indexes(manifest: dict[str, Any]) -> list[tuple[int, str, str]]:
+    """(position, repository, index folder) of every finished stage whose evaluation wrote a premise index, in
+    the run's order: a stage is finished when its evaluations of every repository seen so far are done."""
+    names = list(manifest.get("order") or [])
+    out = []
+    for i, name in enumerate(names):
+        evaluations = [stage_result(manifest, i, name, eval_stage(j, names[j])) for j in range(i + 1)]
+        if any(e is None for e in evaluations):
+            continue
+        jobs = [e.get("job") for e in evaluations if isinstance(e, dict)]
+        folder = next((job["index"] for job in jobs if isinstance(job, dict) and isinstance(job.get("index"), str)),
+                      None)
+        if folder is not None:
+            out.append((i, name, folder))
+    return out
