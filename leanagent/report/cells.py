@@ -1,4 +1,5 @@
-"""How the report prints a number: recalls in percent (2 decimals), MRR a fraction (3), metrics as the paper."""
+"""How the report prints a number: recalls in percent (2 decimals), MRR a fraction (3), metrics as the paper; and a
+repository's name in a column of fixed width."""
 
 from __future__ import annotations
 
@@ -34,3 +35,19 @@ def metric(name: str, value: float | None) -> str:
         return "-"
     entry = REGISTRY.get(name)
     return f"{value:.{entry.decimals if entry else 2}f}"
+
+
+ELLIPSIS = "…"
+
+
+def fit(name: str, width: int) -> str:
+    """`name` in at most `width` characters: whole when it fits, else cut and ended with an ellipsis, so that a cut
+    name never reads as a whole one ("Mathematics in" for "Mathematics in Lean Source"). In a wide column the cut
+    falls at a word's end when one is near ("Mathematics in Lean…", not "Mathematics in Lean S…")."""
+    if len(name) <= width:
+        return name
+    head = name[: max(0, width - 1)]
+    space = head.rfind(" ")
+    if width >= 16 and space >= width - 6:
+        head = head[:space]
+    return head.rstrip() + ELLIPSIS

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from leanagent.report.cells import mean, metric, mrr, pct
+from leanagent.report.cells import fit, mean, metric, mrr, pct
 from leanagent.report.metrics import REGISTRY, check_matrix, composite_scores, lifelong_metrics
 from leanagent.report.run import MATRIX_METRIC, RunReport, glossary_text, report_from_manifest
 from leanagent.run.manifest import MANIFEST_NAME, ManifestUnreadableError, read_manifest
@@ -210,7 +210,13 @@ def comparison_text(runs: Sequence[LifelongRun], markdown: bool = False) -> str:
           for c, e in REGISTRY.items()),
         ("composite", ["-" if m["composite"] is None else f"{m['composite']:.4f}" for m in metrics]),
     ]
+    # A row that no run has (JSON sources carry no setup, R@1 or MRR; WF5 needs 6 repositories) says nothing in
+    # every column: named once below the table instead.
+    empty = [name for name, cells in table if all(c == "-" for c in cells)]
+    table = [(name, cells) for name, cells in table if name not in empty]
     legend = [f"{h} = {run.label} ({run.source})" for h, run in zip(heads, runs, strict=True)]
+    if empty:
+        legend.append(f"not shown, no run has it: {', '.join(empty)}")
     if markdown:
         text = "| metric | " + " | ".join(heads) + " |\n|---|" + "---|" * len(heads) + "\n"
         text += "".join(f"| {name} | " + " | ".join(cells) + " |\n" for name, cells in table)
@@ -236,10 +242,10 @@ def _run_matrix(run: LifelongRun, markdown: bool) -> str:
             cells = [pct(v) for v in row] + [""] * (len(run.names) - len(row)) + [pct(m["avg"][i]), pct(val[i])]
             text += f"| {run.names[i]} | " + " | ".join(cells) + " |\n"
         return text
-    lines = [title, f"{'':<24} " + " ".join(f"{n[:8]:>8}" for n in run.names) + f" {'avg':>8} {'val':>8}"]
+    lines = [title, f"{'':<24} " + " ".join(f"{fit(n, 8):>8}" for n in run.names) + f" {'avg':>8} {'val':>8}"]
     for i, row in enumerate(run.test_r10):
         cells = [pct(v) for v in row] + [""] * (len(run.names) - len(row)) + [pct(m["avg"][i]), pct(val[i])]
-        lines.append(f"{run.names[i][:24]:<24} " + " ".join(f"{c:>8}" for c in cells))
+        lines.append(f"{fit(run.names[i], 24):<24} " + " ".join(f"{c:>8}" for c in cells))
     return "\n".join(lines)
 
 

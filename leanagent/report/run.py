@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from leanagent.report.cells import mean, mean_of, metric, mrr, pct
+from leanagent.report.cells import fit, mean, mean_of, metric, mrr, pct
 from leanagent.report.metrics import REGISTRY, check_matrix, glossary, lifelong_metrics, metric_names
 from leanagent.report.timing import JobCost, job_costs, time_markdown, time_summary, time_text
 from leanagent.run.manifest import EVAL_UNTRAINED, TRAIN, eval_stage, stage_result
@@ -122,14 +122,15 @@ class RunReport:
         where the time went (a table per job, or with `time_table=False` one line for all of them)."""
         lines = [f"{'repository':<24} {'R@1':>7} {'R@10':>7} {'MRR':>7} {'val R@10':>8} {'epochs':>6}  "
                  f"next starts from"]
-        lines += [f"{r['repository'][:24]:<24} {pct(r.get('R@1')):>7} {pct(r.get('R@10')):>7} "
+        lines += [f"{fit(r['repository'], 24):<24} {pct(r.get('R@1')):>7} {pct(r.get('R@10')):>7} "
                   f"{mrr(r.get('MRR')):>7} {pct(r.get('val R@10')):>8} {r.get('epochs')!s:>6}  {r.get('checkpoint')}"
                   f"{_checkpoint_val(r)}" for r in self.rows]
         lines.append(COLUMNS_NOTE)
         lines += ["", "Lifelong metrics after each repository (over the repositories seen so far)",
                   self._metrics_text(), "", f"{MATRIX_METRIC} (row: trained through; column: evaluated on)",
-                  f"{'':<24} " + " ".join(f"{n[:10]:>10}" for n in self.names)]
-        lines += [f"{label[:24]:<24} " + " ".join(f"{pct(v):>10}" for v in row) for label, row in self._matrix_rows()]
+                  f"{'':<24} " + " ".join(f"{fit(n, 10):>10}" for n in self.names)]
+        lines += [f"{fit(label, 24):<24} " + " ".join(f"{pct(v):>10}" for v in row)
+                  for label, row in self._matrix_rows()]
         lines += ["", self._summary_lines(), glossary_text()]
         if self.costs:
             lines += ["", time_text(self.costs) if time_table else time_summary(self.costs)]
@@ -155,7 +156,7 @@ class RunReport:
     def _metrics_text(self) -> str:
         head = ["avg R@1", "avg R@10", "avg MRR", *metric_names()]
         lines = [f"{'after':<24} " + " ".join(f"{h:>8}" for h in head)]
-        lines += [f"{name[:24]:<24} " + " ".join(f"{c:>8}" for c in cells) for name, cells in self._metric_rows()]
+        lines += [f"{fit(name, 24):<24} " + " ".join(f"{c:>8}" for c in cells) for name, cells in self._metric_rows()]
         return "\n".join(lines)
 
     def _matrix_rows(self) -> list[tuple[str, list[float | None]]]:

@@ -285,3 +285,74 @@ def test_the_table_says_which_checkpoint_the_next_repository_starts_from_and_its
     assert "next starts from" in text and "87.00" in text
     assert "epoch=8-step=90-Recall@10_val=86.00.ckpt (86.00)" in text
     assert "(86.00) |" in report.markdown("m.json")
+
+
+TABLE4 = Path(__file__).resolve().parents[1] / "fixtures" / "leanagent_table4"
+
+
+def _table4_runs() -> list:
+    """The paper's Table 4: LeanAgent and its 7 setups, 14 repositories each (names up to 26 characters)."""
+    return [load_run(TABLE4 / "leanagent.json"), *(load_run(p) for p in sorted(TABLE4.glob("setup*.json")))]
+
+
+def test_a_name_too_long_for_its_column_ends_with_an_ellipsis() -> None:
+    from leanagent.report.cells import fit
+
+    names = ["Mathematics in Lean Source", "PrimeNumberTheoremAnd", "FLT", "Matrix Cookbook", "a b c d e f g h i j"]
+    for name in names:
+        for width in range(1, 30):
+            shown = fit(name, width)
+            assert len(shown) <= width, (name, width, shown)
+            assert shown == name or (shown.endswith("…") and name.startswith(shown[:-1])), (name, width, shown)
+            assert (shown == name) == (len(name) <= width)
+    assert fit("Mathematics in Lean Source", 24) == "Mathematics in Lean…"  # a wide column cuts at a word's end
+    assert fit("Mathematics in Lean Source", 8) == "Mathema…"
+
+
+def test_table4s_picture_has_one_colour_scale_and_no_name_cut_bare() -> None:
+    """Issue: each panel had its own scale (60-82 beside 52.5-72.5) and names read "Mathematics in"."""
+    from leanagent.report.png import LABEL_CHARS, render
+
+    runs = _table4_runs()
+    fig = render(runs)
+    heats = [ax for ax in fig.axes if ax.images]
+    assert len(heats) == len(runs) == 8
+    values = [v for run in runs for row in run.test_r10 for v in row]
+    assert {ax.images[0].get_clim() for ax in heats} == {(min(values), max(values))}
+    names = {name for run in runs for name in run.names}
+    assert max(map(len, names)) > LABEL_CHARS  # the fixture has names to cut
+    for ax in heats:
+        labels = [t.get_text() for t in (*ax.get_xticklabels(), *ax.get_yticklabels())]
+        assert len(labels) == 2 * 14
+        for label in labels:
+            assert label in names or (label.endswith("…") and any(n.startswith(label[:-1]) for n in names)), label
+            assert len(label) <= LABEL_CHARS
+    first = [t.get_text() for t in heats[0].get_yticklabels()]
+    assert "Mathematics in Lean…" in first and "PrimeNumberTheoremAnd" in first
+
+
+def _metric_rows(text: str, markdown: bool) -> list[tuple[str, list[str]]]:
+    """(row name, cells) of the comparison's metric table, in the text or the markdown form."""
+    lines = text[text.index("Lifelong metrics"):].splitlines()
+    if markdown:
+        rows = [line.strip("|").split("|") for line in lines if line.startswith("| ")][1:]
+        return [(row[0].strip(), [c.strip() for c in row[1:]]) for row in rows]
+    rows = lines[2:next(i for i, line in enumerate(lines) if line.startswith("1:"))]
+    return [(line[:26].strip(), line[27:].split()) for line in rows]
+
+
+def test_table4s_comparison_has_no_row_that_no_run_has() -> None:
+    """JSON sources carry no setup, R@1 or MRR: those rows would be all `-`; they are named once instead."""
+    from leanagent.report import comparison_text
+
+    runs = _table4_runs()
+    for markdown in (False, True):
+        text = comparison_text(runs, markdown=markdown)
+        rows = _metric_rows(text, markdown)
+        assert [name for name, _ in rows][:2] == ["repositories", "final R@10"] and rows[-1][0] == "composite"
+        assert all(len(cells) == len(runs) and set(cells) != {"-"} for _, cells in rows), rows
+        assert "not shown, no run has it: setup, final R@1, final MRR" in text
+    # The matrices' names: whole, or cut with an ellipsis (a column of 8, a row label of 24 characters).
+    text = comparison_text(runs)
+    assert "Mathematics in Lean…" in text and "Mathema…" in text
+    assert "Mathematics in Lean Sour " not in text and "Mathemat " not in text
