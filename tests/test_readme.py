@@ -12,20 +12,24 @@ GPU, a server that runs until stopped) is shown unmarked.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from markdown.extensions.toc import slugify
 from mkdocs.config import load_config
 
 from tests.slurm.cluster import Cluster, require_slurm
+from tests.waiting import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MARKED_BLOCK = re.compile(r"<!-- readme-test(?:: (?P<needs>[a-z]+))? -->\n```bash\n(?P<script>.*?)\n```", re.S)
@@ -80,15 +84,19 @@ def clone(tmp_path_factory) -> Path:
     return copy
 
 
-def _bash(clone: Path, script: str, timeout: float, **extra_env: str) -> subprocess.CompletedProcess:
+def _env(clone: Path, **extra_env: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
                                                            "PREFECT_API_URL", "LEANAGENT_VERBOSE", "SLURM_CONF")}
     # The copy's code, not the editable install's; a Prefect home of its own for the temporary server.
     env.update(PYTHONPATH=str(clone), PREFECT_HOME=str(clone / ".prefect"), DO_NOT_TRACK="1", NO_MKDOCS_2_WARNING="1",
                **extra_env)
     (clone / ".prefect").mkdir(exist_ok=True)
+    return env
+
+
+def _bash(clone: Path, script: str, timeout: float, **extra_env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=clone, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=_env(clone, **extra_env))
 
 
 def _run_blocks(clone: Path, blocks: list[tuple[Path, str]], **extra_env: str) -> None:
@@ -140,6 +148,68 @@ def test_the_tour_names_every_module_and_the_pages_no_development_tool():
             assert word not in text, f"{page.name} mentions {word}"
 
 
+BASH_BLOCK = re.compile(r"```bash\n(.*?)\n```", re.S)
+# A command that only `.venv` has: written bare, it is not found after README's two set-up commands (or, for
+# `python`, it is a Python without leanagent).
+VENV_ONLY = re.compile(r"^(?:\w+=\S*\s+)*(leanagent|prefect|python3?|pip3?|pytest|mkdocs|ruff|tensorboard)\b")
+
+
+def _commands(block: str) -> list[str]:
+    """The commands of a bash block: each line's pipeline parts, without comments and here-documents' text."""
+    commands, ends = [], None
+    for line in block.splitlines():
+        if ends is not None:
+            ends = None if line.strip() == ends else ends
+            continue
+        heredoc = re.search(r"<<-?\s*'?(\w+)'?", line)
+        ends = heredoc.group(1) if heredoc else None
+        code = line.split(" #")[0] if not line.lstrip().startswith("#") else ""
+        commands += [part.strip() for part in re.split(r"&&|\|\||;|\||&(?!>)", code) if part.strip()]
+    return commands
+
+
+def test_every_command_of_the_pages_runs_from_venv_bin():
+    """README says once that the commands run with `.venv/bin/` in front; a bare `leanagent` or `python` fails."""
+    bare = [f"{page.name}: {command}" for page in pages() for block in BASH_BLOCK.findall(page.read_text())
+            for command in _commands(block) if VENV_ONLY.match(command)]
+    assert not bare, "commands that need .venv/bin/ in front:\n" + "\n".join(bare)
+    assert _commands("a && .venv/bin/leanagent x  # leanagent y\ncat <<EOF\npython z\nEOF\npython -c 1 | grep 1") == \
+        ["a", ".venv/bin/leanagent x", "cat <<EOF", "python -c 1", "grep 1"]
+
+
+# Words of text written for this project's maintainers, not its users, with what to write instead. The how-to pages
+# (README and every page but the measurements log, which is the project's history) hold none of them.
+MAINTAINER_WORDS = {
+    r"\bthe seed\b|\bseed's\b": "LeanAgent's settings, called \"LeanAgent's\"",
+    r"\.\./shared\b": "where a user's data is (a placeholder such as MINIF2F), not a folder beside this checkout",
+    r"scripts/measure_": "the `leanagent bench` section that measures it",
+    r"\bthis machine\b|\bmachine kind\b|\bthis project's (?:\S+ )?machines?\b":
+        "the CPU a figure was measured on (its vendor and flags), or `the local machine`",
+    r"\bxdist\b|\bdevice (?:call|run|time)\b|\b(?:is|was|were) lent\b": "what a user runs, not how we ran it",
+}
+
+
+def test_the_how_to_pages_speak_to_users():
+    how_to = [page for page in pages() if page.name != "measurements.md"]
+    assert len(how_to) == len(pages()) - 1 and how_to[0].name == "README.md"
+    found = [f"{page.name}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)!r}: write {instead}"
+             for page in how_to for text in [page.read_text()] for words, instead in MAINTAINER_WORDS.items()
+             for m in re.finditer(words, text)]
+    assert not found, "\n".join(found)
+
+
+# A file of this repository, as a page names it (`leanagent/launch/NAME.py`: NAME is a placeholder).
+REPO_FILE = re.compile(r"(?<![\w/.-])((?:leanagent|scripts|configs|deployments|flows|tasks|tests|docs)/"
+                       r"[\w./*-]*[\w/*])")
+PLACEHOLDER = re.compile(r"/[A-Z_]+(?:\.\w+)?(?:/|$)")
+
+
+def test_every_file_a_page_names_exists():
+    missing = [f"{page.name}: {m.group(1)}" for page in pages() for m in REPO_FILE.finditer(page.read_text())
+               if not PLACEHOLDER.search(m.group(1)) and not glob.glob(str(REPO_ROOT / m.group(1)))]
+    assert not missing, "pages name files that do not exist:\n" + "\n".join(missing)
+
+
 def test_readme_links_reach_a_page_and_a_heading_there():
     """mkdocs checks the links between pages; README is outside the site, so its own links are checked here."""
     readme = (REPO_ROOT / "README.md").read_text()
@@ -183,10 +253,66 @@ def test_the_demo_then_every_marked_block_runs_as_written(clone, demo):
         labels = {line.split()[0] for line in printed if line.strip()}
         missing = [line for line in lines if line.split()[0] not in labels]
     assert not missing, f"README's demo figures differ from the demo's: {missing}\n" + demo.stdout[-3000:]
+    # docs/hosting.md's `/health` is what a server of the demo's run answers (its stage, premises and modules).
+    health = _served_health(clone)
+    for key, value in _health_shown():
+        assert health[key] == value, f"docs/hosting.md shows {key}: {value!r}, the server says {health[key]!r}"
     _run_blocks(clone, marked_blocks(None))
     # docs/continuing.md continued the demo's run with a fourth repository: appended after the three, a row each.
     report = _bash(clone, ".venv/bin/leanagent report demo/run", timeout=120).stdout.splitlines()
     assert [line.split()[0] for line in report[1:5]] == ["repo_0", "repo_1", "repo_2", "repo_3"], report[:6]
+    _assert_report_md_shows_the_demos_jobs(report)
+
+
+def _health_shown() -> list[tuple[str, object]]:
+    """The keys and values docs/hosting.md's `/health` example shows (`"…"`, an elided value, left out)."""
+    page = (REPO_ROOT / "docs" / "hosting.md").read_text()
+    shown = re.search(r'^# (\{"status".*\})$', page, re.M)
+    assert shown is not None, "docs/hosting.md no longer shows a /health body"
+    pairs = re.findall(r'"(\w+)":("[^"]*"|\d+)', shown.group(1))
+    return [(key, value.strip('"') if value.startswith('"') else int(value)) for key, value in pairs
+            if value != '"…"']
+
+
+def _served_health(clone: Path) -> dict:
+    """GET /health of `leanagent serve demo/run` (a real server, on a free port), stopped as Ctrl-C stops it."""
+    log = clone / "demo" / "serve-health.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen([".venv/bin/leanagent", "serve", "demo/run", "--port", "0"], cwd=clone,
+                                env=_env(clone), stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        def url() -> str | None:
+            found = re.search(r" at (http://127\.0\.0\.1:\d+)", log.read_text())
+            return found.group(1) if found else None
+
+        wait_for(lambda: url() is not None, 300, "leanagent serve's address", proc, log.read_text)
+        return httpx.get(f"{url()}/health", timeout=60).json()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _assert_report_md_shows_the_demos_jobs(report: list[str]) -> None:
+    """docs/report.md's table of jobs is the demo's: the same columns, and each row shown a job of the demo with the
+    premises it embedded (those are the same on every run; the seconds are one run's, so only their form counts)."""
+    page = (REPO_ROOT / "docs" / "report.md").read_text()
+    shown = re.search(r"```text\n(job .*?)\n```", page, re.S)
+    assert shown is not None, "docs/report.md no longer shows the table of jobs"
+    head, *rows = shown.group(1).splitlines()
+    assert head.split() in [line.split() for line in report], f"docs/report.md's header is not the report's:\n{head}"
+    printed = {line.split()[0]: line.split() for line in report if line.strip()}
+    parts = len(head.split("premises")[0].split()) - 2  # the columns between `seconds` and the premises
+    for row in rows:
+        cells = row.split()
+        job = printed.get(cells[0])
+        assert job is not None, f"docs/report.md shows a job the demo does not run: {cells[0]}"
+        assert cells[2 + parts:] == job[2 + parts:], f"docs/report.md: {row}\nthe demo's: {' '.join(job)}"
+        assert re.fullmatch(r"\d+\.\d", cells[1]) and all(re.fullmatch(r"\d+%", c) for c in cells[2:2 + parts]), row
+        assert len(cells) == len(job), f"docs/report.md: {row}\nthe demo's: {' '.join(job)}"
 
 
 def _cpu_kind() -> tuple[str, str]:
