@@ -7,7 +7,9 @@ block marked `<!-- readme-test -->` is then run, in reading order: README first,
 mkdocs.yml's nav, each page top to bottom. A block marked `<!-- readme-test: slurm -->` needs SLURM's daemons
 (docs/slurm.md starts a two-node cluster on this machine); those run in a test of their own, skipped where
 SLURM is not installed, unless LEANAGENT_REQUIRE_SLURM=1. A command that cannot run here (a real cluster, a
-GPU, a server that runs until stopped) is shown unmarked.
+GPU, a server that runs until stopped, minutes of measuring) is shown unmarked; it still runs from `.venv/bin/`,
+as every command of the pages, and the files the pages name exist. What the pages show of a command's output is
+checked against the demo's: a server's `/health` (docs/hosting.md) and the table of jobs (docs/report.md).
 """
 
 from __future__ import annotations
