@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from leanagent.data.errors import DatasetError
-from leanagent.data.merge import MERGE_FILE, dataset_files, digests, merge_datasets
+from leanagent.data.merge import MERGE_FILE, digests, merge_datasets
 from leanagent.data.validate import validate_dataset
 from leanagent.ground.atomic import read_json
 from leanagent.ground.config import PipelineConfig
+from leanagent.ground.names import dataset_files
 from leanagent.preflight.checks import PreflightError, format_bytes, free_space
 from leanagent.run.manifest import MERGE, ManifestMismatchError, repo_key, stage_name
 from leanagent.run.state import RunState
