@@ -9,6 +9,7 @@ from pathlib import Path
 from leanagent.bench.results import LaunchFigures
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.ground.config import PipelineConfig, dump_config
+from leanagent.ground.job import JobRequest
 from leanagent.ground.names import TINY
 from leanagent.launch.progress_view import MODE_ENV
 from leanagent.model.presets import write_random_encoder
@@ -31,7 +32,8 @@ def bench_launch(workdir: Path) -> LaunchFigures:
     os.environ[MODE_ENV] = "off"  # a measurement, not a job to watch: no bar over the bench's table
     start = time.time()
     try:
-        result = run_job(cfg, cfg_path, "train", repo, workdir / "job", on_line=lambda line: None)
+        job = JobRequest(program="train", config=cfg_path, datasets=(repo,), out=workdir / "job")
+        result = run_job(cfg, job, on_line=lambda line: None)
     finally:
         if before is None:
             os.environ.pop(MODE_ENV, None)

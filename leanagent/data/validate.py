@@ -7,6 +7,7 @@ in the size of the data so that a mathlib-size dataset is checked in seconds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,3 +213,21 @@ def _validate(dataset_dir: Path, split: str) -> list[Problem]:
     if missing:
         report.add("", missing.summary())
     return report.problems
+
+
+MAX_LISTED = 20  # problems listed per dataset; `leanagent validate DIR` prints them all
+
+
+def dataset_problems(datasets: Sequence[Path], split: str, max_listed: int = MAX_LISTED) -> list[str]:
+    """One message per invalid dataset, listing up to `max_listed` of its problems: what the checks before a job
+    or a run refuse a dataset with (`leanagent.preflight.checks`)."""
+    messages = []
+    for d in datasets:
+        problems = validate_dataset(Path(d), split=split)
+        if problems:
+            shown = problems[:max_listed]
+            listed = "\n".join(f"  {p}" for p in shown)
+            more = (f"\n  ... and {len(problems) - len(shown)} more (`leanagent validate {d}` lists them all)"
+                    if len(problems) > len(shown) else "")
+            messages.append(f"{d}: {len(problems)} problem(s); nothing was launched:\n{listed}{more}")
+    return messages

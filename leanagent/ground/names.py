@@ -34,10 +34,7 @@ def part_file(part: str) -> str:
     return f"{part}.json"
 
 
-def dataset_files(split: str) -> list[str]:
-    """The files of a dataset a run reads (and a merge writes), relative to its folder, corpus first:
-    `corpus.jsonl`, `random/train.json`, `random/val.json`, `random/test.json`."""
-    return [CORPUS_FILE, *(f"{split}/{part_file(part)}" for part in PARTS)]
+PART_FILES: tuple[str, ...] = tuple(part_file(part) for part in PARTS)  # train.json, val.json, test.json
 
 
 # ---- the encoder ------------------------------------------------------------------------------------------------
