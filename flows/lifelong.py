@@ -10,6 +10,7 @@ continues the run where it ended: repositories that arrive later are learned fro
 
 # No `from __future__ import annotations` here: Prefect builds a pydantic model of the flow's signature
 # to validate parameters, and string annotations fail to resolve when a served runner loads the flow.
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,21 @@ from leanagent.run.strategy import training_datasets
 # The name of a refused run's final state (its type is FAILED): the UI tells it from a failure, and `leanagent
 # run`, which prints the reason itself, keeps Prefect's console from repeating it.
 REFUSED = "Refused"
+
+
+class _RefusedInOneLine(logging.Filter):
+    """A deployment's run (`python -m prefect.engine`, what a worker or `deployments/serve.py` starts) raises the
+    exception of a Failed state once the flow has returned it, and Prefect logs that with its traceback. For a
+    refusal the line before it, "Finished in state Refused('<the reason>')", has said all there is: nothing went
+    wrong inside, so the traceback is dropped, from the worker's console and the UI's logs alike."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], (*BAD_INPUT, *UNRECORDED)))
+
+
+for _name in ("prefect.flow_runs", "prefect.engine"):  # where the engine logs a flow run's end, and its own
+    if not any(isinstance(f, _RefusedInOneLine) for f in logging.getLogger(_name).filters):
+        logging.getLogger(_name).addFilter(_RefusedInOneLine())
 
 
 def planned(config: PipelineConfig | None, config_path: str | None, plan: RunPlan | None) -> RunPlan:

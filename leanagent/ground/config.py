@@ -228,9 +228,14 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PipelineConf
     try:
         config = PipelineConfig.model_validate(raw)
     except ValidationError as exc:
-        given = f" with --set {' '.join(overrides)}" if overrides else ""
-        raise ConfigError(f"{path}{given}: {format_validation_error(exc, PipelineConfig)}") from exc
+        raise ConfigError(f"{config_source(path, overrides)}: {format_validation_error(exc, PipelineConfig)}") from exc
     return resolve_paths(config, path.parent)
+
+
+def config_source(path: str | Path, overrides: Sequence[str] = ()) -> str:
+    """What a refusal of a loaded config names: `run.yaml`, or `run.yaml with --set model.lr=0.1` when settings were
+    given on the command line (the key at fault may be theirs, not the file's)."""
+    return f"{path} with --set {' '.join(overrides)}" if overrides else str(path)
 
 
 def _override(raw: dict[str, Any], item: str) -> None:

@@ -167,6 +167,13 @@ def test_run_set_refuses_an_unknown_key_in_one_line(demo_assets, tmp_path: Path)
     assert proc.stderr.strip().splitlines() == [
         f"error: {config} with --set lifelong.ewc_lamda=0.1: lifelong.ewc_lamda: unknown key (did you mean "
         f"'ewc_lambda'?)"]
+    # A top-level key of --set is checked by the launcher registry (it could be a launcher's section): it names
+    # --set as well, not the file alone.
+    proc = subprocess.run([sys.executable, "-m", "leanagent.cli", "run", "--config", str(config), "--set",
+                           "modle.lr=0.1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {config} with --set modle.lr=0.1: modle: unknown key (did you mean 'model'?)"]
     assert not cfg.run_dir.exists()
 
 
