@@ -6,6 +6,7 @@ for the one command that runs a flow. It adds what a terminal needs around the f
 - a fast first answer: the run's checks (`leanagent.run.plan.plan_run`: config, repositories, model, disk, the
   run_dir's manifest and lock) run before Prefect is imported or its temporary server started, so a bad input
   is one line within a second or two, and a run with nothing new says so and prints its report, without Prefect;
+  the flow is then handed that plan (`plan=`), and checks nothing twice;
 - Prefect's temporary server when no server is configured (`temporary_server.py`), one message per refused
   input, an exit code.
 """
@@ -18,24 +19,24 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from leanagent.ground.atomic import read_json
-from leanagent.ground.config import PipelineConfig
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import report_from_manifest
-from leanagent.run.plan import BAD_INPUT, UNRECORDED, plan_run
+from leanagent.run.manifest import MANIFEST_NAME, read_manifest
+from leanagent.run.plan import BAD_INPUT, UNRECORDED, RunPlan, plan_run
 from leanagent.run.state import RunLock
 
 
 def run_from_cli(config_path: str, overrides: Sequence[str] = ()) -> int:
     """`leanagent run --config FILE`: the checks, then the flow in this process, then a plain-text summary.
 
-    1 on bad input (one message, as `leanagent train` prints it) or when a job failed after its retries (the
-    CLI's one rule, leanagent/cli/common.py), 128 + signal (130 Ctrl-C, 143 SIGTERM) when interrupted: every
-    job has been ended by then and the running stage is recorded `interrupted`.
+    The run is planned here, once (config, repositories, model, disk, the run_dir's manifest and lock), and the flow
+    is handed the plan. 1 on bad input (one message, as `leanagent train` prints it) or when a job failed after its
+    retries (the CLI's one rule, leanagent/cli/common.py), 128 + signal (130 Ctrl-C, 143 SIGTERM) when interrupted:
+    every job has been ended by then and the running stage is recorded `interrupted`.
     """
     try:
-        cfg = load_checked_config(config_path, overrides)
-        plan = plan_run(cfg)
-        RunLock(cfg.run_dir).probe()
+        plan = plan_run(load_checked_config(config_path, overrides), source=config_path)
+        RunLock(plan.cfg.run_dir).probe()
     except BAD_INPUT as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -44,15 +45,15 @@ def run_from_cli(config_path: str, overrides: Sequence[str] = ()) -> int:
         for item in plan.not_ready:  # a run that goes on logs them itself
             print(f"warning: {item.line()}", file=sys.stderr)
         print(nothing_new)
-        if plan.manifest is not None:
-            print(report_from_manifest(plan.manifest).text(time_table=False))
-            print(f"\nmanifest: {cfg.run_dir / 'manifest.json'} (each job's time: leanagent report {cfg.run_dir})")
+        manifest = plan.cfg.run_dir / MANIFEST_NAME
+        if manifest.is_file():
+            print(report_from_manifest(read_manifest(manifest)).text(time_table=False))
+            print(f"\nmanifest: {manifest} (each job's time: leanagent report {plan.cfg.run_dir})")
         return 0
-    # With overrides the flow takes the config itself (its paths resolved already), else the file, as the UI shows.
-    return _run_flow(config_path, cfg if overrides else None)
+    return _run_flow(plan)
 
 
-def _run_flow(config_path: str, cfg: PipelineConfig | None = None) -> int:
+def _run_flow(plan: RunPlan) -> int:
     # Imported here, once the checks have passed: Prefect and the flow's modules take seconds to import, which a
     # refused input or a run with nothing new must not wait for.
     from leanagent.flows.lifelong import REFUSED, lifelong_retrieval
@@ -65,8 +66,7 @@ def _run_flow(config_path: str, cfg: PipelineConfig | None = None) -> int:
     try:
         with temporary_server(), _NotTwice.on_the_console(REFUSED):
             try:
-                summary = lifelong_retrieval(config=cfg) if cfg is not None else \
-                    lifelong_retrieval(config_path=config_path)
+                summary = lifelong_retrieval(plan=plan)
             finally:
                 send_queued()
     except (*BAD_INPUT, *UNRECORDED, TemporaryServerError) as exc:

@@ -10,19 +10,20 @@ continues the run where it ended: repositories that arrive later are learned fro
 
 # No `from __future__ import annotations` here: Prefect builds a pydantic model of the flow's signature
 # to validate parameters, and string annotations fail to resolve when a served runner loads the flow.
+import logging
 from pathlib import Path
+from typing import Any
 
 from leanagent.flows.artifacts import RunArtifacts
-from leanagent.flows.stages import run_evaluations, run_stage
+from leanagent.flows.stages import Stages
 from leanagent.tasks.data import order_curriculum
-from leanagent.tasks.jobs import compute_fisher, train_retriever
 from leanagent.tasks.options import JobOptions
 from prefect import flow, get_run_logger
 from prefect.states import Failed, State
 
 from leanagent.checkpoints.files import prune_checkpoints
 from leanagent.ground.config import ConfigError, PipelineConfig, RepoConfig, dump_config, resolve_paths
-from leanagent.ground.job import IndexRequest
+from leanagent.ground.job import JobRequest
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import RunReport, job_costs, report_from_manifest
 from leanagent.run.manifest import (
@@ -35,7 +36,7 @@ from leanagent.run.manifest import (
     stage_indexes,
     stage_name,
 )
-from leanagent.run.plan import BAD_INPUT, UNRECORDED, RunPlan, plan_run, progress_line
+from leanagent.run.plan import BAD_INPUT, INLINE, UNRECORDED, RunPlan, plan_run, progress_line
 from leanagent.run.state import RunLock, RunState
 from leanagent.run.strategy import training_datasets
 
@@ -44,25 +45,44 @@ from leanagent.run.strategy import training_datasets
 REFUSED = "Refused"
 
 
-def resolve_config(config: PipelineConfig | None, config_path: str | None) -> PipelineConfig:
-    """Exactly one source; a config given inline (UI form, Python) resolves relative paths against the cwd."""
-    if (config is None) == (config_path is None):
-        raise ConfigError("give exactly one of `config` and `config_path`")
+class _RefusedInOneLine(logging.Filter):
+    """A deployment's run (`python -m prefect.engine`, what a worker or `deployments/serve.py` starts) raises the
+    exception of a Failed state once the flow has returned it, and Prefect logs that with its traceback. For a
+    refusal the line before it, "Finished in state Refused('<the reason>')", has said all there is: nothing went
+    wrong inside, so the traceback is dropped, from the worker's console and the UI's logs alike."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], (*BAD_INPUT, *UNRECORDED)))
+
+
+for _name in ("prefect.flow_runs", "prefect.engine"):  # where the engine logs a flow run's end, and its own
+    if not any(isinstance(f, _RefusedInOneLine) for f in logging.getLogger(_name).filters):
+        logging.getLogger(_name).addFilter(_RefusedInOneLine())
+
+
+def planned(config: PipelineConfig | None, config_path: str | None, plan: RunPlan | None) -> RunPlan:
+    """The plan `leanagent run` made, or the one made here from exactly one config source: a file (its relative
+    paths resolve against its folder), or a config given inline (UI form, Python: against the working directory)."""
+    if sum(given is not None for given in (config, config_path, plan)) != 1:
+        raise ConfigError("give exactly one of `config` and `config_path` (or the `plan` `leanagent run` made)")
+    if plan is not None:
+        return plan
     if config_path is not None:
-        return load_checked_config(config_path)
-    return resolve_paths(config, Path.cwd())
+        return plan_run(load_checked_config(config_path), source=config_path)
+    return plan_run(resolve_paths(config, Path.cwd()), source=INLINE)
 
 
 @flow(name="lifelong-retrieval")
 def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | None = None,
-                       options: JobOptions | None = None) -> dict:
+                       options: JobOptions | None = None, plan: RunPlan | None = None) -> dict:
     """Train the premise retriever over the configured repositories, lifelong, and report what it learned and forgot.
 
     Every input is checked before anything is written or launched; a refused run ends Failed (state "Refused")
     with the reason as its message (no job, no file). Rerunning the same config resumes it: finished stages are
     skipped, an interrupted training job goes on from its last checkpoint. A config that lists more repositories
     (or a `repos_dir` with new folders) continues the run: only the new repositories' jobs run. With nothing new
-    the run ends in seconds and says so.
+    (or a config that lists only the run's first repositories: the run is ahead of it) the run ends in seconds and
+    says so.
 
     Args:
         config: The whole experiment (model, data, trainer, lifelong, run_dir, repos, repos_dir), as a form.
@@ -71,65 +91,27 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
             relative paths inside it resolve against the file's folder.
         options: How jobs are supervised, not what they compute: retries, per-job deadlines and the
             heartbeat timeout. Default: 2 retries, no deadline, a 1-hour heartbeat timeout.
+        plan: The checked run `leanagent run` hands over (`leanagent.run.plan.RunPlan`), so that nothing is
+            checked twice; leave it empty in a form: the flow checks `config` or `config_path` itself.
     """
     try:
-        cfg = resolve_config(config, config_path)
         # Model, devices, disk, a run_dir of another experiment or a sequence the config does not extend, every
         # dataset not yet recorded: before anything is written.
-        plan = plan_run(cfg)
-        ordered = order_repositories(cfg, plan)
-        lock = RunLock(cfg.run_dir).acquire()
+        plan = planned(config, config_path, plan)
+        # The repositories the run has, in their places, then the new ones in curriculum order (the percentiles over
+        # all of them) or in the given order. Nothing new: no theorem is read.
+        ordered = order_curriculum(plan.repos, plan.cfg.lifelong.curriculum, plan.cfg.data.split,
+                                   plan.kept) if plan.new else plan.kept_repos
+        lock = RunLock(plan.cfg.run_dir).acquire()
     except BAD_INPUT as exc:
         return refused(exc)
-    logger = get_run_logger()
-    for item in plan.not_ready:
-        logger.warning(item.line())
-    not_ready = [item.line() for item in plan.not_ready]
     with lock:
-        try:  # checked again under the lock: another run may have grown the sequence since `plan_run` read it
-            state = RunState(cfg.run_dir, cfg)
-            if ordered:
-                state.extend([plan.entries[r.display_name] for r in ordered], plan.given)
-        except BAD_INPUT as exc:
+        try:  # checked again under the lock: another run may have grown the sequence since the plan read it
+            state = RunState(plan.cfg.run_dir, plan.cfg)
+            state.extend([plan.entries[r.display_name] for r in ordered], plan.given, plan.source)
+            return _run_curriculum(plan, ordered, state, options or JobOptions())
+        except (*BAD_INPUT, *UNRECORDED) as exc:  # one line, no traceback (UNRECORDED: the disk went wrong)
             return refused(exc)
-        waiting = state.waiting()
-        line = progress_line(len(ordered) - len(waiting), waiting, len(not_ready))
-        if not waiting:
-            logger.info(f"nothing new: {line}")
-            report = report_from_manifest(state.data)
-            RunArtifacts(report, state.path, not_ready).nothing_new(f"nothing new: {line}")
-            return summary(report, state, cfg, not_ready, nothing_new=True)
-        logger.info(line)
-        # Not config.yaml: a user may keep their own config in run_dir, and it must not be overwritten.
-        config_file = cfg.run_dir / "leanagent-run-config.yaml"
-        dump_config(cfg, config_file)  # every rank reads the config from this file
-        try:
-            datasets = training_data(cfg, ordered, state)  # merge_all: the merged datasets, checked before any job
-        except BAD_INPUT as exc:
-            return refused(exc)
-        try:
-            report = _run_curriculum(cfg, config_file, ordered, datasets, state, options or JobOptions(), not_ready)
-        except UNRECORDED as exc:  # one line, no traceback: the disk, not the code, went wrong
-            return refused(exc)
-    return summary(report, state, cfg, not_ready)
-
-
-def order_repositories(cfg: PipelineConfig, plan: RunPlan) -> list[RepoConfig]:
-    """The run's sequence: the repositories it has, in their places, then the new ones in curriculum order (the
-    percentiles over all of them) or in the given order. Nothing new: no theorem is read."""
-    by_name = {r.display_name: r for r in plan.repos}
-    kept = [e.name for e in plan.recorded]
-    if not plan.new:
-        return [by_name[name] for name in kept]
-    return order_curriculum(plan.repos, cfg.lifelong.curriculum, cfg.data.split, kept)
-
-
-def summary(report: RunReport, state: RunState, cfg: PipelineConfig, not_ready: list[str],
-            nothing_new: bool = False) -> dict:
-    """What the flow returns: the report as plain data (what `leanagent run` prints) and where the run lives."""
-    return {"rows": report.rows, "matrix": report.matrix, "baseline": report.baseline, "order": report.names,
-            "lifelong": report.lifelong_metrics(), "manifest": str(state.path), "run_dir": str(cfg.run_dir),
-            "not_ready": not_ready, "nothing_new": nothing_new}
 
 
 def refused(exc: Exception) -> State:
@@ -138,54 +120,76 @@ def refused(exc: Exception) -> State:
     return Failed(name=REFUSED, message=str(exc), data=exc)
 
 
-def training_data(cfg: PipelineConfig, ordered: list[RepoConfig], state: RunState) -> list[Path]:
-    """Stage i's training and Fisher dataset: repository i itself (`single`), or repositories 0..i merged
-    (`merge_all`, written once under run_dir and recorded in the manifest). Evaluation always uses each
-    repository's own test split."""
-    return training_datasets(cfg, [r.display_name for r in ordered], [r.path for r in ordered], state,
-                             log=get_run_logger().info)
-
-
-def _run_curriculum(cfg: PipelineConfig, config_file: Path, ordered: list[RepoConfig], datasets: list[Path],
-                    state: RunState, options: JobOptions, not_ready: list[str]) -> RunReport:
+def _run_curriculum(plan: RunPlan, ordered: list[RepoConfig], state: RunState, options: JobOptions) -> dict:
+    """Every stage of `ordered` the manifest does not have finished, each recorded as it ends. Returns what the flow
+    returns: the report as plain data (what `leanagent run` prints) and where the run lives."""
+    logger = get_run_logger()
+    not_ready = [item.line() for item in plan.not_ready]
+    for line in not_ready:
+        logger.warning(line)
     names = [r.display_name for r in ordered]
-    report = RunReport(names)
-    artifacts = RunArtifacts(report, state.path, not_ready)
+    waiting = [name for name in names if name in plan.waiting or name not in plan.kept]
+    if waiting:
+        report = _train(plan.cfg, ordered, waiting, state, options, RunArtifacts(RunReport(names), state.path,
+                                                                                 not_ready))
+    else:
+        line = plan.nothing_new() or f"nothing new: {progress_line(len(names), 0, len(not_ready))}"
+        logger.info(line)
+        report = report_from_manifest(state.data)
+        RunArtifacts(report, state.path, not_ready).nothing_new(line)
+    return {"rows": report.rows, "matrix": report.matrix, "baseline": report.baseline, "order": report.names,
+            "lifelong": report.lifelong_metrics(), "manifest": str(state.path), "run_dir": str(plan.cfg.run_dir),
+            "not_ready": not_ready, "nothing_new": not waiting}
+
+
+def _train(cfg: PipelineConfig, ordered: list[RepoConfig], waiting: list[str], state: RunState, options: JobOptions,
+           artifacts: RunArtifacts) -> RunReport:
+    """Per repository: train, compute the Fisher, evaluate every repository seen so far. Stage i trains (and computes
+    its Fisher) on repository i itself (`single`), or on repositories 0..i merged (`merge_all`, written once under
+    run_dir and recorded in the manifest); evaluation uses each repository's own test split."""
+    report, logger = artifacts.report, get_run_logger()
+    logger.info(progress_line(len(ordered) - len(waiting), waiting, len(artifacts.not_ready)))
+    datasets = training_datasets(cfg, report.names, [r.path for r in ordered], state, log=logger.info)
     jobs = cfg.run_dir / "jobs"
     ewc = cfg.lifelong.ewc_lambda > 0
-    # Validated once above; the jobs need not re-read every dataset (evaluation would do it n^2 times).
-    common = {"cfg": cfg, "config_path": config_file, "heartbeat_timeout_s": options.heartbeat_timeout_s,
-              "validate": False}
+    # Not config.yaml: a user may keep their own config in run_dir, and it must not be overwritten.
+    config_file = cfg.run_dir / "leanagent-run-config.yaml"
+    dump_config(cfg, config_file)  # every rank reads the config from this file
+    stages = Stages(state, cfg, options, artifacts)
+
+    def job(program: str, data: list[Path], out: Path, timeout: float | None, **fields: Any) -> JobRequest:
+        return JobRequest(program=program, config=config_file, datasets=tuple(data), out=out, timeout=timeout,
+                          heartbeat_timeout=options.heartbeat_timeout_s, **fields)
+
     # The starting model (model.name_or_path, or lifelong.start_checkpoint) on every test split: the row that
     # training gains and transfers are measured from. A continued run scores it on its new repositories only.
-    report.set_baseline(run_evaluations(
-        state, [(stage_name(j, r.display_name, EVAL_UNTRAINED), r.display_name, r.path) for j, r in enumerate(ordered)],
-        jobs / "untrained" / "evaluate", cfg.lifelong.start_checkpoint, options, artifacts,
-        timeout_s=options.evaluate_timeout_s, **common))
+    report.set_baseline(stages.evaluations(
+        [(stage_name(j, r.display_name, EVAL_UNTRAINED), r.display_name) for j, r in enumerate(ordered)],
+        job("evaluate", [r.path for r in ordered], jobs / "untrained" / "evaluate", options.evaluate_timeout_s,
+            checkpoint=cfg.lifelong.start_checkpoint)))
     checkpoint: Path | None = cfg.lifelong.start_checkpoint  # None: start from model.name_or_path
     fisher: Path | None = None
     for i, repo in enumerate(ordered):
         # A repository of an earlier run is skipped here, and hands on its checkpoint and Fisher from the manifest.
         name = stage_name(i, repo.display_name, TRAIN)
-        train = run_stage(state, name, train_retriever, options, artifacts, dataset=datasets[i], out=jobs / name,
-                          checkpoint=checkpoint, fisher=fisher if ewc else None, timeout_s=options.train_timeout_s,
-                          label=f"train {repo.display_name}", **common)
+        train = stages.run(name, job("train", [datasets[i]], jobs / name, options.train_timeout_s,
+                                     checkpoint=checkpoint, fisher=fisher if ewc else None,
+                                     label=f"train {repo.display_name}"))
         checkpoint = Path(train["checkpoint"])  # the newest (LeanAgent) or the best: lifelong.checkpoint
         # Always, as LeanAgent does, so that EWC can be switched on for a later repository.
         name = stage_name(i, repo.display_name, FISHER)
-        result = run_stage(state, name, compute_fisher, options, artifacts, dataset=datasets[i], out=jobs / name,
-                           checkpoint=checkpoint, timeout_s=options.fisher_timeout_s,
-                           label=f"fisher {repo.display_name}", **common)
-        fisher = Path(result["fisher"])
+        fisher = Path(stages.run(name, job("fisher", [datasets[i]], jobs / name, options.fisher_timeout_s,
+                                           checkpoint=checkpoint, label=f"fisher {repo.display_name}"))["fisher"])
         # The stage's premise index (what `leanagent serve RUN_DIR` serves), its lists extending the last stage's.
         earlier = [Path(folder) for position, _, folder in stage_indexes(state.data) if position < i]
-        index = IndexRequest(cfg.run_dir / INDEX_DIR / repo_key(i, repo.display_name),
-                             tuple(seen.path for seen in ordered[: i + 1]), earlier[-1] if earlier else None)
-        evaluations = run_evaluations(
-            state, [(stage_name(i, repo.display_name, eval_stage(j, seen.display_name)), seen.display_name, seen.path)
-                    for j, seen in enumerate(ordered[: i + 1])],
-            jobs / repo_key(i, repo.display_name) / "evaluate", checkpoint, options, artifacts, index=index,
-            timeout_s=options.evaluate_timeout_s, **common)
+        seen = ordered[: i + 1]
+        evaluations = stages.evaluations(
+            [(stage_name(i, repo.display_name, eval_stage(j, r.display_name)), r.display_name)
+             for j, r in enumerate(seen)],
+            job("evaluate", [r.path for r in seen], jobs / repo_key(i, repo.display_name) / "evaluate",
+                options.evaluate_timeout_s, checkpoint=checkpoint,
+                index=cfg.run_dir / INDEX_DIR / repo_key(i, repo.display_name),
+                index_datasets=tuple(r.path for r in seen), index_after=earlier[-1] if earlier else None))
         report.add_repository(i, train, evaluations)
         report.costs = job_costs(state.data)  # where each job's time went, this repository's included
         if cfg.lifelong.keep_checkpoints == "best_and_last":  # its stages are done: keep start, best, last

@@ -2,8 +2,9 @@
 
 One context, `recording`, says how a stage's outcome reaches the manifest: `running` when it starts, then `done`
 with its result, `failed` with the error, or `interrupted` when it was stopped from outside (it reruns). Every
-stage goes through it: one training or Fisher job (`run_stage`), or one evaluation job that scores a model on
-several repositories, each its own stage (`run_evaluations`).
+stage goes through it: one training or Fisher job (`Stages.run`), or one evaluation job that scores a model on
+several repositories, each its own stage (`Stages.evaluations`). Each is one `JobRequest`, launched by the task
+`rank_job`.
 """
 
 # No `from __future__ import annotations`: see flows/lifelong.py (Prefect resolves the flow module's annotations).
@@ -11,16 +12,15 @@ import asyncio
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any
 
 from leanagent.flows.artifacts import RunArtifacts
-from leanagent.tasks.jobs import evaluate_retriever
+from leanagent.tasks.jobs import rank_job
 from leanagent.tasks.options import JobOptions
-from prefect import Task, get_run_logger
+from prefect import get_run_logger
 from prefect.exceptions import Abort, ExternalSignal
 
-from leanagent.ground.job import IndexRequest
+from leanagent.ground.config import PipelineConfig
+from leanagent.ground.job import JobRequest
 from leanagent.ground.supervision import HoldSignals
 from leanagent.ground.timings import COST_KEYS
 from leanagent.run.state import RunState, RunStateWriteError
@@ -70,59 +70,67 @@ def recording(state: RunState, names: list[str], artifacts: RunArtifacts | None)
         raise
 
 
-def _finished(state: RunState, name: str, artifacts: RunArtifacts | None) -> dict | None:
-    done = state.stage_done(name)
-    if done is not None:
-        get_run_logger().info(f"{name}: finished in an earlier run; skipped")
-        if artifacts is not None:
-            artifacts.stages_done([name], publish=False)
-    return done
+class Stages:
+    """The stages of one run, each a job of the task `rank_job` (retried as `options` say), skipped when the manifest
+    has it finished, and recorded in the manifest and the artifacts either way."""
 
+    def __init__(self, state: RunState, cfg: PipelineConfig, options: JobOptions,
+                 artifacts: RunArtifacts | None = None) -> None:
+        self.state, self.cfg, self.options, self.artifacts = state, cfg, options, artifacts
 
-def run_stage(state: RunState, name: str, task: Task[..., dict], options: JobOptions,
-              artifacts: RunArtifacts | None = None, **kwargs: Any) -> dict:
-    """Skip a stage the manifest has finished; otherwise run its task and record the outcome either way."""
-    done = _finished(state, name, artifacts)
-    if done is not None:
+    def _finished(self, name: str) -> dict | None:
+        done = self.state.stage_done(name)
+        if done is not None:
+            get_run_logger().info(f"{name}: finished in an earlier run; skipped")
+            if self.artifacts is not None:
+                self.artifacts.stages_done([name], publish=False)
         return done
-    with recording(state, [name], artifacts):
-        result = task.with_options(task_run_name=name, retries=options.retries,
-                                   retry_delay_seconds=options.retry_delay_s)(**kwargs)
-    state.record(name, result)
-    if artifacts is not None:
-        artifacts.stages_done([name])
-    return result
 
+    def _launch(self, run_name: str, job: JobRequest) -> dict:
+        # The flow has validated every dataset; the jobs need not read them again (evaluation would, n^2 times).
+        task = rank_job.with_options(task_run_name=run_name, retries=self.options.retries,
+                                     retry_delay_seconds=self.options.retry_delay_s)
+        return task(cfg=self.cfg, job=job, validate=False)
 
-def run_evaluations(state: RunState, stages: list[tuple[str, str, Path]], out: Path, checkpoint: Path | None,
-                    options: JobOptions, artifacts: RunArtifacts | None = None, index: IndexRequest | None = None,
-                    **kwargs: Any) -> list[dict]:
-    """Evaluate one model on several repositories in ONE job, each recorded as its own stage.
+    def run(self, name: str, job: JobRequest) -> dict:
+        """Skip a stage the manifest has finished; otherwise run its job and record the outcome either way."""
+        done = self._finished(name)
+        if done is not None:
+            return done
+        with recording(self.state, [name], self.artifacts):
+            result = self._launch(name, job)
+        self.state.record(name, result)
+        if self.artifacts is not None:
+            self.artifacts.stages_done([name])
+        return result
 
-    `stages`: (stage name, repository name, dataset) each. One torchrun start and one model load per repository
-    stage, so a run of T repositories launches T + 1 evaluation jobs, not T(T+1)/2 + T. Finished stages are
-    skipped; the job folder is named by the stages it runs, so a rerun after a partial record never mixes two sets.
-    `index`: the job also writes the stage's premise index, recorded with its stages (`stage_indexes`).
-    """
-    pending = [(k, name, repo, dataset) for k, (name, repo, dataset) in enumerate(stages)
-               if _finished(state, name, artifacts) is None]
-    if pending:
-        suffix = "-".join(f"{k:02d}" for k, _, _, _ in pending)
-        names = [name for _, name, _, _ in pending]
-        result_out = out.with_name(f"{out.name}-{suffix}")
-        with recording(state, names, artifacts):
-            result = evaluate_retriever.with_options(
-                task_run_name=f"{out.parent.name}/{out.name}-{suffix}", retries=options.retries,
-                retry_delay_seconds=options.retry_delay_s,
-            )(datasets=[d for _, _, _, d in pending], out=result_out, checkpoint=checkpoint, index=index,
-              label=f"evaluate {','.join(repo for _, _, repo, _ in pending)}", **kwargs)
-        # The job's cost is the job's, not one repository's: each of its stages records it under "job", with the
-        # folder that tells a report it is one job.
-        job = {"out": f"{result_out.parent.name}/{result_out.name}",
-               **{key: result[key] for key in (*COST_KEYS, "index") if key in result}}
-        for name, evaluation in zip(names, result["evaluations"], strict=True):
-            state.record(name, {**evaluation, "checkpoint": result["checkpoint"], "world_size": result["world_size"],
-                                "job": job})
-        if artifacts is not None:
-            artifacts.stages_done(names)
-    return [state.stage_done(name) for name, _, _ in stages]
+    def evaluations(self, stages: list[tuple[str, str]], job: JobRequest) -> list[dict]:
+        """Evaluate one model on several repositories in ONE job, each recorded as its own stage.
+
+        `stages`: (stage name, repository name) each, for the datasets of `job` in order. One torchrun start and
+        one model load per repository stage, so a run of T repositories launches T + 1 evaluation jobs, not
+        T(T+1)/2 + T. Finished stages are skipped; the job folder is named by the stages it runs, so a rerun after a
+        partial record never mixes two sets. A job with an index also writes the stage's premise index, recorded
+        with its stages (`stage_indexes`).
+        """
+        pending = [(k, name, repo, dataset) for k, ((name, repo), dataset) in enumerate(zip(stages, job.datasets,
+                                                                                            strict=True))
+                   if self._finished(name) is None]
+        if pending:
+            suffix = "-".join(f"{k:02d}" for k, _, _, _ in pending)
+            names = [name for _, name, _, _ in pending]
+            out = job.out.with_name(f"{job.out.name}-{suffix}")
+            job = job.model_copy(update={"datasets": tuple(d for _, _, _, d in pending), "out": out,
+                                         "label": f"evaluate {','.join(repo for _, _, repo, _ in pending)}"})
+            with recording(self.state, names, self.artifacts):
+                result = self._launch(f"{out.parent.name}/{out.name}", job)
+            # The job's cost is the job's, not one repository's: each of its stages records it under "job", with
+            # the folder that tells a report it is one job.
+            spent = {"out": f"{out.parent.name}/{out.name}",
+                     **{key: result[key] for key in (*COST_KEYS, "index") if key in result}}
+            for name, evaluation in zip(names, result["evaluations"], strict=True):
+                self.state.record(name, {**evaluation, "checkpoint": result["checkpoint"],
+                                         "world_size": result["world_size"], "job": spent})
+            if self.artifacts is not None:
+                self.artifacts.stages_done(names)
+        return [self.state.stage_done(name) for name, _ in stages]

@@ -25,6 +25,8 @@ from leanagent.data.examples import build_train_examples
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.theorems import load_split
 from leanagent.ground.config import PipelineConfig, dump_config
+from leanagent.ground.job import JobRequest
+from leanagent.ground.names import BYT5_SMALL, CORPUS_FILE, DEFAULT_SPLIT, TINY, TRAIN_PART, part_file
 from leanagent.model.presets import encoder_config, write_random_encoder
 from leanagent.preflight.run_job import run_job
 
@@ -37,7 +39,7 @@ def main() -> None:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the script itself")
     args = parser.parse_args()
     out = args.out.resolve()
-    preset = "tiny" if args.cpu_smoke else "byt5-small"
+    preset = TINY if args.cpu_smoke else BYT5_SMALL
     devices = args.devices or (2 if args.cpu_smoke else max(1, min(2, torch.cuda.device_count())))
     peak = args.peak_tflops or (None if args.cpu_smoke else peak_bf16_tflops(torch.cuda.get_device_name(0)))
     model = write_random_encoder(out / "model", preset)
@@ -50,11 +52,12 @@ def main() -> None:
     })
     cfg_path = out / "gpu.yaml"
     dump_config(cfg, cfg_path)
-    train = run_job(cfg, cfg_path, "train", repo, out / "train")
-    fisher = run_job(cfg, cfg_path, "fisher", repo, out / "fisher", checkpoint=Path(train["checkpoint"]))
+    train = run_job(cfg, JobRequest(program="train", config=cfg_path, datasets=(repo,), out=out / "train"))
+    fisher = run_job(cfg, JobRequest(program="fisher", config=cfg_path, datasets=(repo,), out=out / "fisher",
+                                     checkpoint=Path(train["checkpoint"])))
 
-    corpus = Corpus.from_jsonl(repo / "corpus.jsonl")
-    examples = build_train_examples(corpus, load_split(repo / "random" / "train.json"))
+    corpus = Corpus.from_jsonl(repo / CORPUS_FILE)
+    examples = build_train_examples(corpus, load_split(repo / DEFAULT_SPLIT / part_file(TRAIN_PART)))
     # The FLOPs of a mean example: its context and 1 + negatives premises at their real lengths, cut as training cuts.
     cut = cfg.data.max_seq_len
     ctx = [min(len(e.context.encode()) + 1, cut) for e in examples]

@@ -4,7 +4,7 @@ Training logic lives in `leanagent`; these modules only connect it to Prefect.
 """
 
 from leanagent.tasks.data import order_curriculum
-from leanagent.tasks.jobs import compute_fisher, evaluate_retriever, train_retriever
+from leanagent.tasks.jobs import rank_job
 from leanagent.tasks.options import JobOptions
 
-__all__ = ["JobOptions", "compute_fisher", "evaluate_retriever", "order_curriculum", "train_retriever"]
+__all__ = ["JobOptions", "order_curriculum", "rank_job"]

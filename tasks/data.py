@@ -12,10 +12,11 @@ from prefect.cache_policies import NO_CACHE
 
 from leanagent.data.curriculum import curriculum_of_datasets, describe
 from leanagent.ground.config import RepoConfig
+from leanagent.ground.names import DEFAULT_SPLIT
 
 
 @task(name="order-curriculum", cache_policy=NO_CACHE)
-def order_curriculum(repos: list[RepoConfig], curriculum: bool, split: str = "random",
+def order_curriculum(repos: list[RepoConfig], curriculum: bool, split: str = DEFAULT_SPLIT,
                      kept: list[str] | None = None) -> list[RepoConfig]:
     """LeanAgent's order (most Easy theorems first, ties keep the given order) or the given order, after the
     repositories the run already has.

@@ -1,4 +1,4 @@
-"""Prefect tasks that launch one rank program each: launch, forward logs, return the result.
+"""The Prefect task that launches a rank program's job: launch, forward logs, return the result.
 
 The tasks hold no training logic: `leanagent.preflight.run_job.run_job` checks the inputs, runs torchrun
 in its own process group and enforces the deadline. What the tasks add is what only Prefect can
@@ -13,7 +13,6 @@ job folder that already holds a result.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from leanagent.tasks.options import JobOptions
@@ -23,7 +22,7 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
 from leanagent.ground.config import PipelineConfig
-from leanagent.ground.job import IndexRequest, JobFinishedError, JobInputError, Program
+from leanagent.ground.job import JobFinishedError, JobInputError, JobRequest
 from leanagent.preflight.run_job import run_job
 
 # The flow passes its JobOptions to every task; these are the same defaults for a task called on its own.
@@ -48,17 +47,6 @@ def forward_to_run_logger() -> Callable[[str], None]:
     return on_line
 
 
-def _run(program: Program, cfg: PipelineConfig, config_path: Path, dataset: Path | list[Path], out: Path,
-         checkpoint: Path | None, fisher: Path | None, timeout_s: float | None,
-         heartbeat_timeout_s: float | None, validate: bool, label: str | None,
-         index: IndexRequest | None = None) -> dict:
-    # reuse_finished: a job whose result.json landed just before a crash (and before the manifest
-    # recorded it) is taken as it is, not refused and not rerun.
-    return run_job(cfg, Path(config_path), program, dataset, Path(out), checkpoint=checkpoint, fisher=fisher,
-                   on_line=forward_to_run_logger(), timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
-                   reuse_finished=True, validate=validate, label=label, index=index)
-
-
 _TASK_OPTIONS: dict[str, Any] = {
     "retries": DEFAULT_RETRIES,
     "retry_delay_seconds": DEFAULT_RETRY_DELAY_S,
@@ -68,69 +56,18 @@ _TASK_OPTIONS: dict[str, Any] = {
 }
 
 
-@task(name="train-retriever", **_TASK_OPTIONS)
-def train_retriever(cfg: PipelineConfig, config_path: Path, dataset: Path, out: Path,
-                    checkpoint: Path | None = None, fisher: Path | None = None, timeout_s: float | None = None,
-                    heartbeat_timeout_s: float | None = None, validate: bool = True, label: str | None = None) -> dict:
-    """Train on one repository from `checkpoint` (or the pretrained model), with EWC when `fisher` is given.
+@task(name="rank-job", **_TASK_OPTIONS)
+def rank_job(cfg: PipelineConfig, job: JobRequest, validate: bool = True) -> dict:
+    """One job of a rank program (train, fisher, evaluate: `leanagent.ground.job.PROGRAMS`), launched by the config's
+    launcher, its lines in this task run's log; returns its result.json.
+
+    A job whose result.json landed just before a crash (and before the manifest recorded it) is taken as it is, not
+    refused and not rerun.
 
     Args:
         cfg: The run's config.
-        config_path: The same config as YAML, which every rank reads.
-        dataset: The repository's dataset folder (under merge_all: its merge with the earlier ones).
-        out: The job folder; a rerun with the same folder resumes the training or returns its result.
-        checkpoint: Where training starts; None: model.name_or_path.
-        fisher: The previous repository's Fisher file, for EWC.
-        timeout_s: Deadline of one attempt, in seconds.
-        heartbeat_timeout_s: End a job whose ranks have not reported progress for this long.
-        validate: Validate the dataset first (the flow has already).
-        label: What the job's progress lines call it, e.g. `train repo_new` (default: the program and the dataset
-            folder's name).
-    """
-    return _run("train", cfg, config_path, dataset, out, checkpoint, fisher, timeout_s, heartbeat_timeout_s, validate,
-                label)
-
-
-@task(name="compute-fisher", **_TASK_OPTIONS)
-def compute_fisher(cfg: PipelineConfig, config_path: Path, dataset: Path, out: Path, checkpoint: Path,
-                   timeout_s: float | None = None, heartbeat_timeout_s: float | None = None,
-                   validate: bool = True, label: str | None = None) -> dict:
-    """The diagonal Fisher of `checkpoint` on a repository, which anchors the next repository's EWC.
-
-    Args:
-        cfg: The run's config.
-        config_path: The same config as YAML, which every rank reads.
-        dataset: The dataset the checkpoint was trained on.
-        out: The job folder.
-        checkpoint: The trained checkpoint.
-        timeout_s: Deadline of one attempt, in seconds.
-        heartbeat_timeout_s: End a job whose ranks have not reported progress for this long.
-        validate: Validate the dataset first (the flow has already).
-        label: What the job's progress lines call it (default: the program and the dataset folder's name).
-    """
-    return _run("fisher", cfg, config_path, dataset, out, checkpoint, None, timeout_s, heartbeat_timeout_s, validate,
-                label)
-
-
-@task(name="evaluate-retriever", **_TASK_OPTIONS)
-def evaluate_retriever(cfg: PipelineConfig, config_path: Path, datasets: list[Path], out: Path,
-                       checkpoint: Path | None, timeout_s: float | None = None,
-                       heartbeat_timeout_s: float | None = None, validate: bool = True,
-                       label: str | None = None, index: IndexRequest | None = None) -> dict:
-    """R@1, R@10 and MRR of `checkpoint` on the test split of each of `datasets`, in one job that loads the model
-    once; the result's `evaluations` lists them in order.
-
-    Args:
-        cfg: The run's config.
-        config_path: The same config as YAML, which every rank reads.
-        datasets: The repositories' dataset folders.
-        out: The job folder.
-        checkpoint: The model to score; None: the untrained model.name_or_path.
-        timeout_s: Deadline of one attempt, in seconds.
-        heartbeat_timeout_s: End a job whose ranks have not reported progress for this long.
+        job: The job: its program, the config as YAML (which every rank reads), its datasets, folder, checkpoint,
+            Fisher file and premise index, its deadlines, and what its progress lines call it.
         validate: Validate the datasets first (the flow has already).
-        label: What the job's progress lines call it (default: the program and the dataset folders' names).
-        index: Also write the model's premise index over these datasets' corpora (the stage a server serves).
     """
-    return _run("evaluate", cfg, config_path, list(datasets), out, checkpoint, None, timeout_s,
-                heartbeat_timeout_s, validate, label, index)
+    return run_job(cfg, job, on_line=forward_to_run_logger(), reuse_finished=True, validate=validate)

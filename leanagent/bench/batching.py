@@ -21,6 +21,7 @@ from leanagent.bench.options import BatchingOptions
 from leanagent.bench.results import Section
 from leanagent.bench.timing import best_of_rounds
 from leanagent.data.theorems import load_states
+from leanagent.ground.names import DEFAULT_SPLIT, TEST_PART, part_file
 from leanagent.index.query import PremiseIndex
 from leanagent.model.topk import top_k_accessible
 from leanagent.serve.schemas import RetrieveRequest, ServeLimits
@@ -92,9 +93,10 @@ def _ranking(states: torch.Tensor, embeddings: torch.Tensor) -> tuple[float, flo
 
 def bench_batching(options: BatchingOptions) -> BatchingFigures:
     index = PremiseIndex.load(options.index, dtype=options.dtype)
-    requests = [RetrieveRequest(state=s, k=K) for s in load_states([options.dataset / "random" / "test.json"])]
+    states = options.dataset / DEFAULT_SPLIT / part_file(TEST_PART)
+    requests = [RetrieveRequest(state=s, k=K) for s in load_states([states])]
     if not requests:
-        raise ValueError(f"{options.dataset}/random/test.json: no proof state to send")
+        raise ValueError(f"{states}: no proof state to send")
     servers = {"unbatched": PremiseServer(index, ServeLimits(batching=False)), "batched": PremiseServer(index)}
     for server in servers.values():
         for request in requests[:8]:

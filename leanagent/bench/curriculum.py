@@ -29,6 +29,7 @@ from leanagent.data.corpus import Corpus
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.synthetic_scale import ScaleSpec
 from leanagent.ground.atomic import read_json
+from leanagent.ground.names import CORPUS_FILE
 from leanagent.launch.progress_view import MODE_ENV
 from leanagent.model.presets import write_random_encoder
 from leanagent.report.timing import JobCost, job_costs
@@ -122,7 +123,7 @@ def bench_curriculum(options: CurriculumOptions) -> CurriculumFigures:
         data = write_demo_repos(work / "data", options.repos, theorems_per_repo=options.theorems, scale=2,
                                 dependency=dependency)
         model = write_random_encoder(work / "model", options.preset)
-        corpus_premises = sum(len(Corpus.from_jsonl(d / "corpus.jsonl")) for d in data) / len(data)
+        corpus_premises = sum(len(Corpus.from_jsonl(d / CORPUS_FILE)) for d in data) / len(data)
         figures = CurriculumFigures(options.repos, options.dependency_premises, corpus_premises)
         matrices = []
         for mode in MODES:

@@ -23,13 +23,14 @@ from leanagent.data.dataset import (
 )
 from leanagent.data.theorems import load_split
 from leanagent.ground.config import DataConfig
+from leanagent.ground.names import CORPUS_FILE, TEST_PART, TRAIN_PART, VAL_PART, part_file
 
 
 def bench_corpus(dataset: Path) -> tuple[Corpus, CorpusFigures]:
     """Loading the dataset's corpus: seconds and the resident memory it added."""
     before = rss_mb()
     start = time.perf_counter()
-    corpus = Corpus.from_jsonl(dataset / "corpus.jsonl")
+    corpus = Corpus.from_jsonl(dataset / CORPUS_FILE)
     seconds = time.perf_counter() - start
     return corpus, CorpusFigures(corpus_load_s=seconds, corpus_rss_mb=rss_mb() - before, num_premises=len(corpus),
                                  num_files=len(corpus.paths))
@@ -40,10 +41,10 @@ def bench_data(dataset: Path, corpus: Corpus, split: str, min_seconds: float) ->
     evaluation examples, for the sections that follow."""
     tokenizer = ByT5Tokenizer()
     cfg = DataConfig()  # LeanAgent's: batch 4, 3 negatives (1 in-file), 1024 bytes
-    train = build_train_examples(corpus, load_split(dataset / split / "train.json"))
+    train = build_train_examples(corpus, load_split(dataset / split / part_file(TRAIN_PART)))
     evals: list = []
-    for name in ("test", "val"):
-        path = dataset / split / f"{name}.json"
+    for part in (TEST_PART, VAL_PART):
+        path = dataset / split / part_file(part)
         if path.is_file():
             evals += build_eval_examples(corpus, load_split(path))
     ds = TrainDataset(corpus, train, tokenizer, cfg.num_negatives, cfg.num_in_file_negatives, cfg.max_seq_len,

@@ -9,6 +9,8 @@ from pathlib import Path
 from leanagent.bench.results import LaunchFigures
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.ground.config import PipelineConfig, dump_config
+from leanagent.ground.job import JobRequest
+from leanagent.ground.names import TINY
 from leanagent.launch.progress_view import MODE_ENV
 from leanagent.model.presets import write_random_encoder
 from leanagent.preflight.run_job import run_job
@@ -17,7 +19,7 @@ from leanagent.preflight.run_job import run_job
 def bench_launch(workdir: Path) -> LaunchFigures:
     """From the start of a real `train` job (torchrun, 1 CPU rank) to its first training batch, on the demo."""
     repo = write_demo_repos(workdir / "data", 1, seed=0)[0]
-    model = write_random_encoder(workdir / "model", "tiny")
+    model = write_random_encoder(workdir / "model", TINY)
     cfg = PipelineConfig.model_validate({
         "model": {"name_or_path": str(model), "max_seq_len": 128, "warmup_steps": 1},
         "data": {"num_workers": 0, "max_seq_len": 128},
@@ -30,7 +32,8 @@ def bench_launch(workdir: Path) -> LaunchFigures:
     os.environ[MODE_ENV] = "off"  # a measurement, not a job to watch: no bar over the bench's table
     start = time.time()
     try:
-        result = run_job(cfg, cfg_path, "train", repo, workdir / "job", on_line=lambda line: None)
+        job = JobRequest(program="train", config=cfg_path, datasets=(repo,), out=workdir / "job")
+        result = run_job(cfg, job, on_line=lambda line: None)
     finally:
         if before is None:
             os.environ.pop(MODE_ENV, None)

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from leanagent.ground.config import DataConfig
+from leanagent.ground.names import BYT5_SMALL, DEFAULT_SPLIT, DTYPES, FP32, TINY, DtypeChoice, Preset
 
 FisherMethod = Literal["loop", "vectorised"]
 # The parts of `leanagent bench path` after the corpus and data figures (which every part needs), in run order.
@@ -26,10 +27,10 @@ class BenchOptions(BaseModel):
     dataset: Path = Field(description="a LeanDojo dataset (corpus.jsonl and SPLIT/{train,val,test}.json)")
     model: str | None = Field(None, description="the encoder to measure: an HF model folder or hub id (default: a "
                                                 "random encoder of --preset's shape)")
-    preset: Literal["tiny", "byt5-small"] | None = Field(None, description="the shape of the random encoder "
+    preset: Preset | None = Field(None, description="the shape of the random encoder "
                                                                             "measured without --model (default tiny)")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the model runs")
-    split: str = Field("random", description="the split folder the examples come from")
+    split: str = Field(DEFAULT_SPLIT, description="the split folder the examples come from")
     min_seconds: float = Field(3.0, ge=0, description="time each rate for at least this long")
     embed_sample: PositiveInt | None = Field(None, description="premises embedded (default: 512 on cpu, 4096 on "
                                                                "cuda)")
@@ -59,7 +60,7 @@ class BenchOptions(BaseModel):
     @property
     def shape(self) -> str:
         """The random encoder's preset (without `model`)."""
-        return self.preset or "tiny"
+        return self.preset or TINY
 
     @property
     def on_cuda(self) -> bool:
@@ -99,7 +100,7 @@ class CurriculumOptions(BaseModel):
     epochs: PositiveInt = Field(1, description="lifelong.epochs_per_repo (LeanAgent's 1)")
     accelerator: Literal["cpu", "gpu"] = Field("cpu", description="where the jobs run")
     devices: PositiveInt = Field(2, description="ranks per job (on a GPU: GPUs)")
-    preset: Literal["tiny", "byt5-small"] = Field("tiny", description="the random encoder's shape")
+    preset: Preset = Field(TINY, description="the random encoder's shape")
     work: Path | None = Field(None, description="keep the data, model and both runs here (default: a temporary "
                                                 "folder, removed at the end)")
 
@@ -130,7 +131,7 @@ class SwapOptions(BaseModel):
 
     premises: PositiveInt = Field(76_000, description="premises of the corpus both stages index (Mathlib-sized)")
     files: PositiveInt = Field(2_000, description="files of that corpus")
-    preset: Literal["tiny", "byt5-small"] = Field("tiny", description="the random encoder's shape")
+    preset: Preset = Field(TINY, description="the random encoder's shape")
     embed: Literal["model", "random"] = Field(
         "model", description="model: the indexes embedded by the model; random: random unit rows of its width, "
                              "served with --force (a byt5-small index at its true size, without a day of CPU)")
@@ -145,11 +146,11 @@ class DtypesOptions(BaseModel):
     states: Path | None = Field(None, description="a LeanDojo split file: its median-length proof state and a "
                                                   "1,024-byte one are encoded (default: generated states)")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the encoder runs")
-    dtypes: tuple[Literal["fp32", "bf16", "int8", "auto"], ...] = Field(
-        ("fp32", "bf16", "int8"), description="the dtypes measured, in this order (int8: CPU only)")
+    dtypes: tuple[DtypeChoice, ...] = Field(
+        DTYPES, description="the dtypes measured, in this order (int8: CPU only)")
     repeats: PositiveInt = Field(3, description="passes per state, after a warm-up; the median is kept")
     premises: PositiveInt = Field(64, description="premises of the corpus embedding rate")
-    preset: Literal["tiny", "byt5-small"] = Field("byt5-small", description="the random encoder's shape")
+    preset: Preset = Field(BYT5_SMALL, description="the random encoder's shape")
 
 
 class GradCacheOptions(BaseModel):
@@ -158,7 +159,7 @@ class GradCacheOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    preset: Literal["tiny", "byt5-small"] = Field("tiny", description="the random encoder's shape")
+    preset: Preset = Field(TINY, description="the random encoder's shape")
     layers: PositiveInt = Field(2, description="layers of the encoder kept")
     batch: PositiveInt = Field(32, description="contexts of the step")
     negatives: int = Field(3, ge=0, description="negatives per context")
@@ -177,7 +178,7 @@ class BatchingOptions(BaseModel):
     dataset: Path = Field(description="the dataset whose test split's proof states are sent")
     threads: PositiveInt = Field(32, description="concurrent requests")
     rounds: PositiveInt = Field(3, description="rounds in which the two servers take turns")
-    dtype: Literal["auto", "fp32", "bf16", "int8"] = Field("fp32", description="the index's dtype on load")
+    dtype: DtypeChoice = Field(FP32, description="the index's dtype on load")
 
 
 ServeBody = Literal["new client", "old client"]
@@ -190,7 +191,7 @@ class ServeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     work: Path = Field(description="a folder for the data, model and indexes (reused when present)")
-    preset: Literal["tiny", "byt5-small"] = Field("tiny", description="the random encoder's shape")
+    preset: Preset = Field(TINY, description="the random encoder's shape")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the servers run")
     mathlib: bool = Field(True, description="also a Mathlib-sized index (76,000 premises), beside the demo's")
     modes: tuple[Literal["batched", "unbatched"], ...] = Field(("batched", "unbatched"),

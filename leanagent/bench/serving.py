@@ -38,6 +38,7 @@ import psutil
 from leanagent.bench.options import ServeOptions
 from leanagent.bench.results import Section
 from leanagent.data.theorems import load_states
+from leanagent.ground.names import DEFAULT_SPLIT, TEST_PART, part_file
 
 CLIENTS = (1, 8, 32)
 REQUESTS = {1: 200, 8: 40, 32: 12}  # per client: 200, 320 and 384 requests per level
@@ -98,7 +99,7 @@ def build(work: Path, preset: str, device: str, mathlib: bool) -> dict[str, tupl
 
 
 def states(dataset: Path) -> list[str]:
-    found = load_states([dataset / "random" / "test.json"])
+    found = load_states([dataset / DEFAULT_SPLIT / part_file(TEST_PART)])
     return found or ["x : Nat\n⊢ Eq x x"]
 
 

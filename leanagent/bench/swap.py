@@ -37,6 +37,7 @@ from leanagent.bench.results import Section
 from leanagent.data.corpus import Corpus
 from leanagent.data.synthetic_scale import ScaleSpec, write_scale_dataset
 from leanagent.ground import model_identity
+from leanagent.ground.names import CORPUS_FILE
 from leanagent.index.build import build_index
 from leanagent.index.files import read_names, write_index
 from leanagent.model.presets import write_random_encoder
@@ -74,7 +75,7 @@ def _index(model: Path, dataset: Path, out: Path, embed: str, after: Path | None
     if embed == "model" and after is None:
         build_index(model, dataset, out)
         return
-    corpus = Corpus.from_jsonl(dataset / "corpus.jsonl")
+    corpus = Corpus.from_jsonl(dataset / CORPUS_FILE)
     if embed == "model":  # the second stage: the same rows (the same model), its lists extending the first's
         rows = load_file(str(after / "embeddings.safetensors"))["embeddings"]
     else:

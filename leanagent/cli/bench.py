@@ -28,6 +28,7 @@ from leanagent.bench.options import (
     SwapOptions,
 )
 from leanagent.cli.common import CommandError, add_model_options, check_device, model_from_args
+from leanagent.ground.names import CORPUS_FILE, DEFAULT_SPLIT, TEST_PART, part_file
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,8 @@ class BenchSection:
 def _check_path(options: BenchOptions) -> None:
     if options.model is not None and options.preset is not None:
         raise CommandError("--model and --preset: give one (the preset is a random encoder of that shape)")
-    if not (options.dataset / "corpus.jsonl").is_file():
-        raise CommandError(f"{options.dataset}: no corpus.jsonl (write one with `leanagent demo-data OUT "
+    if not (options.dataset / CORPUS_FILE).is_file():
+        raise CommandError(f"{options.dataset}: no {CORPUS_FILE} (write one with `leanagent demo-data OUT "
                            f"--mathlib-scale`)")
     missing = [str(p) for p in options.states if not p.is_file()]
     if missing:
@@ -78,8 +79,9 @@ def _check_file(attribute: str) -> Callable[[BaseModel], None]:
 def _check_batching(options: BatchingOptions) -> None:
     if not (options.index / "index.json").is_file():
         raise CommandError(f"{options.index}: no index.json (build one with `leanagent index`)")
-    if not (options.dataset / "random" / "test.json").is_file():
-        raise CommandError(f"{options.dataset}: no random/test.json to take proof states from")
+    states = options.dataset / DEFAULT_SPLIT / part_file(TEST_PART)
+    if not states.is_file():
+        raise CommandError(f"{options.dataset}: no {states.relative_to(options.dataset)} to take proof states from")
 
 
 SECTIONS: tuple[BenchSection, ...] = (

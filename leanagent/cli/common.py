@@ -25,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from leanagent.ground.config import format_validation_error
+from leanagent.ground.names import AUTO, DTYPE_CHOICES
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2  # argparse's own
@@ -58,7 +59,7 @@ def check_device(device: str) -> None:
 
 def add_dtype_argument(p: argparse.ArgumentParser) -> None:
     """`--dtype`, one meaning for `index`, `retrieve` and `serve` (`leanagent.model.dtypes`)."""
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "int8"],
+    p.add_argument("--dtype", default=AUTO, choices=DTYPE_CHOICES,
                    help="the encoder's precision (default auto: bf16 on a GPU or mps, and on a CPU with bf16 "
                         "matmuls, where it agreed with fp32; fp32 on other CPUs; int8: dynamic quantization, CPU "
                         "only); an index serves at any dtype")

@@ -7,17 +7,18 @@ from pathlib import Path
 
 from leanagent.cli.common import CommandError
 from leanagent.ground.config import ConfigError, PipelineConfig
+from leanagent.ground.names import DEFAULT_SPLIT
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="check LeanDojo datasets before any GPU time is spent")
     p.add_argument("datasets", nargs="+", help="LeanDojo dataset folders (corpus.jsonl, SPLIT/*.json)")
-    p.add_argument("--split", default="random", help="the split folder to read (default: random)")
+    p.add_argument("--split", default=DEFAULT_SPLIT, help=f"the split folder to read (default: {DEFAULT_SPLIT})")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("curriculum", help="LeanAgent's repository order: Easy/Medium/Hard counts and percentiles")
     p.add_argument("datasets", nargs="+", help="dataset folders; repositories are named by folder name")
-    p.add_argument("--split", default="random", help="the split folder to read (default: random)")
+    p.add_argument("--split", default=DEFAULT_SPLIT, help=f"the split folder to read (default: {DEFAULT_SPLIT})")
     p.add_argument("--json", help="also write {order, counts, percentiles} to this file")
     p.set_defaults(func=cmd_curriculum)
 

@@ -1,4 +1,9 @@
-"""`train`, `fisher`, `evaluate`: one job of the rank programs, launched as the config's launcher says."""
+"""`train`, `fisher`, `evaluate`: one job of the rank programs, launched as the config's launcher says.
+
+A command per program of `leanagent.ground.job.PROGRAMS`, its flags the fields of `JobRequest` that program takes
+(their help the fields' descriptions), so a new program, or a new field of a job, is a new command or flag here with
+nothing written in this module.
+"""
 
 from __future__ import annotations
 
@@ -6,47 +11,66 @@ import argparse
 import json
 import sys
 import tempfile
+import typing
 from pathlib import Path
 
-from leanagent.cli.common import VERBOSE_HELP, CommandError
+from pydantic import ValidationError
+
+from leanagent.cli.common import VERBOSE_HELP, CommandError, option_error
 from leanagent.ground.config import ConfigError, dump_config
-from leanagent.ground.job import PROGRAMS
+from leanagent.ground.job import PROGRAMS, JobRequest, ProgramSpec
 from leanagent.ground.supervision import Interrupted, interrupt_on_signals
+
+# The request's fields a command line does not give: the program is the command, the label the flow's; the index's
+# datasets and the index it extends are the flow's (a command's index is one of the datasets it evaluates).
+NOT_FLAGS = ("program", "label", "index_datasets", "index_after")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     for name, spec in PROGRAMS.items():
         p = sub.add_parser(name, help=spec.summary)
-        p.add_argument("--config", required=True, help="the pipeline config YAML (model, data, trainer)")
-        if spec.several_datasets:
-            p.add_argument("--dataset", required=True, action="append",
-                           help="repeat to score the model on several datasets in one job (loaded once)")
-        else:
-            p.add_argument("--dataset", required=True, help="a LeanDojo dataset folder")
-        p.add_argument("--out", required=True, help="job folder; result.json is written here")
-        p.add_argument("--checkpoint", required=spec.needs_checkpoint, help=spec.checkpoint_help)
-        if spec.takes_fisher:
-            p.add_argument("--fisher", help="Fisher .safetensors of the previous repository: enables EWC")
-        if spec.takes_index:
-            p.add_argument("--index", metavar="INDEX",
-                           help="also write the model's premise index over the datasets' corpora (a file two carry: "
-                                "the last one's version) into this new or empty folder, for `leanagent serve` and "
-                                "`retrieve`; the premises the tests embedded are not embedded again")
+        add_job_flags(p, spec)
         p.add_argument("--node-rank", type=int, help="override trainer.node_rank (multi-node)")
         p.add_argument("--rdzv-endpoint", help="override trainer.rdzv_endpoint (multi-node)")
-        p.add_argument("--timeout", type=float, help="end the job after this many seconds")
-        p.add_argument("--heartbeat-timeout", type=float, help="end the job when a rank is silent this long")
         p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
         p.set_defaults(func=cmd_job, program=name)
 
 
+def add_job_flags(p: argparse.ArgumentParser, spec: ProgramSpec) -> None:
+    """A flag per field of `JobRequest` that `spec`'s program takes; its value is validated by the request."""
+    for name, field in JobRequest.model_fields.items():
+        taken_if = JobRequest.TAKEN_IF.get(name)
+        if name in NOT_FLAGS or (taken_if is not None and not getattr(spec, taken_if)):
+            continue
+        flag = "--" + (field.alias or name).replace("_", "-")
+        help_text = field.description
+        if name == "checkpoint":
+            help_text = spec.checkpoint_help
+        several = typing.get_origin(field.annotation) is tuple
+        if several and spec.several_datasets:
+            help_text += "; repeat it to score the model on several datasets in one job (loaded once)"
+        p.add_argument(flag, dest=name, action="append" if several else "store", help=help_text,
+                       required=field.is_required() or (name == "checkpoint" and spec.needs_checkpoint),
+                       metavar=(field.alias or name).upper())
+
+
+def job_from_args(args: argparse.Namespace, config: Path) -> JobRequest:
+    """The request the flags give, its `config` the file the ranks read; a refused value names its flag."""
+    values = {name: getattr(args, name) for name in JobRequest.model_fields if getattr(args, name, None) is not None}
+    try:
+        return JobRequest(**{**values, "program": args.program, "config": config})
+    except ValidationError as exc:
+        raise option_error(exc) from None
+
+
 def cmd_job(args: argparse.Namespace) -> int:
     from leanagent.ground.atomic import refuse_non_empty
-    from leanagent.ground.job import IndexRequest, JobFinishedError, JobInputError
+    from leanagent.ground.job import JobFinishedError, JobInputError
     from leanagent.launch.base import LaunchError
     from leanagent.launch.registry import load_checked_config
     from leanagent.preflight.run_job import run_job
 
+    job_from_args(args, Path(args.config))  # a bad flag value is refused before the config is even read
     try:
         with interrupt_on_signals():
             cfg = load_checked_config(args.config)
@@ -54,23 +78,17 @@ def cmd_job(args: argparse.Namespace) -> int:
                 cfg.trainer.node_rank = args.node_rank
             if args.rdzv_endpoint is not None:
                 cfg.trainer.rdzv_endpoint = args.rdzv_endpoint
+            if getattr(args, "index", None):
+                try:  # before any launch: nothing a user keeps is replaced
+                    refuse_non_empty(Path(args.index))
+                except FileExistsError as exc:
+                    raise CommandError(f"--index {exc}") from None
             with tempfile.TemporaryDirectory(prefix="leanagent-") as tmp:
                 # Each rank reads the YAML: hand it the config with the overrides, resolved paths included.
                 # It lives only as long as the job, and never in --out, which may be a finished job.
                 config_path = Path(tmp) / "config.yaml"
                 dump_config(cfg, config_path)
-                datasets = [Path(d) for d in (args.dataset if isinstance(args.dataset, list) else [args.dataset])]
-                index = None
-                if getattr(args, "index", None):
-                    try:  # before any launch: nothing a user keeps is replaced
-                        refuse_non_empty(Path(args.index))
-                    except FileExistsError as exc:
-                        raise CommandError(f"--index {exc}") from None
-                    index = IndexRequest(Path(args.index), tuple(datasets))
-                result = run_job(cfg, config_path, args.program, datasets, Path(args.out),
-                                 checkpoint=Path(args.checkpoint) if args.checkpoint else None,
-                                 fisher=Path(args.fisher) if getattr(args, "fisher", None) else None,
-                                 timeout_s=args.timeout, heartbeat_timeout_s=args.heartbeat_timeout, index=index)
+                result = run_job(cfg, job_from_args(args, config_path))
     except (ConfigError, JobInputError, JobFinishedError, LaunchError) as exc:
         raise CommandError(str(exc)) from None
     except Interrupted as exc:

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from leanagent.cli.common import CommandError
+from leanagent.ground.names import PRESET_NAMES, TINY
 
 BASE_MODEL_HELP = ("for a LeanAgent/ReProver checkpoint: the HF folder or cached id giving its architecture "
                    "(default: its model_name, else byt5-small's shape)")
@@ -15,7 +16,7 @@ BASE_MODEL_HELP = ("for a LeanAgent/ReProver checkpoint: the HF folder or cached
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("init-model", help="write a random ByT5-architecture encoder (offline)")
     p.add_argument("out", help="a new or empty folder: a Hugging Face model folder (config, weights, tokenizer)")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "byt5-small"],
+    p.add_argument("--preset", default=TINY, choices=PRESET_NAMES,
                    help="tiny: a few layers, for CPU runs; byt5-small: the retriever's shape (default tiny)")
     p.add_argument("--seed", type=int, default=0, help="the weights' seed (default 0)")
     p.set_defaults(func=cmd_init_model)

@@ -45,8 +45,8 @@ from pathlib import Path
 import numpy as np
 
 from leanagent.data.theorems import Theorem, has_sorry, load_split
+from leanagent.ground.names import DEFAULT_SPLIT, PARTS, part_file
 
-SPLIT_NAMES = ("train", "val", "test")
 PERCENTILES = (33, 67)
 # e^S for S > 709 does not fit in a float; see the module docstring.
 LARGEST_RATING = sys.float_info.max
@@ -148,18 +148,18 @@ def build_curriculum(repos: Mapping[str, Sequence[Theorem]], kept: Sequence[str]
     return Curriculum([*kept, *new], counts, percentiles, len(kept))
 
 
-def load_repo_theorems(dataset_dir: Path, split: str = "random") -> list[Theorem]:
+def load_repo_theorems(dataset_dir: Path, split: str = DEFAULT_SPLIT) -> list[Theorem]:
     """Every theorem of the split folder: train.json, val.json and test.json (a missing file adds none)."""
     folder = Path(dataset_dir) / split
     theorems: list[Theorem] = []
-    for name in SPLIT_NAMES:
-        path = folder / f"{name}.json"
+    for part in PARTS:
+        path = folder / part_file(part)
         if path.is_file():
             theorems += load_split(path)
     return theorems
 
 
-def curriculum_of_datasets(datasets: Mapping[str, Path], split: str = "random", kept: Sequence[str] = ()
+def curriculum_of_datasets(datasets: Mapping[str, Path], split: str = DEFAULT_SPLIT, kept: Sequence[str] = ()
                            ) -> Curriculum:
     """The curriculum of dataset folders, keyed by the names given (display names, folder names)."""
     return build_curriculum({name: load_repo_theorems(path, split=split) for name, path in datasets.items()}, kept)

@@ -31,6 +31,7 @@ from leanagent.data.premise_table import PremiseTable
 from leanagent.data.records import Pos
 from leanagent.data.theorems import Theorem, load_split
 from leanagent.ground.config import DataConfig
+from leanagent.ground.names import CORPUS_FILE, TEST_PART, TRAIN_PART, VAL_PART, part_file
 
 
 def next_training_epoch(trainer: pl.Trainer) -> int:
@@ -65,16 +66,15 @@ class RetrievalDataModule(pl.LightningDataModule):
         self.cfg = data_cfg
         self.premise_max_len = premise_max_len
         self.seed = seed
-        self.corpus = Corpus.from_jsonl(self.dataset_dir / "corpus.jsonl")
+        self.corpus = Corpus.from_jsonl(self.dataset_dir / CORPUS_FILE)
         split_dir = self.dataset_dir / data_cfg.split
-        train_file = split_dir / "train.json"
-        self.train_theorems: list[Theorem] = load_split(train_file)
-        self.val_theorems = self._load_optional(split_dir / "val.json")
-        self.test_theorems = self._load_optional(split_dir / "test.json")
+        self.train_theorems: list[Theorem] = load_split(split_dir / part_file(TRAIN_PART))
+        self.val_theorems = self._load_optional(split_dir / part_file(VAL_PART))
+        self.test_theorems = self._load_optional(split_dir / part_file(TEST_PART))
         self.train_examples = build_train_examples(self.corpus, self.train_theorems)
         if not self.train_examples:
             raise DatasetError(
-                f"{self.dataset_dir.name}/{data_cfg.split}/train.json: no training example "
+                f"{self.dataset_dir.name}/{data_cfg.split}/{part_file(TRAIN_PART)}: no training example "
                 f"(no tactic has a premise annotation found in the corpus)"
             )
         self.val_examples = build_eval_examples(self.corpus, self.val_theorems)

@@ -20,8 +20,7 @@ from leanagent.data.examples import build_eval_examples, build_train_examples
 from leanagent.data.negatives import sample_negatives
 from leanagent.data.theorems import load_split
 from leanagent.ground.config import DataConfig
-
-SPLITS = ("train", "val", "test")
+from leanagent.ground.names import CORPUS_FILE, PARTS, TRAIN_PART, part_file
 
 
 def premise_record(corpus: Corpus, index: int) -> dict[str, Any]:
@@ -54,13 +53,13 @@ def _eval_lines(corpus: Corpus, theorems: list) -> Iterator[dict[str, Any]]:
 def write_example_files(dataset: Path, out: Path, cfg: DataConfig, seed: int) -> dict[str, int]:
     """Write OUT/{train,val,test}.jsonl for `dataset`'s `cfg.split`; returns the line count per file."""
     dataset, out = Path(dataset), Path(out)
-    corpus = Corpus.from_jsonl(dataset / "corpus.jsonl")
+    corpus = Corpus.from_jsonl(dataset / CORPUS_FILE)
     out.mkdir(parents=True, exist_ok=True)
     counts = {}
-    for split in SPLITS:
-        source = dataset / cfg.split / f"{split}.json"
+    for split in PARTS:
+        source = dataset / cfg.split / part_file(split)
         theorems = load_split(source) if source.is_file() else []
-        lines = _train_lines(corpus, theorems, cfg, seed) if split == "train" else _eval_lines(corpus, theorems)
+        lines = _train_lines(corpus, theorems, cfg, seed) if split == TRAIN_PART else _eval_lines(corpus, theorems)
         target = out / f"{split}.jsonl"
         tmp = target.with_name(target.name + ".tmp")
         n = 0

@@ -32,16 +32,16 @@ from leanagent.data.errors import DatasetError
 from leanagent.data.theorems import read_split_json, split_source
 from leanagent.ground.atomic import write_atomic
 from leanagent.ground.file_digest import sha256_file
+from leanagent.ground.names import CORPUS_FILE, DEFAULT_SPLIT, PART_FILES
 
-SPLIT_FILES = ("train.json", "val.json", "test.json")
 MERGE_FILE = "merge.json"
-CORPUS_FILE = "corpus.jsonl"
 LISTED = 10  # conflicting paths named in merge.json
 
 
 def dataset_files(split: str) -> list[str]:
-    """The files of a dataset that a merge reads, and writes: relative names, corpus first."""
-    return [CORPUS_FILE, *(f"{split}/{name}" for name in SPLIT_FILES)]
+    """The files of a dataset a run reads (and a merge writes), relative to its folder, corpus first:
+    `corpus.jsonl`, `random/train.json`, `random/val.json`, `random/test.json`."""
+    return [CORPUS_FILE, *(f"{split}/{name}" for name in PART_FILES)]
 
 
 def digests(dataset: Path, split: str) -> dict[str, str]:
@@ -58,7 +58,7 @@ def _theorem_key(raw: Any, where: str) -> tuple:
                            f"({type(exc).__name__}: {exc})") from None
 
 
-def merge_datasets(sources: Sequence[Path], out: Path, split: str = "random") -> dict[str, Any]:
+def merge_datasets(sources: Sequence[Path], out: Path, split: str = DEFAULT_SPLIT) -> dict[str, Any]:
     """Write the merge of `sources` (in curriculum order) to the new folder `out`; return what `merge.json` holds."""
     out = Path(out)
     if out.exists():
@@ -116,7 +116,7 @@ def _merge_theorems(sources: Sequence[Path], out: Path, split: str) -> tuple[dic
     chosen: dict[tuple, tuple[str, Any]] = {}
     duplicates = 0
     for source in sources:
-        for name in SPLIT_FILES:
+        for name in PART_FILES:
             path = Path(source) / split / name
             where = split_source(path)
             for k, raw in enumerate(read_split_json(path)):
@@ -124,7 +124,7 @@ def _merge_theorems(sources: Sequence[Path], out: Path, split: str) -> tuple[dic
                 duplicates += key in chosen
                 chosen[key] = (name, raw)
     counts = {}
-    for name in SPLIT_FILES:
+    for name in PART_FILES:
         theorems = [raw for split_name, raw in chosen.values() if split_name == name]
         counts[name.removesuffix(".json")] = len(theorems)
         write_atomic(out / name, lambda f, t=theorems: json.dump(t, f, ensure_ascii=False))

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from leanagent.data.synthetic_scale import MATHLIB_SCALE, Decl, ScaleFiles, ScaleSpec, decl_annotation, scale_files
+from leanagent.ground.names import CORPUS_FILE, DEFAULT_SPLIT, TEST_PART, TRAIN_PART, VAL_PART, part_file
 
 _LAKE_PACKAGES = ".lake/packages/"
 CORE_PATH = f"{_LAKE_PACKAGES}core/Core/Basic.lean"
@@ -253,7 +254,7 @@ def _write_dataset(out: Path, files: list[_File], theorems: list[dict[str, Any]]
     """`dependency_lines`: the shared dependency's corpus lines, written as they are after the `.lake` files."""
     out.mkdir(parents=True, exist_ok=True)
     lake = [f for f in files if f.path.startswith(".lake/")] if dependency_lines else files
-    with open(out / "corpus.jsonl", "w", encoding="utf-8") as fh:
+    with open(out / CORPUS_FILE, "w", encoding="utf-8") as fh:
         for f in lake:
             record = {"path": f.path, "imports": f.imports, "premises": [lem.premise() for lem in f.lemmas]}
             fh.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -267,13 +268,14 @@ def _write_dataset(out: Path, files: list[_File], theorems: list[dict[str, Any]]
     rng.shuffle(shuffled)
     n_train, n_val = round(0.7 * len(shuffled)), round(0.15 * len(shuffled))
     parts = {
-        "train": shuffled[:n_train],
-        "val": shuffled[n_train : n_train + n_val],
-        "test": shuffled[n_train + n_val :],
+        TRAIN_PART: shuffled[:n_train],
+        VAL_PART: shuffled[n_train : n_train + n_val],
+        TEST_PART: shuffled[n_train + n_val :],
     }
-    (out / "random").mkdir(exist_ok=True)
+    (out / DEFAULT_SPLIT).mkdir(exist_ok=True)
     for name, part in parts.items():
-        (out / "random" / f"{name}.json").write_text(json.dumps(part, ensure_ascii=False, indent=1), encoding="utf-8")
+        text = json.dumps(part, ensure_ascii=False, indent=1)
+        (out / DEFAULT_SPLIT / part_file(name)).write_text(text, encoding="utf-8")
 
 
 def _repo_namespace(i: int) -> str:

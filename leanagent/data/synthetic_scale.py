@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from leanagent.ground.names import CORPUS_FILE, DEFAULT_SPLIT, TEST_PART, TRAIN_PART, VAL_PART, part_file
+
 LAKE_ROOT = ".lake/packages/lean4/src/lean/"
 _ONSETS = ("b", "c", "d", "f", "g", "gr", "h", "k", "l", "m", "n", "p", "pr", "r", "s", "st", "t", "tr", "v", "z")
 _VOWELS = ("a", "e", "i", "o", "u", "ai", "ou")
@@ -302,15 +304,16 @@ def write_scale_dataset(out: Path, spec: ScaleSpec = MATHLIB_SCALE) -> Path:
     built = scale_files(spec, rng, np_rng)
     theorems = _theorems(spec, built.paths, built.imports, built.decls, built.vocabulary, rng, np_rng)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "corpus.jsonl", "w", encoding="utf-8") as fh:
+    with open(out / CORPUS_FILE, "w", encoding="utf-8") as fh:
         for line in built.corpus_lines():
             fh.write(line + "\n")
     rng.shuffle(theorems)
     n_eval = max(1, round(spec.eval_share * len(theorems)))
-    parts = {"val": theorems[:n_eval], "test": theorems[n_eval : 2 * n_eval], "train": theorems[2 * n_eval :]}
-    (out / "random").mkdir(exist_ok=True)
+    parts = {VAL_PART: theorems[:n_eval], TEST_PART: theorems[n_eval : 2 * n_eval], TRAIN_PART: theorems[2 * n_eval :]}
+    (out / DEFAULT_SPLIT).mkdir(exist_ok=True)
     for name, part in parts.items():
-        (out / "random" / f"{name}.json").write_text(json.dumps(part, ensure_ascii=False, indent=1), encoding="utf-8")
+        text = json.dumps(part, ensure_ascii=False, indent=1)
+        (out / DEFAULT_SPLIT / part_file(name)).write_text(text, encoding="utf-8")
     return out
 
 

@@ -7,6 +7,7 @@ in the size of the data so that a mathlib-size dataset is checked in seconds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +17,7 @@ from leanagent.data.examples import located_positives
 from leanagent.data.imports import strongly_connected_components
 from leanagent.data.records import gc_paused, iter_lines, parse_json_line
 from leanagent.data.theorems import Theorem, parse_theorem, read_split_json, split_source
-
-SPLIT_FILES = ("train.json", "val.json", "test.json")
+from leanagent.ground.names import CORPUS_FILE, DEFAULT_SPLIT, PARTS, TRAIN_PART, part_file
 
 
 @dataclass
@@ -69,7 +69,7 @@ def _read_corpus(path: Path, report: _Report) -> tuple[Corpus | None, list[str],
                 if p.start > p.end:
                     report.add(where, f"premise {p.full_name} starts at {list(p.start)} after it ends at {list(p.end)}")
     except OSError as exc:
-        report.add("corpus.jsonl", f"cannot be read: {exc}")
+        report.add(CORPUS_FILE, f"cannot be read: {exc}")
         return None, unreadable, 0
     missing_imports = 0
     for rec in records:
@@ -78,9 +78,9 @@ def _read_corpus(path: Path, report: _Report) -> tuple[Corpus | None, list[str],
                 if unreadable:  # most likely a file on an unreadable line: counted below, not listed
                     missing_imports += 1
                 else:
-                    report.add(f"corpus.jsonl:{lines[rec.path]}", f"imports {imp} which is not in the corpus")
+                    report.add(f"{CORPUS_FILE}:{lines[rec.path]}", f"imports {imp} which is not in the corpus")
     for cycle in _import_cycles({r.path: r.imports for r in records}):
-        report.add(f"corpus.jsonl:{lines[cycle[0]]}", "import cycle: " + " -> ".join(cycle + [cycle[0]]))
+        report.add(f"{CORPUS_FILE}:{lines[cycle[0]]}", "import cycle: " + " -> ".join(cycle + [cycle[0]]))
     return Corpus(records), unreadable, missing_imports
 
 
@@ -173,7 +173,7 @@ def _check_theorems(theorems: list[Theorem], corpus: Corpus, report: _Report, mi
     return labelled
 
 
-def validate_dataset(dataset_dir: Path, split: str = "random") -> list[Problem]:
+def validate_dataset(dataset_dir: Path, split: str = DEFAULT_SPLIT) -> list[Problem]:
     with gc_paused():
         return _validate(Path(dataset_dir), split)
 
@@ -183,14 +183,14 @@ def _validate(dataset_dir: Path, split: str) -> list[Problem]:
     if not dataset_dir.is_dir():
         report.add("", f"dataset folder {dataset_dir} does not exist")
         return report.problems
-    corpus_file = dataset_dir / "corpus.jsonl"
+    corpus_file = dataset_dir / CORPUS_FILE
     corpus: Corpus | None = None
     unreadable: list[str] = []
     missing_imports = 0
     if corpus_file.is_file():
         corpus, unreadable, missing_imports = _read_corpus(corpus_file, report)
     else:
-        report.add("corpus.jsonl", "missing (every dataset needs its premise corpus)")
+        report.add(CORPUS_FILE, "missing (every dataset needs its premise corpus)")
     missing = _Missing(imports=missing_imports) if unreadable else None
     split_dir = dataset_dir / split
     if not split_dir.is_dir():
@@ -198,7 +198,8 @@ def _validate(dataset_dir: Path, split: str) -> list[Problem]:
         if missing:
             report.add("", missing.summary())
         return report.problems
-    for name in SPLIT_FILES:
+    for part in PARTS:
+        name = part_file(part)
         path = split_dir / name
         if not path.is_file():
             report.add(f"{split}/{name}", "missing")
@@ -207,8 +208,26 @@ def _validate(dataset_dir: Path, split: str) -> list[Problem]:
         if corpus is None:
             continue
         labelled = _check_theorems(theorems, corpus, report, missing)
-        if name == "train.json" and labelled == 0 and missing is None:
+        if part == TRAIN_PART and labelled == 0 and missing is None:
             report.add(f"{split}/{name}", "no training example: no tactic has a premise annotation found in the corpus")
     if missing:
         report.add("", missing.summary())
     return report.problems
+
+
+MAX_LISTED = 20  # problems listed per dataset; `leanagent validate DIR` prints them all
+
+
+def dataset_problems(datasets: Sequence[Path], split: str, max_listed: int = MAX_LISTED) -> list[str]:
+    """One message per invalid dataset, listing up to `max_listed` of its problems: what the checks before a job
+    or a run refuse a dataset with (`leanagent.preflight.checks`)."""
+    messages = []
+    for d in datasets:
+        problems = validate_dataset(Path(d), split=split)
+        if problems:
+            shown = problems[:max_listed]
+            listed = "\n".join(f"  {p}" for p in shown)
+            more = (f"\n  ... and {len(problems) - len(shown)} more (`leanagent validate {d}` lists them all)"
+                    if len(problems) > len(shown) else "")
+            messages.append(f"{d}: {len(problems)} problem(s); nothing was launched:\n{listed}{more}")
+    return messages

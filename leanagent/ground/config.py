@@ -19,6 +19,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from leanagent.ground.names import DEFAULT_SPLIT, PER_EXAMPLE, SPLITS, FisherEstimatorName
+
 ONE_YEAR_SECONDS = 7 * 24 * 60 * 60 * 52
 DEFAULT_MODEL = "kaiyuy/leandojo-lean4-retriever-byt5-small"
 
@@ -70,7 +72,7 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    split: str = Field("random", description="split folder inside each dataset: random or novel_premises")
+    split: str = Field(DEFAULT_SPLIT, description=f"split folder inside each dataset: {' or '.join(SPLITS)}")
     batch_size: int = Field(4, gt=0)
     eval_batch_size: int = Field(64, gt=0)
     num_negatives: int = Field(3, ge=0)
@@ -129,8 +131,8 @@ class LifelongConfig(_Section):
     epochs_per_repo: int = Field(1, gt=0)
     curriculum: bool = True
     ewc_lambda: float = Field(0.0, ge=0, description="0: LeanAgent's main setup; 0.1: its EWC setup")
-    fisher_estimator: Literal["per_example", "reference"] = Field(
-        "per_example",
+    fisher_estimator: FisherEstimatorName = Field(
+        PER_EXAMPLE,
         description="per_example: mean of squared per-example gradients; reference: LeanAgent's compute_fisher "
                     "(squared DDP-averaged batch gradients, summed over steps, divided by the dataset size)")
     keep_checkpoints: Literal["all", "best_and_last"] = Field(
@@ -226,9 +228,14 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PipelineConf
     try:
         config = PipelineConfig.model_validate(raw)
     except ValidationError as exc:
-        given = f" with --set {' '.join(overrides)}" if overrides else ""
-        raise ConfigError(f"{path}{given}: {format_validation_error(exc, PipelineConfig)}") from exc
+        raise ConfigError(f"{config_source(path, overrides)}: {format_validation_error(exc, PipelineConfig)}") from exc
     return resolve_paths(config, path.parent)
+
+
+def config_source(path: str | Path, overrides: Sequence[str] = ()) -> str:
+    """What a refusal of a loaded config names: `run.yaml`, or `run.yaml with --set model.lr=0.1` when settings were
+    given on the command line (the key at fault may be theirs, not the file's)."""
+    return f"{path} with --set {' '.join(overrides)}" if overrides else str(path)
 
 
 def _override(raw: dict[str, Any], item: str) -> None:

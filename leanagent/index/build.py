@@ -10,6 +10,7 @@ import torch
 
 from leanagent.data.corpus import Corpus
 from leanagent.ground import model_identity
+from leanagent.ground.names import CORPUS_FILE
 from leanagent.index.files import CONTEXT_MAX_LEN, PremiseIndexError, check_out, write_index
 from leanagent.index.read import set_dtype
 from leanagent.model.dtypes import precision
@@ -27,9 +28,9 @@ def build_index(model: str | Path, dataset: str | Path, out: str | Path, device:
     `dtype`: the encoder's precision (`leanagent.model.dtypes`); the rows are stored in bf16 whatever it is.
     """
     dataset, out = Path(dataset), Path(out)
-    corpus_file = dataset / "corpus.jsonl"
+    corpus_file = dataset / CORPUS_FILE
     if not corpus_file.is_file():
-        raise PremiseIndexError(f"--dataset {dataset}: no corpus.jsonl in it")
+        raise PremiseIndexError(f"--dataset {dataset}: no {CORPUS_FILE} in it")
     check_out(out, force)
     identity = model_identity.identify(model)  # before loading: the bytes the embeddings come from
     loaded = load_model(model, device, base_model=base_model)

@@ -12,6 +12,7 @@ import torch
 
 from leanagent.data.corpus import Corpus
 from leanagent.data.premise_table import PremiseTable, newest_union
+from leanagent.ground.names import CORPUS_FILE
 from leanagent.index.files import write_index
 
 
@@ -23,7 +24,7 @@ class StageIndex:
     def __init__(self, datasets: Sequence[Path], known: Sequence[Corpus] = ()) -> None:
         """`known`: corpora already loaded (an evaluation's datasets'), reused for the datasets that are theirs."""
         loaded = {c.source: c for c in known if c.source is not None}
-        self.corpora = [loaded.get((Path(d) / "corpus.jsonl").resolve()) or Corpus.from_jsonl(Path(d) / "corpus.jsonl")
+        self.corpora = [loaded.get((Path(d) / CORPUS_FILE).resolve()) or Corpus.from_jsonl(Path(d) / CORPUS_FILE)
                         for d in datasets]
         self.corpus, self.source_corpus, self.source_index = newest_union(self.corpora)
         self._table: PremiseTable | None = None

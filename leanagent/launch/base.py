@@ -38,7 +38,6 @@ from leanagent.ground.config import PipelineConfig
 from leanagent.ground.job import heartbeat_dir, result_filename, stale_ranks
 from leanagent.ground.supervision import SUPERVISION_ENV, pids_dir
 from leanagent.launch.output import JobOutput
-from leanagent.launch.progress_view import job_label
 
 SCRUBBED_ENV = (
     "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
@@ -105,17 +104,16 @@ class Launcher(ABC):
     def launch(self, program_args: Sequence[str], job_dir: Path, on_line: Callable[[str], None] | None = None,
                timeout_s: float | None = None, heartbeat_timeout_s: float | None = None,
                grace_s: float = GRACE_SECONDS, progress_interval_s: float | None = None,
-               label: str | None = None) -> dict:
+               label: str = "job") -> dict:
         """Run one rank program to completion and return its `result.json` (see the module docstring).
 
-        `label` names the job in its progress lines (`train repo_new`); default: `job_label(program_args)`.
+        `label` names the job in its progress lines (`train repo_new`: `JobRequest.title`).
         """
         job_dir = Path(job_dir)
         job_dir.mkdir(parents=True, exist_ok=True)
         # A retry reuses the job folder: the failed attempt's heartbeats are stale by now and must not count.
         shutil.rmtree(heartbeat_dir(job_dir), ignore_errors=True)
         shutil.rmtree(pids_dir(job_dir), ignore_errors=True)
-        label = label or job_label(program_args)
         output = JobOutput(label, on_line, progress_interval_s)
         log_dir = job_dir / "logs" / f"attempt-{time.strftime('%Y%m%d-%H%M%S')}"
         program = program_args[0] if program_args else "torchrun"

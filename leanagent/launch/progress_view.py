@@ -12,8 +12,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from tqdm import tqdm
@@ -68,14 +67,6 @@ def describe(label: str, p: Mapping[str, Any]) -> str:
     parts = ([epoch] if epoch else []) + \
         [f"step {step}/{total} ({100 * step / total:.0f}%)" if total else f"step {step}"] + speed_texts(p)
     return f"{heading(label, p)}: {', '.join(parts)}"
-
-
-def job_label(program_args: Sequence[str]) -> str:
-    """`train repo_1`, `evaluate repo_0,repo_1`: the program and the dataset folders it runs on."""
-    args = list(program_args)
-    names = [Path(args[i + 1]).name for i, a in enumerate(args[:-1]) if a == "--dataset"]
-    program = args[0] if args else "job"
-    return f"{program} {','.join(names)}" if names else program
 
 
 def interval_from_env() -> float:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pydantic import ConfigDict, Field, ValidationError, create_model
 
-from leanagent.ground.config import ConfigError, PipelineConfig, format_validation_error, load_config
+from leanagent.ground.config import ConfigError, PipelineConfig, config_source, format_validation_error, load_config
 from leanagent.launch.base import JobStatus, Launcher, LauncherPlugin
 
 ENTRY_POINT_GROUP = "leanagent.launchers"
@@ -115,7 +115,7 @@ def load_checked_config(path: str | Path, overrides: Sequence[str] = ()) -> Pipe
     cfg = load_config(path, overrides)
     problems = config_problems(cfg)
     if problems:
-        raise ConfigError(f"{path}: {'; '.join(problems)}")
+        raise ConfigError(f"{config_source(path, overrides)}: {'; '.join(problems)}")
     return cfg
 
 

@@ -36,6 +36,7 @@ from leanagent.checkpoints.foreign import (
     reference_state_dict,
 )
 from leanagent.ground.config import PipelineConfig
+from leanagent.ground.names import BYT5_SMALL
 from leanagent.model.options import RetrieverOptions, stored_encoder_config
 from leanagent.model.presets import encoder_config
 from leanagent.model.progress_bars import no_progress_bars
@@ -113,7 +114,7 @@ def reference_architecture(path: Path, checkpoint: Mapping[str, Any], name_or_pa
             return T5Config.from_pretrained(str(source), local_files_only=True), f"{source}'s config"
         except (OSError, ValueError):
             continue  # not a local folder, not in the cache: try the next source
-    return encoder_config("byt5-small"), "the byt5-small shape (no local config found)"
+    return encoder_config(BYT5_SMALL), "the byt5-small shape (no local config found)"
 
 
 def check_weights(path: Path, state_dict: Mapping[str, torch.Tensor], config: T5Config, source: str) -> None:

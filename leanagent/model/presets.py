@@ -12,12 +12,14 @@ import torch
 from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
 
 from leanagent.ground.atomic import refuse_non_empty
+from leanagent.ground.names import BYT5_SMALL, PRESET_NAMES, TINY, check_table
 from leanagent.model.progress_bars import no_progress_bars
 
 PRESETS: dict[str, dict] = {
-    "tiny": {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4},
-    "byt5-small": {"d_model": 1472, "d_kv": 64, "d_ff": 3584, "num_layers": 12, "num_heads": 6},
+    TINY: {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4},
+    BYT5_SMALL: {"d_model": 1472, "d_kv": 64, "d_ff": 3584, "num_layers": 12, "num_heads": 6},
 }
+check_table("leanagent.model.presets.PRESETS", PRESET_NAMES, PRESETS)
 
 
 def encoder_config(preset: str) -> T5Config:
@@ -27,7 +29,7 @@ def encoder_config(preset: str) -> T5Config:
                     tie_word_embeddings=False, dropout_rate=0.1, **PRESETS[preset])
 
 
-def write_random_encoder(out: Path, preset: str = "tiny", seed: int = 0) -> Path:
+def write_random_encoder(out: Path, preset: str = TINY, seed: int = 0) -> Path:
     out = Path(out)
     refuse_non_empty(out)
     torch.manual_seed(seed)

@@ -5,7 +5,7 @@ A refusal costs seconds; the same problem found by the ranks costs a queue wait,
 and a traceback. Each check returns its problems as one clear message each; `PreflightError`
 carries them all. Nothing here writes anything.
 
-- datasets validate (`leanagent.data.validate.validate_dataset`);
+- datasets validate (`leanagent.data.validate.dataset_problems`);
 - the input checkpoint and Fisher file are whole (`leanagent.checkpoints.ours`);
 - the model resolves: a local folder holds a config.json, a hub id is in the local Hugging Face
   cache (or, online, its config.json can be fetched); a job starting from a checkpoint needs no model;
@@ -26,9 +26,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from leanagent.data.validate import validate_dataset
+from leanagent.data.validate import dataset_problems
 from leanagent.ground.config import PipelineConfig, RepoConfig
-from leanagent.ground.job import PROGRAMS, JobInputError, Program
+from leanagent.ground.job import PROGRAMS, JobInputError
 from leanagent.launch.registry import launch_problems
 from leanagent.model.options import RetrieverOptions, stored_encoder_config
 
@@ -59,23 +59,6 @@ def _raise_if(problems: list[str]) -> None:
 
 
 # ---- datasets -----------------------------------------------------------------------------------
-
-MAX_LISTED = 20  # problems listed per dataset; `leanagent validate DIR` prints them all
-
-
-def check_datasets(datasets: Sequence[Path], split: str, max_listed: int = MAX_LISTED) -> list[str]:
-    """One message per invalid dataset, listing up to `max_listed` of its problems."""
-    messages = []
-    for d in datasets:
-        problems = validate_dataset(Path(d), split=split)
-        if problems:
-            shown = problems[:max_listed]
-            listed = "\n".join(f"  {p}" for p in shown)
-            more = (f"\n  ... and {len(problems) - len(shown)} more (`leanagent validate {d}` lists them all)"
-                    if len(problems) > len(shown) else "")
-            messages.append(f"{d}: {len(problems)} problem(s); nothing was launched:\n{listed}{more}")
-    return messages
-
 
 def check_unique_names(named: Sequence[tuple[str, Path]], remedy: str) -> list[str]:
     """Repository names key the curriculum and the job folders: two sharing one would share both."""
@@ -243,7 +226,7 @@ def estimate_run(cfg: PipelineConfig, parameters: int, repos: int | None = None)
     return DiskEstimate(parameters, checkpoints, repos, _written(cfg.run_dir / "jobs"))
 
 
-def estimate_job(cfg: PipelineConfig, program: Program, out: Path, parameters: int) -> DiskEstimate:
+def estimate_job(cfg: PipelineConfig, program: str, out: Path, parameters: int) -> DiskEstimate:
     writes = PROGRAMS[program].writes
     if writes == "checkpoints":
         return DiskEstimate(parameters, checkpoints_per_training(cfg), 0, _written(Path(out) / "checkpoints"))
@@ -297,7 +280,7 @@ def check_disk(estimate: DiskEstimate, where: Path, free_bytes: int | None = Non
 
 # ---- the two entry points ---------------------------------------------------------------------------
 
-def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path], out: Path | None = None,
+def preflight_job(cfg: PipelineConfig, program: str, datasets: Sequence[Path], out: Path | None = None,
                   checkpoint: Path | None = None, fisher: Path | None = None, validate: bool = True,
                   free_bytes: int | None = None, device_count: int | None = None) -> None:
     """Everything one job needs, checked before it is launched; raises PreflightError listing each problem."""
@@ -331,7 +314,7 @@ def preflight_job(cfg: PipelineConfig, program: Program, datasets: Sequence[Path
                   if PROGRAMS[program].writes == "checkpoints" and cfg.trainer.save_top_k != 1 else "")
         problems += check_disk(estimate_job(cfg, program, Path(out), parameters), Path(out), free_bytes, remedy)
     if validate:
-        problems += check_datasets(datasets, cfg.data.split)
+        problems += dataset_problems(datasets, cfg.data.split)
     _raise_if(problems)
 
 
@@ -375,7 +358,9 @@ def preflight_run(cfg: PipelineConfig, repos: Sequence[RepoConfig] | None = None
     (default all; a continued run skips those it recorded with the same digests).
     """
     repos = list(cfg.repos if repos is None else repos)
-    problems = check_launcher(cfg, device_count) + check_options(cfg)
+    # This module's own checks first, then those of the floors below (the model's options, the launcher, the
+    # datasets); the problems are listed in the order a reader fixes them: where it runs, what, on what.
+    problems = []
     start = cfg.lifelong.start_checkpoint
     if start is not None and not start.exists():
         problems.append(f"lifelong.start_checkpoint: {start}: no such checkpoint file or folder")
@@ -392,5 +377,7 @@ def preflight_run(cfg: PipelineConfig, repos: Sequence[RepoConfig] | None = None
     if not repos and cfg.repos_dir is None:
         problems.append("the config lists no repository (`repos` is empty)")
     problems += check_unique_names([(r.display_name, r.path) for r in repos], "give one a distinct `name`")
-    problems += check_datasets([r.path for r in (repos if validate is None else validate)], cfg.data.split)
-    _raise_if(problems)
+    options = check_options(cfg)
+    launcher = launch_problems(cfg, _visible_gpus if device_count is None else lambda: device_count)
+    datasets = dataset_problems([r.path for r in (repos if validate is None else validate)], cfg.data.split)
+    _raise_if(launcher + options + problems + datasets)

@@ -1,12 +1,15 @@
 """What a run of a config will do in its run_dir, found out reading only: the checks before anything is written.
 
-One function, `plan_run`, for the flow (`flows/lifelong.py`, wherever it is started from: the CLI, a schedule, a
-UI trigger, Python) and for `leanagent run` before it starts Prefect, so a bad input answers in a second or two:
+One function, `plan_run`, makes the plan a run follows, once: `leanagent run` makes it before it starts Prefect (so
+a bad input answers in a second or two) and hands it to the flow, and the flow makes it itself when a deployment
+starts it (a schedule, a UI trigger). Nothing keeps a plan between runs: each run checks the disk, the devices and
+the datasets as they are when it starts.
 
 1. the repositories: those `repos` lists, then every ready folder of `repos_dir`, by folder name;
 2. the run_dir's manifest, if any: the same experiment (`run_state` fingerprint), and a sequence of repositories
-   that the config extends at its end (`run_state.check_sequence`: none removed, renamed, reordered or edited,
-   each dataset compared by the SHA-256 of its files);
+   that the config extends at its end, or of which it lists the beginning (`run_state.check_sequence`: none
+   removed from the middle, renamed, reordered or edited, each dataset compared by the SHA-256 of its files). A
+   config that lists only the beginning is behind the run, not against it: it has nothing new (`RunPlan.ahead`);
 3. the run's preflight (launcher, model, disk) and the validation of every dataset the run has not recorded
    with the same digests: a repository trained weeks ago is not read again, only hashed.
 
@@ -20,13 +23,12 @@ already recorded is different: it is part of the run, and a change to it is refu
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from leanagent.data.merge import dataset_files, digests
+from pydantic import BaseModel, ConfigDict
+
+from leanagent.data.merge import digests
 from leanagent.data.validate import validate_dataset
 from leanagent.ground.config import ConfigError, PipelineConfig, RepoConfig
 from leanagent.ground.job import JobInputError
@@ -36,8 +38,10 @@ from leanagent.run.manifest import (
     MANIFEST_NAME,
     ManifestMismatchError,
     RepoEntry,
+    given_before,
     read_manifest,
     recorded_sequence,
+    repo_key,
     waiting_repositories,
 )
 from leanagent.run.state import RunLockedError, RunStateWriteError, check_sequence
@@ -47,10 +51,10 @@ from leanagent.run.state import RunLockedError, RunStateWriteError, check_sequen
 BAD_INPUT = (ConfigError, ManifestMismatchError, RunLockedError, JobInputError)
 # What ends a run in one line though nothing was wrong with its input: the manifest could not be written.
 UNRECORDED = (RunStateWriteError,)
+INLINE = "a config given inline"  # where a config handed over as a value (the UI form, Python) came from
 
 
-@dataclass(frozen=True)
-class NotReady:
+class NotReady(BaseModel):
     """A folder of repos_dir skipped by this run, with the reason."""
 
     name: str
@@ -61,23 +65,37 @@ class NotReady:
         return f"{self.name}: not ready, skipped this run ({self.problem})"
 
 
-@dataclass
-class RunPlan:
-    """The repositories of a run as the config gives them, checked against the run_dir."""
+class Ahead(BaseModel):
+    """A repository the run has recorded after all those the config lists, and the config that gave it."""
 
+    name: str
+    given_by: str | None = None
+
+
+class RunPlan(BaseModel):
+    """A run of a config, checked against its run_dir: what `leanagent run` hands to the flow (a flow parameter, so
+    typed and JSON-serializable), and what the flow makes itself when a deployment starts it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    cfg: PipelineConfig
+    source: str  # where the config came from: its file as given, or INLINE; recorded with the repositories it adds
     repos: list[RepoConfig]  # `repos`, then the ready folders of repos_dir
     entries: dict[str, RepoEntry]  # by display name: the folder and its dataset's digests
     recorded: list[RepoEntry]  # the sequence the manifest holds ([] for a new run_dir), a prefix of every order
-    not_ready: list[NotReady] = field(default_factory=list)
-    manifest: dict | None = None  # as read
+    not_ready: list[NotReady] = []
+    waiting: list[str] = []  # repositories of this config the manifest has with a stage still to run
+    ahead: list[Ahead] = []  # the recorded repositories after the last one this config lists
 
     def nothing_new(self) -> str | None:
-        """`nothing new: 14 repositories trained, 0 waiting` when the run has nothing to do; None otherwise.
+        """`nothing new: 14 repositories trained, 0 waiting`, or `nothing new: the run is ahead of this config
+        (repo_3, from demo/more.yaml)`, when the run has nothing to do; None otherwise.
 
         Read without the run's lock: a run in progress has stages to run, so it never reads as nothing new."""
-        waiting = waiting_repositories(self.manifest) if self.manifest is not None else []
-        if self.new or waiting:
+        if self.new or self.waiting:
             return None
+        if self.ahead:
+            return f"nothing new: the run is ahead of this config ({describe_ahead(self.ahead)})"
         return f"nothing new: {progress_line(len(self.recorded), 0, len(self.not_ready))}"
 
     @property
@@ -90,67 +108,62 @@ class RunPlan:
         known = {e.name for e in self.recorded}
         return [r for r in self.repos if r.display_name not in known]
 
+    @property
+    def kept_repos(self) -> list[RepoConfig]:
+        """The repositories of `kept`, as the config gives them."""
+        by_name = {r.display_name: r for r in self.repos}
+        return [by_name[name] for name in self.kept]
 
-def plan_run(cfg: PipelineConfig, free_bytes: int | None = None, device_count: int | None = None) -> RunPlan:
+    @property
+    def kept(self) -> list[str]:
+        """The recorded repositories this config runs, in the run's order (all of them unless the run is ahead)."""
+        behind = {a.name for a in self.ahead}
+        return [e.name for e in self.recorded if e.name not in behind]
+
+
+def describe_ahead(ahead: Sequence[Ahead]) -> str:
+    """`repo_3, from demo/more.yaml`; `repo_3, repo_4, from a.yaml; repo_5, from b.yaml`; `repo_3` (source unknown)."""
+    groups: list[tuple[str | None, list[str]]] = []
+    for a in ahead:
+        if groups and groups[-1][0] == a.given_by:
+            groups[-1][1].append(a.name)
+        else:
+            groups.append((a.given_by, [a.name]))
+    return "; ".join(", ".join(names) + (f", from {source}" if source else "") for source, names in groups)
+
+
+def plan_run(cfg: PipelineConfig, source: str = INLINE, free_bytes: int | None = None,
+             device_count: int | None = None) -> RunPlan:
     """Every check of a run before anything is written: raises ConfigError, ManifestMismatchError or PreflightError
-    (each naming the file, key or repository), or returns the plan.
-
-    A run is planned once: `leanagent run` plans before it starts Prefect (a refusal answered in a second), and the
-    flow it then runs in the same process takes that plan instead of hashing and validating every new dataset
-    again, as long as nothing it read has changed since (`_inputs`: the config, the manifest, each dataset file's
-    size and modification time, the folders of repos_dir)."""
-    key = _inputs(cfg) if free_bytes is None and device_count is None else None
-    cached = _LAST_PLAN.get(key) if key is not None else None
-    if cached is not None and time.monotonic() - cached[0] < PLAN_FRESH_S:
-        return cached[1]
-    plan = _plan(cfg, free_bytes, device_count)
-    if key is not None:
-        _LAST_PLAN.clear()
-        _LAST_PLAN[key] = (time.monotonic(), plan)
-    return plan
-
-
-# The last plan of this process, by what it read, and when. A served deployment plans in one process week after
-# week: a plan older than this is made again, so the disk and the devices are checked as they are now.
-_LAST_PLAN: dict[str, tuple[float, RunPlan]] = {}
-PLAN_FRESH_S = 300.0
-
-
-def _inputs(cfg: PipelineConfig) -> str:
-    """What a plan reads, as one key: the config, and the size and modification time of the manifest, of every
-    dataset file of the listed repositories and of repos_dir's folders (a new upload is a new key)."""
-    files = [cfg.run_dir / MANIFEST_NAME]
-    folders = [Path(r.path) for r in cfg.repos]
-    if cfg.repos_dir is not None and cfg.repos_dir.is_dir():
-        files.append(cfg.repos_dir)
-        folders += sorted(p for p in cfg.repos_dir.iterdir() if p.is_dir())
-    files += [folder / name for folder in folders for name in dataset_files(cfg.data.split)]
-    stats = []
-    for path in files:
-        try:
-            st = path.stat()
-            stats.append((str(path), st.st_size, st.st_mtime_ns))
-        except OSError:
-            stats.append((str(path), None, None))
-    return json.dumps([cfg.model_dump(mode="json"), stats], sort_keys=True, default=str)
-
-
-def _plan(cfg: PipelineConfig, free_bytes: int | None, device_count: int | None) -> RunPlan:
+    (each naming the file, key or repository), or returns the plan. `source` names the config (its file)."""
+    listed = list(cfg.repos)
+    found, not_ready = _repos_dir(cfg.repos_dir, listed)
     manifest_path = cfg.run_dir / MANIFEST_NAME
     manifest = read_manifest(manifest_path) if manifest_path.is_file() else None
+    recorded = recorded_sequence(manifest) if manifest is not None else []
+    given_before_now = given_before(manifest) if manifest is not None else []
+    waiting = waiting_repositories(manifest) if manifest is not None else []
+    given_by = {e.name: (manifest or {}).get("repos", {}).get(repo_key(i, e.name), {}).get("given_by")
+                for i, e in enumerate(recorded)}
     if manifest is not None:
         check_experiment(manifest_path, manifest, cfg)
-    recorded = {e.name: e for e in recorded_sequence(manifest)} if manifest is not None else {}
-    listed = list(cfg.repos)
-    folders, not_ready, validated = _repos_dir(cfg, listed, recorded)
-    repos = listed + folders
-    entries = {r.display_name: _entry(r, cfg.data.split) for r in repos}
+    # A new folder of repos_dir that does not validate is skipped for this run (and read again by the next one); a
+    # folder the run has recorded is taken unread: a change to it is the sequence check's to refuse.
+    known = {e.name: e for e in recorded}
+    problems = {folder.name: validate_dataset(folder, cfg.data.split) for folder in found if folder.name not in known}
+    not_ready += [NotReady(name=name, path=cfg.repos_dir / name, problem=str(bad[0]) + (
+                      f"; and {len(bad) - 1} more" if len(bad) > 1 else "")) for name, bad in problems.items() if bad]
+    repos = listed + [RepoConfig(path=folder) for folder in found if not problems.get(folder.name)]
+    entries = {r.display_name: RepoEntry(r.display_name, Path(r.path), digests(Path(r.path), cfg.data.split)
+                                         if Path(r.path).is_dir() else None) for r in repos}
     given = [entries[r.display_name] for r in repos]
-    sequence = check_sequence(manifest_path, manifest, given) if manifest is not None else []
-    unread = [r for r in repos if r.display_name not in validated and not _unchanged(recorded.get(r.display_name),
-                                                                                     entries[r.display_name])]
+    sequence = check_sequence(manifest_path, recorded, given_before_now, given) if manifest is not None else []
+    ahead = [Ahead(name=e.name, given_by=given_by.get(e.name)) for e in sequence if e.name not in entries]
+    unread = [r for r in repos if r.display_name not in problems and not _unchanged(known.get(r.display_name),
+                                                                                    entries[r.display_name])]
     preflight_run(cfg, repos, unread, free_bytes, device_count)
-    return RunPlan(repos, entries, sequence, not_ready, manifest)
+    return RunPlan(cfg=cfg, source=source, repos=repos, entries=entries, recorded=sequence, not_ready=not_ready,
+                   waiting=[name for name in waiting if name in entries], ahead=ahead)
 
 
 def progress_line(trained: int, waiting: Sequence[str] | int, not_ready: int = 0) -> str:
@@ -162,49 +175,28 @@ def progress_line(trained: int, waiting: Sequence[str] | int, not_ready: int = 0
     return line + (f", {not_ready} not ready in repos_dir" if not_ready else "")
 
 
-def _entry(repo: RepoConfig, split: str) -> RepoEntry:
-    path = Path(repo.path)
-    return RepoEntry(repo.display_name, path, digests(path, split) if path.is_dir() else None)
-
-
 def _unchanged(recorded: RepoEntry | None, now: RepoEntry) -> bool:
     """Recorded with these very files, so validated when it was recorded: not read again."""
     return recorded is not None and recorded.dataset is not None and recorded.dataset == now.dataset
 
 
-def _repos_dir(cfg: PipelineConfig, listed: list[RepoConfig], recorded: dict[str, RepoEntry]
-               ) -> tuple[list[RepoConfig], list[NotReady], set[str]]:
-    """The folders of repos_dir as repositories (sorted by name), those skipped as not ready, and the names of
-    those validated here.
-
-    A folder the run has recorded is always taken, unread: a change to it is the sequence check's to refuse.
-    """
-    root = cfg.repos_dir
+def _repos_dir(root: Path | None, listed: list[RepoConfig]) -> tuple[list[Path], list[NotReady]]:
+    """The folders of repos_dir, sorted by name, that may be repositories (not yet validated), and those skipped as
+    not ready because a repository of `repos` has their name."""
     if root is None:
-        return [], [], set()
+        return [], []
     if not root.is_dir():
         raise PreflightError(f"repos_dir {root}: no such folder")
     names = {r.display_name: r.path for r in listed}
     paths = {Path(r.path).resolve() for r in listed}
-    ready: list[RepoConfig] = []
+    found: list[Path] = []
     skipped: list[NotReady] = []
-    validated: set[str] = set()
     for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         if folder.resolve() in paths:
             continue  # listed under `repos` as well: it is that repository
-        repo = RepoConfig(path=folder)
         if folder.name in names:
-            skipped.append(NotReady(folder.name, folder, f"named like the repository {names[folder.name]} of "
-                                                         f"`repos`; rename one"))
-            continue
-        if folder.name in recorded:
-            ready.append(repo)
-            continue
-        problems = validate_dataset(folder, cfg.data.split)
-        validated.add(folder.name)
-        if problems:
-            more = f"; and {len(problems) - 1} more" if len(problems) > 1 else ""
-            skipped.append(NotReady(folder.name, folder, f"{problems[0]}{more}"))
+            problem = f"named like the repository {names[folder.name]} of `repos`; rename one"
+            skipped.append(NotReady(name=folder.name, path=folder, problem=problem))
         else:
-            ready.append(repo)
-    return ready, skipped, validated
+            found.append(folder)
+    return found, skipped

@@ -108,31 +108,40 @@ class RunState:
     def __init__(self, run_dir: Path, cfg: PipelineConfig) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / MANIFEST_NAME
+        self._stored: str | None = None  # the manifest as read: `extend` writes only what differs from it
+        stored = read_manifest(self.path) if self.path.is_file() else None
+        given = given_before(stored) if stored is not None else []  # a version 1 manifest has it in its config
         fields = fingerprint_fields(cfg)
         fingerprint = config_fingerprint(cfg)
-        self._stored: str | None = None  # the manifest as read: `extend` writes only what differs from it
-        if self.path.is_file():
-            self.data: dict[str, Any] = read_manifest(self.path)
+        if stored is not None:
+            self.data: dict[str, Any] = stored
             self._stored = json.dumps(self.data, sort_keys=True)
             check_config(self.path, self.data, fields)
-            self.data["given"] = given_before(self.data)  # a version 1 manifest has it in the config replaced next
+            self.data["given"] = given
             # Only knobs added since, at their defaults (or none): the same experiment, in today's terms.
             self.data["fingerprint"], self.data["config"] = fingerprint, fields
         else:
             self.data = {"version": MANIFEST_VERSION, "fingerprint": fingerprint, "config": fields, "order": None,
                          "repos": {}, "created_at": _now()}
 
-    def extend(self, ordered: list[RepoEntry], given: list[RepoEntry]) -> None:
+    def extend(self, ordered: list[RepoEntry], given: list[RepoEntry], given_by: str | None = None) -> None:
         """Record the run's sequence: the recorded repositories (checked against `given` again, under the lock),
-        then the new ones of `ordered`. The manifest is written only when something changed."""
-        recorded = check_sequence(self.path, self.data, given)
+        then the new ones of `ordered`, each with the config that gave it (`given_by`, its file). The manifest is
+        written only when something changed; a config the run is ahead of changes nothing."""
+        recorded = check_sequence(self.path, recorded_sequence(self.data), self.data.get("given") or [], given)
+        beyond = ahead_of(recorded, given)
+        if beyond:
+            if [e.name for e in ordered] != [e.name for e in recorded[: len(recorded) - len(beyond)]]:
+                raise ManifestMismatchError(f"{self.path}: the run's sequence changed while this run was being "
+                                            f"checked; nothing was written: run it again")
+            return
         if [e.name for e in ordered[: len(recorded)]] != [e.name for e in recorded]:
             raise ManifestMismatchError(
                 f"{self.path}: another run recorded the repositories {[e.name for e in recorded]} while this one was "
                 f"being checked (it ordered {[e.name for e in ordered]}); nothing was written: run it again")
         for i, entry in enumerate(ordered):
             repo = self.data["repos"].setdefault(repo_key(i, entry.name), {"index": i, "name": entry.name,
-                                                                           "stages": {}})
+                                                                           "given_by": given_by, "stages": {}})
             repo["path"] = str(entry.path)  # a folder moved with its data unchanged is the same repository
             if entry.dataset is not None:
                 repo["dataset"] = dict(entry.dataset)
@@ -187,19 +196,25 @@ class RunState:
         self._stored = json.dumps(self.data, sort_keys=True)
 
 
-def check_sequence(path: Path, manifest: dict[str, Any], given: list[RepoEntry]) -> list[RepoEntry]:
-    """The recorded sequence, once every repository of it is found in `given` under its name, with the same dataset
-    and in the same relative order as before; raises ManifestMismatchError naming the first one that is not.
+def check_sequence(path: Path, recorded: list[RepoEntry], old_given: list[str], given: list[RepoEntry]
+                   ) -> list[RepoEntry]:
+    """The recorded sequence (`recorded_sequence` of the manifest at `path`), once every repository of it is found in
+    `given` under its name, with the same dataset and in the same relative order as the run's configs gave them
+    (`old_given`, `given_before`); raises ManifestMismatchError naming the first one that is not.
 
     A run only grows at its end: its checkpoints, Fisher files and results were trained in this order on these
     datasets, so a repository removed, renamed, reordered or edited would make the run a mix of two experiments.
+    A config that lists the beginning of the sequence and nothing new (the run's first config, rerun after a
+    continuation added repositories) is not refused: the run is ahead of it (`ahead_of`).
     """
-    recorded = recorded_sequence(manifest)
     known = {e.name for e in recorded}
     by_name = {e.name: e for e in given}
+    ahead = {e.name for e in ahead_of(recorded, given)}
     for i, old in enumerate(recorded):
         new = by_name.get(old.name)
         where = f"repository {old.name!r} (#{i + 1} of this run's sequence, {old.path})"
+        if new is None and old.name in ahead:
+            continue
         if new is None:
             renamed = next((e for e in given if e.name not in known and (
                 e.path == old.path or (old.dataset is not None and e.dataset == old.dataset))), None)
@@ -217,7 +232,6 @@ def check_sequence(path: Path, manifest: dict[str, Any], given: list[RepoEntry])
                 f"{path}: the dataset of {where} changed since the run recorded it ({new.path / file}: sha256 "
                 f"{_short(old.dataset.get(file))}, now {_short(new.dataset.get(file))}); restore it, give the new "
                 f"data another name (a new repository), or choose another run_dir")
-    old_given = given_before(manifest)
     now = [e.name for e in given if e.name in known and e.name in old_given]
     before = [n for n in old_given if n in now]
     if now != before:
@@ -227,6 +241,18 @@ def check_sequence(path: Path, manifest: dict[str, Any], given: list[RepoEntry])
             f"{before[k]!r} first; restore the order (new repositories go after the recorded ones either way), "
             f"or choose another run_dir")
     return recorded
+
+
+def ahead_of(recorded: list[RepoEntry], given: list[RepoEntry]) -> list[RepoEntry]:
+    """The recorded repositories the run has beyond a config that lists the beginning of its sequence and nothing
+    new (every repository it gives is recorded, and those it leaves out all come after them); [] otherwise."""
+    names = {e.name for e in given}
+    if not names <= {e.name for e in recorded}:
+        return []  # something new: a continuation, which must list every recorded repository
+    listed = len(names)
+    if {e.name for e in recorded[:listed]} != names:
+        return []  # a hole in the middle: refused by name
+    return recorded[listed:]
 
 
 def _short(digest: str | None) -> str:

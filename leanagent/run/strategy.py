@@ -34,90 +34,96 @@ LISTED = 20
 
 def training_datasets(cfg: PipelineConfig, names: Sequence[str], paths: Sequence[Path], state: RunState,
                       log: Callable[[str], None] = print) -> list[Path]:
-    """datasets[i]: what repository i (in curriculum order) trains and computes its Fisher on."""
+    """datasets[i]: what repository i (in curriculum order) trains and computes its Fisher on.
+
+    Under merge_all, in this order, before any merge is written: the disk has room for those still to write, and
+    every merge the run recorded (or wrote just before a crash) still has the inputs and the files it had. Then
+    each merge still missing is written, validated and recorded, in the run's order."""
     if cfg.lifelong.dataset_strategy == "single":
         return [Path(p) for p in paths]
     split = cfg.data.split
-    read: dict[Path, dict[str, str]] = {}
+    sources = [[Path(p) for p in paths[: i + 1]] for i in range(len(names))]
+    stages = [stage_name(i, name, MERGE) for i, name in enumerate(names)]
+    outs = [cfg.run_dir / MERGED_DIR / repo_key(i, name) for i, name in enumerate(names)]
+    done = [state.stage_done(stage) for stage in stages]
+    pending = [i for i, out in enumerate(outs) if done[i] is None and not out.exists()]
+    free = free_space(cfg.run_dir / MERGED_DIR)
+    files = dataset_files(split)
+    needed = sum((p / name).stat().st_size for i in pending for p in sources[i] for name in files
+                 if (p / name).is_file())
+    if needed > free:
+        raise PreflightError(f"disk: {cfg.run_dir / MERGED_DIR} needs up to {format_bytes(needed)} for "
+                             f"{len(pending)} merged dataset(s) (lifelong.dataset_strategy: merge_all) but its "
+                             f"filesystem has {format_bytes(free)} free; free some space or choose another run_dir")
+    read = {p: digests(p, split) for p in {p for group in sources for p in group}}
+    inputs = [{str(p): read[p] for p in group} for group in sources]
+    kept = [Path(d["dataset"]) if d is not None else out if out.exists() else None
+            for d, out in zip(done, outs, strict=True)]
+    written = [digests(k, split) if k is not None else None for k in kept]
+    found = [read_json(k / MERGE_FILE) if d is None and k is not None and (k / MERGE_FILE).is_file() else None
+             for d, k in zip(done, kept, strict=True)]
+    for i, (d, k) in enumerate(zip(done, kept, strict=True)):
+        if d is not None:  # recorded: reused only if what it read and what it wrote are as they were
+            _refuse_if_changed(state.path, stages[i], d, inputs[i], written[i], files)
+        elif k is not None and (not found[i] or found[i].get("inputs") != inputs[i]
+                                or found[i].get("outputs") != written[i]):
+            raise PreflightError(f"{k}: exists but is not a merge of {[str(p) for p in sources[i]]} that this run "
+                                 f"wrote; move it away to have it rebuilt (nothing was changed)")
+    return [_merged(state, stages[i], sources[i], outs[i], split, done[i], found[i], log) for i in range(len(names))]
 
-    def inputs(i: int) -> dict[str, dict[str, str]]:
-        for p in paths[: i + 1]:
-            if Path(p) not in read:
-                read[Path(p)] = digests(Path(p), split)
-        return {str(Path(p)): read[Path(p)] for p in paths[: i + 1]}
 
-    root = cfg.run_dir / MERGED_DIR
-    pending = [i for i, name in enumerate(names) if state.stage_done(stage_name(i, name, MERGE)) is None
-               and not (root / repo_key(i, name)).exists()]
-    _check_disk(root, [paths[: i + 1] for i in pending], split)
-    return [_merged(state, i, name, [Path(p) for p in paths[: i + 1]], root / repo_key(i, name), split, inputs(i),
-                    log) for i, name in enumerate(names)]
-
-
-def _merged(state: RunState, i: int, name: str, sources: list[Path], out: Path, split: str,
-            inputs: dict[str, dict[str, str]], log: Callable[[str], None]) -> Path:
-    stage = stage_name(i, name, MERGE)
-    done = state.stage_done(stage)
+def _merged(state: RunState, stage: str, sources: list[Path], out: Path, split: str, done: dict[str, Any] | None,
+            found: dict[str, Any] | None, log: Callable[[str], None]) -> Path:
+    """The merged dataset of one stage: reused when recorded, taken when written just before a crash (both checked
+    already), else written now; validated and recorded in either of the last two cases."""
     if done is not None:
-        _refuse_if_changed(state, stage, done, inputs, split)
         log(f"{stage}: merged dataset {done['dataset']} ({_summary(done)}) recorded in an earlier run; reused")
         return Path(done["dataset"])
-    if out.exists():  # written just before a crash, before the manifest recorded it: take it only if it is ours
-        info = read_json(out / MERGE_FILE) if (out / MERGE_FILE).is_file() else None
-        if not info or info.get("inputs") != inputs or info.get("outputs") != digests(out, split):
-            raise PreflightError(f"{out}: exists but is not a merge of {[str(s) for s in sources]} that this run "
-                                 f"wrote; move it away to have it rebuilt (nothing was changed)")
+    info = found
+    if info is not None:
         log(f"{stage}: merged dataset {out} found complete, not yet recorded; taken")
     else:
         state.start(stage)
-        try:
-            info = merge_datasets(sources, out, split)
-        except (DatasetError, OSError) as exc:
-            state.fail(stage, f"{type(exc).__name__}: {exc}")
-            raise PreflightError(f"{stage}: merging {len(sources)} repositories into {out} failed: {exc}") from None
-        log(f"{stage}: merged {len(sources)} repositories into {out} ({_summary(info)})")
-    problems = validate_dataset(out, split)
-    if problems:
-        state.fail(stage, f"{len(problems)} problem(s) in the merged dataset")
-        listed = [f"  {p}" for p in problems[:LISTED]]
-        more = [f"  ... and {len(problems) - LISTED} more"] if len(problems) > LISTED else []
-        raise PreflightError([f"{stage}: the merged dataset {out} of {[s.name for s in sources]} has "
-                              f"{len(problems)} problem(s) (kept for `leanagent validate`); nothing was trained:",
-                              *listed, *more])
+    problems: list = []
+    try:
+        info = info or merge_datasets(sources, out, split)
+        problems = validate_dataset(out, split)
+    except (DatasetError, OSError) as exc:
+        failure, refusal = f"{type(exc).__name__}: {exc}", [f"{stage}: merging {len(sources)} repositories into "
+                                                            f"{out} failed: {exc}"]
+    else:
+        if found is None:
+            log(f"{stage}: merged {len(sources)} repositories into {out} ({_summary(info)})")
+        failure = f"{len(problems)} problem(s) in the merged dataset" if problems else None
+        refusal = [f"{stage}: the merged dataset {out} of {[s.name for s in sources]} has {len(problems)} "
+                   f"problem(s) (kept for `leanagent validate`); nothing was trained:",
+                   *(f"  {p}" for p in problems[:LISTED]),
+                   *([f"  ... and {len(problems) - LISTED} more"] if len(problems) > LISTED else [])]
+    if failure is not None:
+        state.fail(stage, failure)
+        raise PreflightError(refusal)
     state.record(stage, {**info, "dataset": str(out)})
     return out
 
 
-def _refuse_if_changed(state: RunState, stage: str, done: dict[str, Any], inputs: dict[str, dict[str, str]],
-                       split: str) -> None:
+def _refuse_if_changed(manifest: Path, stage: str, done: dict[str, Any], inputs: dict[str, dict[str, str]],
+                       written: dict[str, str] | None, files: list[str]) -> None:
     """A recorded merge is reused only if what it read and what it wrote are as they were."""
     recorded = done.get("inputs", {})
     for source in sorted(recorded.keys() | inputs.keys()):
         before, now = recorded.get(source, {}), inputs.get(source, {})
-        for name in dataset_files(split):
+        for name in files:
             if before.get(name) != now.get(name):
                 raise ManifestMismatchError(
-                    f"{state.path}: {stage} merged {Path(source) / name} (sha256 {_short(before.get(name))}), which "
+                    f"{manifest}: {stage} merged {Path(source) / name} (sha256 {_short(before.get(name))}), which "
                     f"is now sha256 {_short(now.get(name))}; resuming would train later repositories on other data. "
                     f"Restore it or choose another run_dir.")
-    dataset = Path(done["dataset"])
-    written = digests(dataset, split)
     for name, digest in done.get("outputs", {}).items():
-        if written.get(name) != digest:
+        if (written or {}).get(name) != digest:
             raise ManifestMismatchError(
-                f"{state.path}: {stage}'s merged dataset {dataset / name} changed since it was written (sha256 "
-                f"{_short(digest)}, now {_short(written.get(name))}); restore it or choose another run_dir.")
-
-
-def _check_disk(root: Path, pending: list[Sequence[Path]], split: str) -> None:
-    """The merges still to write hold at most every input they merge: refuse before writing any if that is short."""
-    needed = sum((Path(p) / name).stat().st_size for sources in pending for p in sources
-                 for name in dataset_files(split) if (Path(p) / name).is_file())
-    free = free_space(root)
-    if needed > free:
-        raise PreflightError(f"disk: {root} needs up to {format_bytes(needed)} for {len(pending)} merged dataset(s) "
-                             f"(lifelong.dataset_strategy: merge_all) but its filesystem has {format_bytes(free)} "
-                             f"free; free some space or choose another run_dir")
+                f"{manifest}: {stage}'s merged dataset {Path(done['dataset']) / name} changed since it was written "
+                f"(sha256 {_short(digest)}, now {_short((written or {}).get(name))}); restore it or choose another "
+                f"run_dir.")
 
 
 def _summary(info: dict[str, Any]) -> str:

@@ -1,6 +1,7 @@
 """The programs that run inside each DDP rank: train, fisher, evaluate (`python -m leanagent.train.programs`).
 
-Started by torchrun (a launcher in `leanagent/launch/`), never imported by a launcher. Each creates
+Started by torchrun (a launcher in `leanagent/launch/`), never imported by a launcher. The entry point reads its
+`JobRequest` back from the command line and runs the function its `ProgramSpec` names. Each creates
 the process group first so that the seed's barriers (before loading data, before and after fit)
 really synchronize, and rank 0 writes `JOB_DIR/result.json` atomically at the end, with where the job's
 time went (`timings`, `leanagent.ground.timings`), the premises it embedded and its peak memory.
@@ -8,7 +9,7 @@ time went (`timings`, `leanagent.ground.timings`), the premises it embedded and 
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import sys
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from leanagent.ground import model_identity, supervision
 from leanagent.ground.atomic import write_json_atomic
 from leanagent.ground.config import PipelineConfig, load_config
 from leanagent.ground.exit_fast import freeze_for_exit
-from leanagent.ground.job import NEEDS_RESUME_FILE, PROGRAMS, IndexRequest, beat, result_filename
+from leanagent.ground.job import NEEDS_RESUME_FILE, IndexRequest, JobRequest, ProgramSpec, beat, result_filename
 from leanagent.ground.ranks import global_rank, local_rank, node_rank
 from leanagent.ground.timings import JobClock, peak_rss_mb
 from leanagent.index.files import read_names
@@ -238,23 +239,27 @@ def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, check
     return result
 
 
+# ---- the programs as PROGRAMS names them: a JobRequest in, what result.json says out -------------------------
+
+def train_job(cfg: PipelineConfig, job: JobRequest, clock: JobClock) -> dict:
+    return run_train(cfg, job.datasets[0], job.out, job.checkpoint, job.fisher, clock)
+
+
+def fisher_job(cfg: PipelineConfig, job: JobRequest, clock: JobClock) -> dict:
+    return run_fisher(cfg, job.datasets[0], job.out, job.checkpoint, clock)
+
+
+def evaluate_job(cfg: PipelineConfig, job: JobRequest, clock: JobClock) -> dict:
+    return run_evaluate(cfg, list(job.datasets), job.out, job.checkpoint, clock, job.index_request())
+
+
+def runner(spec: ProgramSpec) -> Callable[[PipelineConfig, JobRequest, JobClock], dict]:
+    """The function `spec.runner` names (`module:function`), imported here, inside the rank."""
+    module, _, name = spec.runner.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 # ---- entry point ----------------------------------------------------------------------------
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m leanagent.train.programs")
-    parser.add_argument("program", choices=list(PROGRAMS))
-    parser.add_argument("--config", required=True, type=Path)
-    parser.add_argument("--dataset", required=True, type=Path, action="append",
-                        help="evaluate takes several; train and fisher exactly one")
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--checkpoint", type=Path)
-    parser.add_argument("--fisher", type=Path)
-    parser.add_argument("--index", type=Path, help="evaluate: also write a premise index here (`IndexRequest`)")
-    parser.add_argument("--index-dataset", type=Path, action="append", default=[],
-                        help="the index's datasets, in curriculum order (default: the evaluated ones)")
-    parser.add_argument("--index-after", type=Path, help="the index whose lists the new one extends")
-    return parser.parse_args(argv)
-
 
 def device_sync(cfg: PipelineConfig):
     """What the job's clock runs at each switch between parts: on a GPU, wait for the queued kernels, so that a
@@ -277,40 +282,26 @@ def job_account(clock: JobClock) -> dict:
             "premises_in_corpora": clock.premises_in_corpora, "peak_rss_mb": round(max(peaks), 1)}
 
 
-def _evaluate(cfg: PipelineConfig, args: argparse.Namespace, job_dir: Path, clock: JobClock) -> dict:
-    index = None if args.index is None else IndexRequest(args.index, tuple(args.index_dataset or args.dataset),
-                                                         args.index_after)
-    return run_evaluate(cfg, args.dataset, job_dir, args.checkpoint, clock, index)
-
-
-# Each program of `leanagent.ground.job.PROGRAMS`, run inside a rank from its parsed arguments.
-RUNNERS: dict[str, Callable[[PipelineConfig, argparse.Namespace, Path, JobClock], dict]] = {
-    "train": lambda cfg, args, job_dir, clock: run_train(cfg, args.dataset[0], job_dir, args.checkpoint, args.fisher,
-                                                         clock),
-    "fisher": lambda cfg, args, job_dir, clock: run_fisher(cfg, args.dataset[0], job_dir, args.checkpoint, clock),
-    "evaluate": _evaluate,
-}
-
-
 def main(argv: list[str] | None = None) -> None:
     clock = JobClock()  # first: the job's time is counted from this process's start (`leanagent.ground.timings`)
     supervision.start()  # record this rank's pid; end it if the launcher or torchrun dies (supervision.py)
-    args = parse_args(argv)
-    cfg = load_config(args.config)
+    job = JobRequest.from_argv(argv)
+    cfg = load_config(job.config)
     clock.sync = device_sync(cfg)
-    job_dir = args.out.resolve()
+    job_dir = job.out
     job_dir.mkdir(parents=True, exist_ok=True)
     # First beat before anything that can hang (rendezvous, barriers, data loading), so the
     # launcher's watchdog also covers a rank stuck before training starts.
-    beat(job_dir, f"start:{args.program}")
+    beat(job_dir, f"start:{job.program}")
     # Before the process group exists: NCCL reads these when its communicators are created.
     set_nccl_environment(cfg.trainer)
     init_process_group(cfg.trainer)
     pl.seed_everything(cfg.trainer.seed, workers=True)
-    if not PROGRAMS[args.program].several_datasets and len(args.dataset) != 1:
-        raise SystemExit(f"{args.program} takes exactly one --dataset, got {len(args.dataset)}")
+    refusal = job.refusal()
+    if refusal is not None:
+        raise SystemExit(refusal)
     try:
-        result = RUNNERS[args.program](cfg, args, job_dir, clock)
+        result = runner(job.spec)(cfg, job, clock)
     except StopRequested as stopped:
         # Asked to stop before a time limit: the step checkpoint is written; a rerun resumes from it.
         if global_rank() == 0:
@@ -320,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     result.update(job_account(clock))
     if local_rank() == 0:
         node = 0 if global_rank() == 0 else node_rank()
-        write_json_atomic(job_dir / result_filename(node), {"program": args.program, **result})
+        write_json_atomic(job_dir / result_filename(node), {"program": job.program, **result})
     shutdown_process_group()
 
 

@@ -189,6 +189,55 @@ def test_leanagent_run_with_nothing_new_answers_without_prefect(continued, tmp_p
     assert not (tmp_path / "prefect").exists()  # no temporary server, no database: Prefect was not started
 
 
+def _deployment_run(parameters: dict, name: str) -> subprocess.CompletedProcess:
+    """A run of a deployment of the flow, as a worker (or `deployments/serve.py`) runs it: `python -m prefect.engine`
+    in its own process, on the session's Prefect server. What it prints is what the worker's console shows."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    with pytest.MonkeyPatch.context() as env:
+        env.chdir(REPO_ROOT)  # the deployment's entrypoint is recorded relative to the working directory
+        deployment = lifelong_retrieval.to_deployment(name=name).apply()
+    with get_client(sync_client=True) as client:
+        flow_run = client.create_flow_run_from_deployment(deployment, parameters=parameters)
+    environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    environment["PREFECT_API_URL"] = PREFECT_API_URL.value()
+    return subprocess.run([sys.executable, "-m", "prefect.engine", str(flow_run.id)], capture_output=True, text=True,
+                          timeout=600, env=environment, cwd=REPO_ROOT)
+
+
+def test_a_config_the_run_is_ahead_of_has_nothing_new_in_the_cli_the_flow_and_a_deployment(continued,
+                                                                                            tmp_path: Path) -> None:
+    """The run's first two repositories without its repos_dir: what docs/continuing.md leaves when the demo's own
+    config runs again. Nothing new, naming what the run has beyond it and the config that gave it; exit 0."""
+    run_dir = continued["root"] / "run"
+    behind = _edited(continued, tmp_path, lambda raw: raw.pop("repos_dir"))
+    line = f"nothing new: the run is ahead of this config (repo_2, from {continued['config']})"
+    before = file_times(run_dir)
+    before.pop(".lock", None)
+    cli = subprocess.run([sys.executable, "-m", "leanagent.cli", "run", "--config", str(behind)], capture_output=True,
+                         text=True, timeout=120, cwd=REPO_ROOT)
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.startswith(line + "\n") and "repo_2" in cli.stdout.split("\n", 1)[1], cli.stdout
+    summary, flow_run_id = _run(behind)
+    assert summary["nothing_new"] and summary["matrix"] == continued["three"]["matrix"]
+    assert line in wait_for_logs(flow_run_id, lambda m: line in m)
+    served = _deployment_run({"config_path": str(behind)}, f"behind-{os.getpid()}")
+    assert served.returncode == 0, served.stderr[-3000:]
+    assert line in served.stderr and "Traceback" not in served.stderr, served.stderr[-3000:]
+    after = file_times(run_dir)
+    after.pop(".lock", None)
+    assert after == before  # the run keeps its sequence, its manifest and every file
+
+
+def test_a_deployment_run_that_contradicts_the_run_is_refused_in_one_line(continued, tmp_path: Path) -> None:
+    dropped = _edited(continued, tmp_path, lambda raw: raw["repos"].pop(0))
+    served = _deployment_run({"config_path": str(dropped)}, f"dropped-{os.getpid()}")
+    refusals = [m for m in served.stderr.splitlines() if "Finished in state Refused(" in m]
+    assert len(refusals) == 1 and "repository 'repo_0'" in refusals[0], served.stderr[-3000:]
+    assert "Traceback" not in served.stderr and "unexpected exception" not in served.stderr, served.stderr[-3000:]
+
+
 def _edited(continued, tmp_path: Path, edit) -> Path:
     raw = yaml.safe_load(continued["config"].read_text())
     edit(raw)

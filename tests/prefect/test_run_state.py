@@ -114,7 +114,9 @@ def test_a_sequence_grows_at_its_end_and_writes_only_what_changed(tmp_path: Path
     assert data["order"] == ["a", "b", "c"] and data["version"] == 2
     assert data["repos"]["02-c"]["dataset"] == c.dataset
     moved = RepoEntry("a", tmp_path / "elsewhere" / "a", a.dataset)  # the same files in another folder
-    assert [e.name for e in check_sequence(state.path, data, [c, moved, b])] == ["a", "b", "c"]
+    recorded = [RepoEntry(n, Path(data["repos"][f"{i:02d}-{n}"]["path"]), data["repos"][f"{i:02d}-{n}"]["dataset"])
+                for i, n in enumerate(data["order"])]
+    assert [e.name for e in check_sequence(state.path, recorded, data["given"], [c, moved, b])] == ["a", "b", "c"]
 
 
 @pytest.mark.parametrize("change, expected", [

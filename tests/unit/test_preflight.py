@@ -14,7 +14,7 @@ from transformers import T5EncoderModel
 
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.ground.config import PipelineConfig, RepoConfig, TrainerConfig
-from leanagent.ground.job import JobInputError
+from leanagent.ground.job import JobInputError, JobRequest
 from leanagent.launch.local import check_rendezvous
 from leanagent.launch.registry import config_problems
 from leanagent.launch.slurm import PLUGIN
@@ -165,7 +165,8 @@ def test_invalid_dataset_is_refused_naming_the_file(assets, tmp_path):
     broken = shutil.copytree(assets["repo"], tmp_path / "broken")
     (broken / "corpus.jsonl").write_text((broken / "corpus.jsonl").read_text() + "{not json\n")
     cfg = cpu_config(assets, tmp_path)
-    message = refusal(check_job, cfg, "train", broken, out=tmp_path / "job")
+    message = refusal(check_job, cfg, JobRequest(program="train", config=tmp_path / "c.yaml", datasets=(broken,),
+                                                out=tmp_path / "job"))
     assert message.startswith(f"{broken}: ") and "corpus.jsonl" in message and "nothing was launched" in message
     preflight_job(cfg, "train", [broken], tmp_path / "job", validate=False, free_bytes=BIG)  # the flow's jobs
 

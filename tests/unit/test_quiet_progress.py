@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from leanagent.launch.progress_view import PlainProgress, describe, job_label
+from pathlib import Path
+
+from leanagent.ground.job import JobRequest
+from leanagent.launch.progress_view import PlainProgress, describe
 from leanagent.launch.quiet import NoiseFilter, quiet_environment, verbose
 from leanagent.train.progress import batch_size
 
@@ -52,8 +55,11 @@ def test_progress_text():
     assert describe("train repo_1", p) == "train repo_1: epoch 2/5, step 120/400 (30%), 85.2 examples/s, ETA 28s"
     assert describe("train repo_1", {**p, "stage": "validate", "epochs": None}).startswith(
         "train repo_1 (validate): step 120/400")
-    assert job_label(["evaluate", "--config", "c", "--dataset", "/d/repo_0", "--dataset", "/d/repo_1"]) == \
-        "evaluate repo_0,repo_1"
+    # A job's name in its progress lines is its request's: the label the flow gives, or the program and datasets.
+    job = JobRequest(program="evaluate", config=Path("c"), datasets=(Path("/d/repo_0"), Path("/d/repo_1")),
+                     out=Path("o"))
+    assert job.title == "evaluate repo_0,repo_1"
+    assert job.model_copy(update={"label": "evaluate PFR"}).title == "evaluate PFR"
     assert batch_size({"index": __import__("torch").zeros(8), "name": "x"}) == 8
 
 

@@ -16,7 +16,7 @@ import yaml
 
 from leanagent.data.merge import digests
 from leanagent.ground.config import ConfigError, PipelineConfig, RepoConfig, TrainerConfig, load_config
-from leanagent.run.manifest import RepoEntry
+from leanagent.run.manifest import RepoEntry, repo_stages
 from leanagent.run.plan import plan_run, progress_line
 from leanagent.run.state import RunState
 
@@ -167,31 +167,50 @@ def test_run_set_refuses_an_unknown_key_in_one_line(demo_assets, tmp_path: Path)
     assert proc.stderr.strip().splitlines() == [
         f"error: {config} with --set lifelong.ewc_lamda=0.1: lifelong.ewc_lamda: unknown key (did you mean "
         f"'ewc_lambda'?)"]
+    # A top-level key of --set is checked by the launcher registry (it could be a launcher's section): it names
+    # --set as well, not the file alone.
+    proc = subprocess.run([sys.executable, "-m", "leanagent.cli", "run", "--config", str(config), "--set",
+                           "modle.lr=0.1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {config} with --set modle.lr=0.1: modle: unknown key (did you mean 'model'?)"]
     assert not cfg.run_dir.exists()
 
 
-def test_a_run_is_planned_once_until_what_the_plan_read_changes(demo_assets, tmp_path: Path) -> None:
-    """`leanagent run` plans, then its flow plans the same run in the same process: the second takes the first's
-    plan (no dataset hashed or validated again); a changed dataset file, manifest or config is planned afresh."""
-    repos = [shutil.copytree(r, tmp_path / "data" / r.name) for r in demo_assets.repos[:2]]
-    cfg = _cfg(demo_assets, tmp_path, repos)
-    first = plan_run(cfg)
-    assert plan_run(cfg) is first
-    test_file = repos[1] / "random" / "test.json"
-    test_file.write_text(test_file.read_text() + "\n")  # the same theorems, another file
-    second = plan_run(cfg)
-    assert second is not first and second.entries["repo_1"].dataset != first.entries["repo_1"].dataset
-    _record(cfg, repos)
-    assert plan_run(cfg) is not second  # the manifest was written
-    assert plan_run(cfg.model_copy(update={"run_dir": tmp_path / "other"})) is not plan_run(cfg)
+def test_a_config_the_run_is_ahead_of_has_nothing_new_and_one_that_contradicts_it_is_refused(
+        demo_assets, tmp_path: Path) -> None:
+    """The run's first config, rerun after a continuation added repositories, lists the beginning of the sequence:
+    nothing new, naming what the run has beyond it and the config that gave it. A hole in the middle, or a prefix
+    with something new after it, still contradicts the run."""
+    cfg = _cfg(demo_assets, tmp_path, demo_assets.repos)
+    entries = [RepoEntry(p.name, p, digests(p, "random")) for p in demo_assets.repos]
+    RunState(cfg.run_dir, cfg).extend(entries[:2], entries[:2], "configs/demo.yaml")
+    state = RunState(cfg.run_dir, cfg)
+    state.extend(entries, entries, "demo/more.yaml")
+    names = [e.name for e in entries]
+    for stage in (stage for i in range(len(names)) for stage in repo_stages(i, names)):
+        state.record(stage, {})  # every stage finished, as a run of the three leaves it
+    behind = plan_run(_cfg(demo_assets, tmp_path, demo_assets.repos[:2]), source="configs/demo.yaml")
+    assert behind.nothing_new() == "nothing new: the run is ahead of this config (repo_2, from demo/more.yaml)"
+    assert behind.kept == ["repo_0", "repo_1"] and behind.new == []
+    assert plan_run(_cfg(demo_assets, tmp_path, demo_assets.repos[:1])).nothing_new() == (
+        "nothing new: the run is ahead of this config (repo_1, from configs/demo.yaml; repo_2, from demo/more.yaml)")
+    before = (cfg.run_dir / "manifest.json").read_text()
+    RunState(cfg.run_dir, cfg).extend(entries[:2], entries[:2], "configs/demo.yaml")  # what the flow does with it
+    assert (cfg.run_dir / "manifest.json").read_text() == before  # the run keeps its sequence
+    with pytest.raises(ValueError, match="repository 'repo_1' .* is not in the config any more"):
+        plan_run(_cfg(demo_assets, tmp_path, [demo_assets.repos[0], demo_assets.repos[2]]))
+    extra = shutil.copytree(demo_assets.repos[2], tmp_path / "data" / "repo_9")
+    (extra / "random" / "test.json").write_text((extra / "random" / "test.json").read_text() + "\n")  # other data
+    with pytest.raises(ValueError, match="repository 'repo_2' .* is not in the config any more"):
+        plan_run(_cfg(demo_assets, tmp_path, [*demo_assets.repos[:2], extra]))
 
 
-def test_a_plan_older_than_its_freshness_is_made_again(demo_assets, tmp_path: Path, monkeypatch) -> None:
-    """A served deployment plans in one long-lived process: an old plan's disk and device checks are redone."""
-    from leanagent.run import plan as run_plan
+def test_a_plan_is_a_typed_flow_parameter(demo_assets, tmp_path: Path) -> None:
+    """`leanagent run` hands its plan to the flow as a parameter: Prefect stores it as JSON, and reads it back."""
+    from leanagent.flows.lifelong import lifelong_retrieval
 
-    cfg = _cfg(demo_assets, tmp_path, demo_assets.repos[:1])
-    first = plan_run(cfg)
-    assert plan_run(cfg) is first
-    monkeypatch.setattr(run_plan, "PLAN_FRESH_S", 0.0)
-    assert plan_run(cfg) is not first
+    plan = plan_run(_cfg(demo_assets, tmp_path, demo_assets.repos[:2]), source="run.yaml")
+    assert type(plan).model_validate_json(plan.model_dump_json()) == plan
+    schema = lifelong_retrieval.parameters.model_dump()["properties"]
+    assert {"config", "config_path", "options", "plan"} <= set(schema)

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 from leanagent.ground.config import PipelineConfig
-from leanagent.ground.job import program_argv
+from leanagent.ground.job import JobRequest
 from leanagent.launch.slurm.queue import JobState
 from leanagent.launch.slurm.script import job_name, render_script
 from leanagent.launch.slurm.settings import slurm_settings
@@ -30,8 +30,8 @@ CONFIG = {
 def render(config: dict) -> str:
     cfg = PipelineConfig.model_validate(config)
     job = RUN / "jobs" / "01-PFR" / "train"
-    argv = program_argv("train", RUN / "config.yaml", Path("/shared/data/pfr"), job,
-                        RUN / "jobs" / "00-mathlib4" / "train" / "last.ckpt", None)
+    argv = JobRequest(program="train", config=RUN / "config.yaml", datasets=(Path("/shared/data/pfr"),), out=job,
+                      checkpoint=RUN / "jobs" / "00-mathlib4" / "train" / "last.ckpt").to_argv()
     return render_script(cfg, slurm_settings(cfg), argv, job, "train PFR", python="/shared/leanagent/.venv/bin/python",
                          workdir=Path("/shared/leanagent"))
 

@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from leanagent.data.datamodule import RetrievalDataModule
+from leanagent.ground.names import PER_EXAMPLE
 from leanagent.model.fisher.base import FisherEstimator, unflatten
 from leanagent.model.fisher.batches import PaddedForRanks, example_lengths
 from leanagent.model.fisher.vectorised import PerExampleGrads, accumulate_squared_example_grads, unsupported_modules
@@ -50,7 +51,7 @@ class FisherModule(FisherEstimator):
     "auto" (`AUTO_METHOD`). Both give the same sums up to float tolerance (see the module docstring).
     """
 
-    name = "per_example"
+    name = PER_EXAMPLE
 
     def __init__(self, retriever: PremiseRetriever, method: str = "auto") -> None:
         super().__init__(retriever)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from leanagent.data.datamodule import RetrievalDataModule
+from leanagent.ground.names import REFERENCE
 from leanagent.model.fisher.base import FisherEstimator, is_distributed, unflatten
 from leanagent.model.retriever import PremiseRetriever
 
@@ -35,7 +36,7 @@ class ReferenceFisherModule(FisherEstimator):
     (a parameter that never gets a gradient keeps 0; the reference would omit it and EWC would refuse).
     """
 
-    name = "reference"
+    name = REFERENCE
 
     def __init__(self, retriever: PremiseRetriever) -> None:
         super().__init__(retriever)  # the reference's SGD(lr=0) is never stepped: no optimizer either

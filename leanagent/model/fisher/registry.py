@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from leanagent.ground.names import FISHER_ESTIMATORS, check_table
 from leanagent.model.fisher.base import FisherEstimator
 from leanagent.model.fisher.per_example import FisherModule
 from leanagent.model.fisher.reference import ReferenceFisherModule
 
 ESTIMATORS: dict[str, type[FisherEstimator]] = {cls.name: cls for cls in (FisherModule, ReferenceFisherModule)}
+# `lifelong.fisher_estimator`'s choices are the names of leanagent.ground.names (the config cannot import this table).
+check_table("leanagent.model.fisher.registry.ESTIMATORS", FISHER_ESTIMATORS, ESTIMATORS)
 
 
 def fisher_estimator(name: str) -> type[FisherEstimator]:

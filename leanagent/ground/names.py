@@ -1,0 +1,68 @@
+"""The names a user types or a dataset carries, each defined once: every Literal, CLI `choices` and Prefect form
+field that lists them is derived from here.
+
+They live on the ground floor because both ends of the house need them: the config (ground) and the Fisher registry
+(model) both name the estimators, `leanagent validate` (data) and `leanagent run`'s digests (run) both name a
+dataset's files, the CLI (which imports no torch to build its parser) and `leanagent.model.presets` both name the
+presets. A table kept on a higher floor (the presets' shapes, the estimators' classes) is checked against its names
+here when it is imported, so the two cannot drift apart.
+
+Rank programs are the one table whose names are not here: `leanagent.ground.job.PROGRAMS` is their home (adding a
+program is adding its entry there), and every list of programs is read from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal, get_args
+
+# ---- LeanDojo Benchmark 4: a dataset folder -----------------------------------------------------------------
+# DATASET/corpus.jsonl (every premise its theorems can see), then one folder per split (how LeanDojo divided the
+# theorems: at random, or so that test theorems use premises no training theorem uses), each with three parts.
+
+CORPUS_FILE = "corpus.jsonl"
+Split = Literal["random", "novel_premises"]
+SPLITS: tuple[str, ...] = get_args(Split)
+DEFAULT_SPLIT: str = SPLITS[0]  # LeanAgent's
+Part = Literal["train", "val", "test"]
+PARTS: tuple[str, ...] = get_args(Part)
+TRAIN_PART, VAL_PART, TEST_PART = PARTS
+
+
+def part_file(part: str) -> str:
+    """`train.json`: the file of one part inside a split folder."""
+    return f"{part}.json"
+
+
+PART_FILES: tuple[str, ...] = tuple(part_file(part) for part in PARTS)  # train.json, val.json, test.json
+
+
+# ---- the encoder ------------------------------------------------------------------------------------------------
+
+# Random ByT5-architecture encoders (`leanagent init-model --preset`, the bench sections): their shapes are
+# `leanagent.model.presets.PRESETS`, keyed by these names.
+Preset = Literal["tiny", "byt5-small"]
+PRESET_NAMES: tuple[str, ...] = get_args(Preset)
+TINY, BYT5_SMALL = PRESET_NAMES
+
+# The precision a served or indexing encoder runs at (`leanagent.model.dtypes`); `auto` picks one per device.
+Dtype = Literal["fp32", "bf16", "int8"]
+DtypeChoice = Literal["auto", Dtype]
+DTYPES: tuple[str, ...] = get_args(Dtype)
+FP32, BF16, INT8 = DTYPES
+DTYPE_CHOICES: tuple[str, ...] = get_args(DtypeChoice)
+AUTO = DTYPE_CHOICES[0]
+
+# `lifelong.fisher_estimator`: the estimators of `leanagent.model.fisher.registry`, by name.
+FisherEstimatorName = Literal["per_example", "reference"]
+FISHER_ESTIMATORS: tuple[str, ...] = get_args(FisherEstimatorName)
+PER_EXAMPLE, REFERENCE = FISHER_ESTIMATORS
+
+
+def check_table(what: str, names: Iterable[str], table: Iterable[str]) -> None:
+    """A table keyed by names defined here holds exactly those names (raised at its import: a name added on one
+    side only is a programming error, found by the first test that imports the table)."""
+    names, keys = set(names), set(table)
+    if names != keys:
+        raise RuntimeError(f"{what}: the table has {sorted(keys)}, leanagent.ground.names lists {sorted(names)}; "
+                           f"add or remove the name on both sides")

@@ -1,0 +1,78 @@
+"""Adding a rank program is one `ProgramSpec` entry plus its function: a program registered from outside the package
+runs a real job (`run_job`, torchrun, 2 gloo ranks), gets its `leanagent` command with the job flags it takes, and
+writes its result.json like the others, with no other module touched.
+
+The entry is added to `PROGRAMS` in this process and, through a `sitecustomize` on PYTHONPATH, in every process the
+job starts (torchrun and the ranks), as a line in `leanagent/ground/job.py` would for all of them. Its function
+counts the training theorems of the dataset, each rank its share, summed by an all-reduce.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from leanagent.data.theorems import load_split
+from leanagent.ground.config import load_config
+from leanagent.ground.job import PROGRAMS, JobRequest, ProgramSpec
+from leanagent.ground.names import TRAIN_PART, part_file
+from leanagent.preflight.run_job import run_job
+
+from .conftest import REPO_ROOT, write_config
+
+pytestmark = pytest.mark.ddp
+
+SPEC = ProgramSpec("count", "count a repository's training theorems over the ranks", "count_program:count_job")
+
+PROGRAM = '''
+import torch
+import torch.distributed as dist
+
+from leanagent.data.theorems import load_split
+from leanagent.ground.names import TRAIN_PART, part_file
+
+
+def count_job(cfg, job, clock):
+    theorems = load_split(job.datasets[0] / cfg.data.split / part_file(TRAIN_PART))
+    mine = torch.tensor([len(theorems[dist.get_rank()::dist.get_world_size()])])
+    dist.all_reduce(mine)
+    return {"theorems": int(mine.item()), "world_size": dist.get_world_size()}
+'''
+
+REGISTER = f'''
+from leanagent.ground.job import PROGRAMS, ProgramSpec
+
+PROGRAMS.setdefault({SPEC.name!r}, ProgramSpec({SPEC.name!r}, {SPEC.summary!r}, {SPEC.runner!r}))
+'''
+
+
+@pytest.fixture
+def registered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "count_program.py").write_text(PROGRAM)
+    (site / "sitecustomize.py").write_text(REGISTER)
+    monkeypatch.setitem(PROGRAMS, SPEC.name, SPEC)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    return site
+
+
+def test_a_registered_program_runs_a_real_job_and_has_its_command(registered: Path, ddp_assets,
+                                                                  tmp_path: Path) -> None:
+    config = write_config(tmp_path / "cfg.yaml", ddp_assets["model"])
+    job = JobRequest(program="count", config=config, datasets=(ddp_assets["repo_a"],), out=tmp_path / "job")
+    result = run_job(load_config(config), job)
+    expected = len(load_split(ddp_assets["repo_a"] / "random" / part_file(TRAIN_PART)))
+    assert (result["program"], result["theorems"], result["world_size"]) == ("count", expected, 2)
+    assert json.loads((tmp_path / "job" / "result.json").read_text())["theorems"] == expected
+    assert "timings" in result and "peak_rss_mb" in result  # the account every program's result carries
+    shown = subprocess.run([sys.executable, "-m", "leanagent.cli", "count", "--help"], capture_output=True, text=True,
+                           timeout=120, cwd=REPO_ROOT)
+    assert shown.returncode == 0, shown.stderr
+    assert "--dataset" in shown.stdout and "--out" in shown.stdout and "--timeout" in shown.stdout
+    assert "--fisher" not in shown.stdout and "--index" not in shown.stdout  # what it does not take, it is not offered
