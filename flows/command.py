@@ -17,10 +17,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from leanagent.ground.atomic import read_json
 from leanagent.ground.config import PipelineConfig
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import report_from_manifest
+from leanagent.run.manifest import read_manifest
 from leanagent.run.plan import BAD_INPUT, UNRECORDED, plan_run
 from leanagent.run.state import RunLock
 
@@ -81,7 +81,7 @@ def _run_flow(config_path: str, cfg: PipelineConfig | None = None) -> int:
               file=sys.stderr)
         return code
     # The manifest holds all the report shows, each job's time included: here in one line, by job in the report.
-    print(report_from_manifest(read_json(Path(summary["manifest"]))).text(time_table=False))
+    print(report_from_manifest(read_manifest(Path(summary["manifest"]))).text(time_table=False))
     print(f"\nmanifest: {summary['manifest']} (each job's time: leanagent report {summary['run_dir']})")
     return 0
 

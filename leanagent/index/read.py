@@ -90,7 +90,7 @@ class FileStamp(BaseModel):
 
     name: StrictStr
     size: StrictInt = Field(ge=0)
-    mtime_ns: StrictInt | None = None
+    mtime_ns: StrictInt = Field(ge=0)
     sha256: StrictStr | None = Field(None, pattern=r"^[0-9a-f]{64}$")
 
 

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from leanagent.ground.atomic import read_json
 from leanagent.ground.config import PipelineConfig
 from leanagent.ground.job import (
     PROGRAMS,
@@ -23,6 +22,7 @@ from leanagent.ground.job import (
     program_argv,
     result_filename,
 )
+from leanagent.ground.results import read_result
 from leanagent.ground.timings import WALL_SECONDS
 from leanagent.launch.registry import launcher_for
 from leanagent.preflight.checks import preflight_job
@@ -72,7 +72,7 @@ def run_job(
     result_file = out / result_filename(cfg.trainer.node_rank)
     if result_file.is_file():
         if reuse_finished:
-            return read_json(result_file)
+            return read_result(result_file)
         raise JobFinishedError(f"{result_file} exists: this job is finished; choose a new output folder "
                                f"(nothing was overwritten)")
     started = time.monotonic()

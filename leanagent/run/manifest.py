@@ -52,6 +52,10 @@ class StageRecord(BaseModel):
         return self
 
 
+# What each finished stage's readers take from its result: the flow the next stage's inputs, the report its rows.
+REQUIRED_RESULT_KEYS = {"train": ("checkpoint",), "fisher": ("fisher",), "merge": ("dataset",)}
+
+
 class RepoRecord(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -60,6 +64,18 @@ class RepoRecord(BaseModel):
     path: StrictStr | None = None
     dataset: dict[StrictStr, StrictStr] | None = None
     stages: dict[StrictStr, StageRecord] = {}
+
+    @model_validator(mode="after")
+    def _finished_results_hold_what_is_read(self) -> Self:
+        for name, stage in self.stages.items():
+            if stage.status != "done" or stage.result is None:
+                continue
+            if name.startswith("eval-") and (stage.result.metrics is None or stage.result.metrics.recall_10 is None):
+                raise ValueError(f"stages.{name}.result.metrics: a finished evaluation without its Recall@10")
+            for key in REQUIRED_RESULT_KEYS.get(name, ()):
+                if getattr(stage.result, key) is None:
+                    raise ValueError(f"stages.{name}.result.{key}: missing from a finished {name} stage")
+        return self
 
 
 class LifelongRecord(BaseModel):

@@ -93,7 +93,13 @@ class BodyBudget:
         self._lock = threading.Lock()
         self._since_trim = 0
 
-    def take(self, n: int, what: str) -> None:
+    def take(self, n: int, what: str, own: int = 0) -> None:
+        """Reserve `n` more bytes for a request that holds `own` already: a 503 while others hold too much, a 413
+        when the request alone could never fit."""
+        if own + n > self.capacity:
+            raise RequestError(413, f"{what} needs {(own + n) / 2**20:,.1f} MB for request bodies, more than this "
+                                    f"server's --bodies-mb {self.capacity / 2**20:,.0f} holds for all requests "
+                                    f"together; send less, or restart the server with a larger --bodies-mb")
         with self._lock:
             if self.used + n > self.capacity:
                 raise Busy(f"the server holds {self.used / 2**20:,.0f} MB of request bodies, near its "
@@ -120,7 +126,7 @@ class _Held:
         self.bytes = 0
 
     def take(self, n: int, what: str) -> None:
-        self.budget.take(n, what)
+        self.budget.take(n, what, self.bytes)
         self.bytes += n
 
     def release(self) -> None:
@@ -132,15 +138,18 @@ async def _read_body(request: Request, limit: int, held: _Held) -> list[bytes]:
     """The body's chunks, refused as soon as they pass `limit` bytes (declared or streamed), so a huge one is never
     held, each chunk taken from the shared budget as it arrives; joined and decoded in a worker thread."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestError(413, f"body of {int(declared):,} bytes, more than this server's {limit:,}")
+    reserved = int(declared) if declared is not None and declared.isdigit() else 0
+    if reserved > limit:
+        raise RequestError(413, f"body of {reserved:,} bytes, more than this server's {limit:,}")
+    held.take(reserved, "this body")  # a declared body is reserved whole before a byte of it is read
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
                 raise RequestError(413, f"body of more than {limit:,} bytes, this server's limit")
-            held.take(len(chunk), "a body")
+            if size > reserved:
+                held.take(min(len(chunk), size - reserved), "this body")
             chunks.append(chunk)
     except ClientDisconnect:
         raise ClientGone() from None
@@ -249,7 +258,7 @@ def create_app(source: PremiseIndex | PremiseServer | ServerHolder, limits: Serv
                         chunks.clear()
 
                         def decoding(size: int, values: int) -> None:  # counted, before anything is decoded
-                            held.take((BYTES_PER_BODY_BYTE - 1) * size + BYTES_PER_VALUE * values, "its decoding")
+                            held.take((BYTES_PER_BODY_BYTE - 1) * size + BYTES_PER_VALUE * values, "decoding this body")
 
                         return parse_request(body, server.limits, decoding)
 

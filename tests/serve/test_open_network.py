@@ -13,76 +13,33 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from leanagent.serve import PremiseServer, RetrieveRequest, ServeLimits, create_app
 from leanagent.serve.cache import EmbeddingCache
 
-from .conftest import OLD_CLIENT, REPO_ROOT, STATE, LiveServer, post
-
-LONG = 60  # seconds a test waits at most for what a server does at once: generous on a loaded machine
-
-
-@contextmanager
-def serving(source: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`leanagent serve SOURCE ARGS --port 0` as a user runs it; (its URL, the process), stopped with SIGINT."""
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT), **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "leanagent.cli", "serve", str(source), "--port", "0", *args],
-                            stderr=subprocess.PIPE, text=True, env=full_env, cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE if "--access-log" in args else None)  # uvicorn's access log
-    try:
-        lines = []
-        while True:
-            line = proc.stderr.readline()
-            assert line, f"the server ended: {''.join(lines)}"
-            lines.append(line)
-            if line.startswith("serving "):
-                break
-        proc.banner = "".join(lines)  # type: ignore[attr-defined]
-        yield line.split(" at ", 1)[1].split(";", 1)[0], proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=LONG)
-
-
-def _stall(port: int) -> socket.socket:
-    """A client that sends half a request line and stalls."""
-    conn = socket.create_connection(("127.0.0.1", port), timeout=LONG)
-    conn.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Le")
-    return conn
-
-
-def _until(condition, seconds: float = LONG) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "not within the time given"
-        time.sleep(0.05)
-
-
-def _open_connections(pid: int, port: int) -> int:
-    return sum(1 for c in psutil.Process(pid).net_connections(kind="tcp")
-               if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED)
-
-
-def _peak_rss(pid: int) -> int:
-    """The process's resident high-water mark (Linux's VmHWM), in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
+from .conftest import (
+    LONG,
+    OLD_CLIENT,
+    REPO_ROOT,
+    STATE,
+    LiveServer,
+    open_connections,
+    peak_rss,
+    post,
+    serving,
+    stall,
+    until,
+)
 
 
 def test_stalled_sockets_get_408_while_a_good_request_is_answered(built) -> None:
     with serving(built["root"] / "index", "--request-timeout-s", "2") as (url, proc):
         port = int(url.rsplit(":", 1)[1])
-        stalled = [_stall(port) for _ in range(300)]
+        stalled = [stall(port) for _ in range(300)]
         answer = post(url, OLD_CLIENT)  # while 300 sockets hold half a request each
         assert answer.status_code == 200 and len(answer.json()) == 6
         # Each stalled socket is answered 408 and closed once its deadline passes (2 s); read them all.
@@ -106,8 +63,8 @@ def test_connections_beyond_the_limit_are_closed_at_once(built) -> None:
     with serving(built["root"] / "index", "--max-connections", "20", "--request-timeout-s", "30",
                  "--health-connections", "0") as (url, proc):
         port = int(url.rsplit(":", 1)[1])
-        stalled = [_stall(port) for _ in range(20)]
-        _until(lambda: _open_connections(proc.pid, port) >= 20)  # all 20 taken in before the next ones come
+        stalled = [stall(port) for _ in range(20)]
+        until(lambda: open_connections(proc.pid, port) >= 20)  # all 20 taken in before the next ones come
         extra = [socket.create_connection(("127.0.0.1", port), timeout=LONG) for _ in range(5)]
         for conn in extra:  # closed (reset) by the server without a byte of an answer
             try:
@@ -134,8 +91,8 @@ def test_while_stalled_sockets_hold_every_slot_health_is_answered_and_nothing_el
     --max-connections are kept for /health alone: answered and closed; any other path a 503 to retry."""
     with serving(built["root"] / "index", "--max-connections", "20", "--request-timeout-s", "30") as (url, proc):
         port = int(url.rsplit(":", 1)[1])
-        stalled = [_stall(port) for _ in range(20)]
-        _until(lambda: _open_connections(proc.pid, port) >= 20)
+        stalled = [stall(port) for _ in range(20)]
+        until(lambda: open_connections(proc.pid, port) >= 20)
         for _ in range(3):  # one after another, each on a new connection
             health = httpx.get(f"{url}/health", timeout=LONG)
             assert health.status_code == 200 and health.json()["status"] == "ok"
@@ -145,14 +102,14 @@ def test_while_stalled_sockets_hold_every_slot_health_is_answered_and_nothing_el
         assert "answers GET /health alone" in refused.json()["error"]
         for conn in stalled:
             conn.close()
-        _until(lambda: post(url, OLD_CLIENT).status_code == 200)
+        until(lambda: post(url, OLD_CLIENT).status_code == 200)
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the server's peak memory from /proc")
 def test_a_large_body_and_too_many_positions_are_refused_as_they_are_read(built) -> None:
     with serving(built["root"] / "index", "--max-positions", "1000", "--max-body-bytes", str(64 << 20)) as (url,
                                                                                                           proc):
-        before = _peak_rss(proc.pid)
+        before = peak_rss(proc.pid)
         # 2.6 million tiny new premises, 60 MB: refused once its values are counted, before any is decoded.
         tiny = b'{"name":"a","decl":"b"},'
         body = b'{"state":"s","new_premises":[' + tiny * 2_600_000 + b'{"name":"a","decl":"b"}]}'
@@ -165,7 +122,7 @@ def test_a_large_body_and_too_many_positions_are_refused_as_they_are_read(built)
         assert many.status_code == 413 and "5,000 premises and modules named, more than this server's 1,000" in \
             many.json()["error"]
         # The body's bytes are held while read, never millions of objects: far from the 2.46 GB they took.
-        assert _peak_rss(proc.pid) - before < 600 * 2**20
+        assert peak_rss(proc.pid) - before < 600 * 2**20
         assert httpx.get(f"{url}/health", timeout=LONG).json()["status"] == "ok"
 
 
