@@ -72,7 +72,7 @@ def read_token(file: str | None) -> tuple[str | None, str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from leanagent.serve import ServeError, serve
+    from leanagent.serve.access import AccessError, require_token
     from leanagent.serve.schemas import ServeLimits
 
     check_device(args.device)
@@ -80,6 +80,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.follow_s <= 0:
         raise CommandError(f"--follow-s {args.follow_s}: must be positive")
     token, token_source = read_token(args.token_file)
+    try:  # before the server's modules (torch, uvicorn) are imported: a refusal in a blink
+        require_token(args.host, token, args.insecure_no_token)
+    except AccessError as exc:
+        raise CommandError(str(exc)) from None
+    from leanagent.serve import ServeError, serve  # the model's stack: seconds to import
+
     try:
         return serve(Path(args.source), args.host, args.port, device=args.device, model=args.model, force=args.force,
                      limits=limits, access_log=args.access_log, dtype=args.dtype, token=token,
