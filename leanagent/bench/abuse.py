@@ -119,7 +119,7 @@ def _measured(attack: Attack, ctx: Context, server: Server) -> AttackRow:
     cpu = server.cpu_s() - cpu_before if alive else None
     logged = server.lines[lines_before:]
     # A server the attack stopped (SIGHUP) refuses connections afterwards: not a failure of /health.
-    failures = [f for f in health.failures if alive or f != "ConnectError"]
+    failures = [f for f in health.failures if alive or f != "ConnectionRefusedError"]
     row = AttackRow(attack.name, attack.finding, attack.what, dict(outcome.statuses), outcome.requests,
                     round(cpu, 2) if cpu is not None else None,
                     round(cpu / outcome.requests, 3) if cpu is not None and outcome.requests else None,

@@ -5,6 +5,7 @@ Each is bounded in count and time; `small` shrinks every count for a quick run (
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import resource
@@ -21,9 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
-from leanagent.bench.target import Outcome, Server
+from leanagent.bench.target import Outcome, Server, request
 from leanagent.run.manifest import MANIFEST_NAME, repo_key
 
 STATE = "x y n m : Nat\n⊢ Eq (HAdd.hAdd (glend 0) (blix (quon x) m)) (HAdd.hAdd 0 (quon (blix x m)))"
@@ -110,9 +109,8 @@ class Context:
 
 def _post(url: str, body: bytes) -> str:
     try:
-        return str(httpx.post(f"{url}/retrieve", content=body, timeout=TIMEOUT,
-                              headers={"Content-Type": "application/json"}).status_code)
-    except httpx.HTTPError as exc:
+        return str(request(f"{url}/retrieve", "POST", body, TIMEOUT)[0])
+    except (OSError, http.client.HTTPException) as exc:
         return type(exc).__name__
 
 
@@ -260,7 +258,7 @@ def stalled_sockets(ctx: Context, server: Server) -> Outcome:
     port = _port(server)
     stalled = [_raw(port, b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Le") for _ in range(count)]
     time.sleep(1.0)
-    statuses = Counter(str(httpx.get(f"{server.url}/health", timeout=TIMEOUT).status_code) for _ in range(5))
+    statuses = Counter(str(request(f"{server.url}/health")[0]) for _ in range(5))
     statuses.update([_post(server.url, _new_premise("A.b", 50))])
     for conn in stalled:
         conn.close()
@@ -364,7 +362,7 @@ def sighup(ctx: Context, server: Server) -> Outcome:
     body = json.dumps({"state": STATE, "k": 3, "local_premises": [0, 1, 2], "pad": "x" * 300_000}).encode()
     conn = _raw(_port(server), _head(len(body)) + body[:200_000])
     deadline = time.monotonic() + 60
-    while httpx.get(f"{server.url}/health", timeout=TIMEOUT).json().get("bodies_mb", 0) < 0.2:
+    while json.loads(request(f"{server.url}/health")[1]).get("bodies_mb", 0) < 0.2:
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)

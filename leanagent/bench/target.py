@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
@@ -12,11 +13,25 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
-import httpx
 import psutil
 
 HEALTH_EVERY_S = 0.1
+
+
+def request(url: str, method: str = "GET", body: bytes | None = None, timeout: float = 120) -> tuple[int, bytes]:
+    """One request on a new connection with the standard library's client: (status, body). httpx would build an
+    SSL context per call, and 48 of them at once take a 2-core machine's CPU from the server being measured."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.request(method, parts.path or "/", body=body,
+                     headers={"Content-Type": "application/json"} if body is not None else {})
+        answer = conn.getresponse()
+        return answer.status, answer.read()
+    finally:
+        conn.close()
 
 
 @dataclass
@@ -88,33 +103,50 @@ class Server:
 
 
 class HealthWatch:
-    """GET /health every 100 ms on a new connection while an attack runs: the worst latency and any failure."""
+    """GET /health every 100 ms on a new connection while an attack runs: the worst latency and any failure.
+
+    Asked from a process of its own: in the bench's process, its thread would wait for the interpreter's lock
+    behind the attack's own client threads (48 of them), and that wait would be counted as the server's."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.latencies: list[float] = []
         self.failures: list[str] = []  # what each failed ask got
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            start = time.perf_counter()
-            try:
-                status = httpx.get(f"{self.url}/health", timeout=60).status_code
-                got = "" if status == 200 else str(status)
-            except httpx.HTTPError as exc:
-                got = type(exc).__name__
-            if got:
-                self.failures.append(got)
-            else:
-                self.latencies.append(time.perf_counter() - start)
-            self._stop.wait(HEALTH_EVERY_S)
+        self._proc: subprocess.Popen | None = None
 
     def __enter__(self) -> HealthWatch:
-        self._thread.start()
+        self._proc = subprocess.Popen([sys.executable, "-m", "leanagent.bench.target", self.url],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self._proc.stdout.readline().strip() != "ready":  # asking from here on
+            raise RuntimeError("the /health watcher did not start")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=120)
+        out, _ = self._proc.communicate("stop\n", timeout=120)  # its stdin closed: it stops and reports
+        for line in out.splitlines():
+            kind, _, value = line.partition(" ")
+            if kind == "ok":
+                self.latencies.append(float(value))
+            elif kind == "failed":
+                self.failures.append(value)
+
+
+def _watch(url: str) -> None:
+    """The watcher's process: asks until its stdin closes, then prints `ok SECONDS` or `failed WHAT` per ask."""
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    results = []
+    print("ready", flush=True)
+    while not stop.is_set():
+        start = time.perf_counter()
+        try:
+            status, _ = request(f"{url}/health", timeout=60)
+            results.append(f"ok {time.perf_counter() - start:.4f}" if status == 200 else f"failed {status}")
+        except (OSError, http.client.HTTPException) as exc:
+            results.append(f"failed {type(exc).__name__}")
+        stop.wait(HEALTH_EVERY_S)
+    print("\n".join(results), flush=True)
+
+
+if __name__ == "__main__":
+    _watch(sys.argv[1])

@@ -72,6 +72,7 @@ def read_token(file: str | None) -> tuple[str | None, str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from leanagent.run.manifest import MANIFEST_NAME, ManifestUnreadableError, read_manifest
     from leanagent.serve.access import AccessError, require_token
     from leanagent.serve.schemas import ServeLimits
 
@@ -84,6 +85,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         require_token(args.host, token, args.insecure_no_token)
     except AccessError as exc:
         raise CommandError(str(exc)) from None
+    source = Path(args.source)
+    if (source / MANIFEST_NAME).is_file():  # a RUN_DIR's manifest cut short or of the wrong shape: one line, now
+        try:
+            read_manifest(source / MANIFEST_NAME)
+        except ManifestUnreadableError as exc:
+            raise CommandError(str(exc)) from None
     from leanagent.serve import ServeError, serve  # the model's stack: seconds to import
 
     try:
