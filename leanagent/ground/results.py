@@ -138,7 +138,8 @@ def describe_error(exc: ValidationError, prefix: str = "") -> str:
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     message = re.sub(r"^Input should be a valid dictionary or instance of \w+", "must be an object", first["msg"])
     message = re.sub(r"^(Input|Value) should be ", "must be ", message).replace("Value error, ", "")
-    return f"{key}: {message.rstrip('.')} (found {shown}){more}"
+    found = "" if first["type"] == "value_error" else f" (found {shown})"  # a rule's own message says it
+    return f"{key}: {message.rstrip('.')}{found}{more}"
 
 
 def check_result(data: Any, where: str) -> dict[str, Any]:
