@@ -18,7 +18,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from leanagent.ground.atomic import read_json
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import report_from_manifest
 from leanagent.run.manifest import MANIFEST_NAME, read_manifest
@@ -81,7 +80,7 @@ def _run_flow(plan: RunPlan) -> int:
               file=sys.stderr)
         return code
     # The manifest holds all the report shows, each job's time included: here in one line, by job in the report.
-    print(report_from_manifest(read_json(Path(summary["manifest"]))).text(time_table=False))
+    print(report_from_manifest(read_manifest(Path(summary["manifest"]))).text(time_table=False))
     print(f"\nmanifest: {summary['manifest']} (each job's time: leanagent report {summary['run_dir']})")
     return 0
 

@@ -28,12 +28,11 @@ from leanagent.bench.results import Section
 from leanagent.data.corpus import Corpus
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.synthetic_scale import ScaleSpec
-from leanagent.ground.atomic import read_json
 from leanagent.ground.names import CORPUS_FILE
 from leanagent.launch.progress_view import MODE_ENV
 from leanagent.model.presets import write_random_encoder
 from leanagent.report.timing import JobCost, job_costs
-from leanagent.run.manifest import MANIFEST_NAME
+from leanagent.run.manifest import MANIFEST_NAME, read_manifest
 
 MODES = ("all", "needed")  # model.embed_premises: LeanAgent's re-embedding, then embedding once
 
@@ -129,7 +128,7 @@ def bench_curriculum(options: CurriculumOptions) -> CurriculumFigures:
         for mode in MODES:
             config = _config(work, data, model, options, mode)
             flow_seconds = _run(config, work / f"{mode}.log")
-            manifest = read_json(work / "runs" / mode / MANIFEST_NAME)
+            manifest = read_manifest(work / "runs" / mode / MANIFEST_NAME)
             figures.runs[mode] = _figures(mode, manifest, flow_seconds, corpus_premises)
             matrices.append(_recalls(manifest))
         figures.same_results = matrices[0] == matrices[1]

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
+from leanagent.bench.attacks import ATTACKS
 from leanagent.ground.config import DataConfig
 from leanagent.ground.names import BYT5_SMALL, DEFAULT_SPLIT, DTYPES, FP32, TINY, DtypeChoice, Preset
 
@@ -202,3 +203,18 @@ class ServeOptions(BaseModel):
     serve_args: str = Field("", description="more `leanagent serve` options, e.g. '--dtype bf16'")
     server_cpus: tuple[int, ...] = Field((), description="Linux: run the server on these CPUs and the clients on "
                                                          "the others (default: both share every CPU)")
+
+
+AttackName = Literal[tuple(a.name for a in ATTACKS)]  # type: ignore[valid-type]
+
+
+class AbuseOptions(BaseModel):
+    """What `leanagent bench abuse` replays: every attack of `leanagent.bench.attacks`, or those named."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    size: Literal["full", "small"] = Field("full", description="full: the attacks at the sizes the findings used; "
+                                                               "small: every count shrunk (a quick check)")
+    attacks: tuple[AttackName, ...] = Field((), description="only these attacks (default: all)")
+    work: Path | None = Field(None, description="keep the index, the run and the logs here (default: a temporary "
+                                                "folder)")

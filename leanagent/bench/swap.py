@@ -90,7 +90,8 @@ def _index(model: Path, dataset: Path, out: Path, embed: str, after: Path | None
 def _manifest(run_dir: Path, stages: list[Path]) -> None:
     names = [f"stage{i}" for i in range(len(stages))]
     repos = {repo_key(i, name): {"index": i, "name": name, "stages": {
-        f"eval-{j:02d}-{names[j]}": {"status": "done", "result": {"metrics": {}, "job": {"index": str(folder)}}}
+        f"eval-{j:02d}-{names[j]}": {"status": "done", "result": {"metrics": {"Recall@10": 0.0},
+                                                                  "job": {"index": str(folder)}}}
         for j in range(i + 1)}} for i, (name, folder) in enumerate(zip(names, stages, strict=True))}
     tmp = run_dir / f".{MANIFEST_NAME}.tmp"
     tmp.write_text(json.dumps({"order": names, "repos": repos}))
@@ -103,11 +104,10 @@ def bench_swap(options: SwapOptions) -> SwapFigures:
         dataset = write_scale_dataset(work / "data", ScaleSpec(files=options.files, premises=options.premises,
                                                               theorems=60))
         model = write_random_encoder(work / "model", options.preset)
-        first, second = work / "index-0", work / "index-1"
+        run_dir = work / "run"  # the stages' indexes inside it, where a run writes them (a server serves no other)
+        first, second = run_dir / "index" / "00-stage0", run_dir / "index" / "01-stage1"
         _index(model, dataset, first, options.embed)
         _index(model, dataset, second, options.embed, after=first)
-        run_dir = work / "run"
-        run_dir.mkdir()
         _manifest(run_dir, [first])
         force = ["--force"] if options.embed == "random" else []
         proc = subprocess.Popen([sys.executable, "-m", "leanagent.cli", "serve", str(run_dir), "--port", "0",

@@ -18,6 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from leanagent.bench.options import (
+    AbuseOptions,
     BatchingOptions,
     BenchOptions,
     CurriculumOptions,
@@ -55,7 +56,7 @@ def _check_path(options: BenchOptions) -> None:
     check_device(options.device)
 
 
-def _check_empty_work(options: CurriculumOptions | SwapOptions) -> None:
+def _check_empty_work(options: CurriculumOptions | SwapOptions | AbuseOptions) -> None:
     if options.work is not None and options.work.exists() and any(options.work.iterdir()):
         raise CommandError(f"--work {options.work}: not empty; give a new folder (nothing was overwritten)")
 
@@ -113,6 +114,9 @@ SECTIONS: tuple[BenchSection, ...] = (
     BenchSection("serve", ServeOptions, "real `leanagent serve` processes, batched and not: latency and requests/s "
                  "at 1, 8 and 32 clients, cold starts", "serving:bench_serve", "serving:serve_table",
                  positional=("work",), check=lambda options: check_device(options.device)),
+    BenchSection("abuse", AbuseOptions, "issue 38's attacks on real `leanagent serve` processes: per attack the "
+                 "answers, the server's CPU seconds, its peak memory and /health's worst latency (Linux)",
+                 "abuse:bench_abuse", "abuse:abuse_table", check=_check_empty_work),
 )
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 from pathlib import Path
 
 from leanagent.cli.common import (
@@ -36,15 +35,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("source", metavar="SOURCE", help="an INDEX folder, or a RUN_DIR (its manifest.json)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface, "
-                        "with a warning, and a token is advised)")
+                        "which needs a token)")
+    p.add_argument("--insecure-no-token", action="store_true",
+                   help="serve beyond this machine without a token: anyone who reaches the port may use it")
     p.add_argument("--port", type=int, default=23337, help="port (default 23337; 0: any free port, printed)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"], help="where the encoder runs (mps: "
                                                                                     "Apple GPUs, untested here)")
     add_dtype_argument(p)
     p.add_argument("--token-file", metavar="FILE",
-                   help=f"require this access token (the file's first line; a new file gets a random one, readable "
-                        f"by you alone) as the first part of every path, so Lean's URL is http://HOST:PORT/TOKEN; "
-                        f"the environment's {TOKEN_ENV} does the same")
+                   help=f"require this access token (the file's first line, 16 or more of letters, digits and -._~; "
+                        f"a new file gets a random one, readable by you alone, and a file others can read is "
+                        f"refused) as the first part of every path, so Lean's URL is http://HOST:PORT/TOKEN; the "
+                        f"environment's {TOKEN_ENV} does the same")
     p.add_argument("--follow-s", type=float, default=10.0,
                    help="with a RUN_DIR: how often to look for a newer finished stage, in seconds (default 10)")
     p.add_argument("--openapi", action="store_true", help="also serve the API's schema at /openapi.json")
@@ -55,44 +57,46 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def read_token(file: str | None) -> str | None:
-    """The token of `--token-file` (created with a random one if missing, mode 0600), else of the environment."""
-    if file is None:
-        token = os.environ.get(TOKEN_ENV, "").strip()
-        return token or None
-    path = Path(file)
-    if not path.exists():
-        token = secrets.token_urlsafe(24)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as exc:
-            raise CommandError(f"--token-file {file}: cannot be created ({exc.strerror or exc})") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
-        return token
+def read_token(file: str | None) -> tuple[str | None, str]:
+    """The token and where it is read: `--token-file` (written with a random one when missing, mode 0600; refused
+    when others may read it), else the environment; each checked for length and characters."""
+    from leanagent.serve.access import AccessError, check_token, read_token_file
+
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CommandError(f"--token-file {file}: cannot be read ({type(exc).__name__})") from None
-    token = lines[0].strip() if lines else ""
-    if not token or not all(c.isalnum() or c in "-_.~" for c in token):
-        raise CommandError(f"--token-file {file}: its first line must be a token of letters, digits and -_.~ "
-                           f"(it rides in a URL's path)")
-    return token
+        if file is None:
+            token = os.environ.get(TOKEN_ENV, "").strip()
+            return (check_token(token, TOKEN_ENV) if token else None), f"${TOKEN_ENV}"
+        return read_token_file(Path(file)), f"the first line of {file}"
+    except AccessError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from leanagent.serve import ServeError, serve
+    from leanagent.run.manifest import MANIFEST_NAME, ManifestUnreadableError, read_manifest
+    from leanagent.serve.access import AccessError, require_token
     from leanagent.serve.schemas import ServeLimits
 
     check_device(args.device)
     limits = model_from_args(ServeLimits, args)
     if args.follow_s <= 0:
         raise CommandError(f"--follow-s {args.follow_s}: must be positive")
-    token = read_token(args.token_file)
+    token, token_source = read_token(args.token_file)
+    try:  # before the server's modules (torch, uvicorn) are imported: a refusal in a blink
+        require_token(args.host, token, args.insecure_no_token)
+    except AccessError as exc:
+        raise CommandError(str(exc)) from None
+    source = Path(args.source)
+    if (source / MANIFEST_NAME).is_file():  # a RUN_DIR's manifest cut short or of the wrong shape: one line, now
+        try:
+            read_manifest(source / MANIFEST_NAME)
+        except ManifestUnreadableError as exc:
+            raise CommandError(str(exc)) from None
+    from leanagent.serve import ServeError, serve  # the model's stack: seconds to import
+
     try:
         return serve(Path(args.source), args.host, args.port, device=args.device, model=args.model, force=args.force,
                      limits=limits, access_log=args.access_log, dtype=args.dtype, token=token,
-                     follow_s=args.follow_s, openapi=args.openapi)
+                     follow_s=args.follow_s, openapi=args.openapi, token_source=token_source,
+                     insecure_no_token=args.insecure_no_token)
     except ServeError as exc:
         raise CommandError(str(exc)) from None

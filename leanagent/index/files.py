@@ -71,7 +71,10 @@ def write_index(out: Path, corpus: Corpus, embeddings: torch.Tensor, meta: dict[
     write_atomic(out / FILES_FILE, lambda f: _write_files(f, corpus))
     names = served_names(corpus, names_before)
     write_atomic(out / NAMES_FILE, lambda f: json.dump(names, f, ensure_ascii=False))
+    # Each file's size: a reader checks them all before it reads any (a file swapped for a pipe or a device).
+    sizes = {name: (out / name).stat().st_size for name in (EMBEDDINGS_FILE, PREMISES_FILE, FILES_FILE, NAMES_FILE)}
     meta = {**meta, "format": FORMAT_VERSION, "embeddings_sha256": hashlib.sha256(blob).hexdigest(),
+            "file_sizes": sizes,
             "num_premises": int(rows.shape[0]), "num_files": len(corpus.paths), "embedding_dim": int(rows.shape[1]),
             "dtype": "bfloat16", "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     write_atomic(out / INDEX_FILE, lambda f: json.dump(meta, f, indent=2, sort_keys=True))

@@ -28,6 +28,7 @@ from leanagent.index.read import (
     PremiseLine,
     accessibility_corpus,
     check_model,
+    index_file_sizes,
     read_embeddings,
     read_jsonl,
     read_meta,
@@ -77,7 +78,7 @@ class PremiseIndex:
         self.warnings: list[str] = list(warnings or [])
         self.dtype = resolve("auto", self.device)  # what `load` then resolves `--dtype` to
         # Where states and premise texts are cut, as the corpus was embedded (a state as evaluation cuts contexts).
-        self.state_max_len = int(meta.get("context_max_len", CONTEXT_MAX_LEN))
+        self.state_max_len = int(meta.get("context_max_len") or CONTEXT_MAX_LEN)
         self.premise_max_len = int(meta["max_seq_len"])
         # The lists a server gives (`names.json`; None: built from the premises and files, as before it existed).
         self.names: dict[str, list[str]] | None = None
@@ -96,11 +97,13 @@ class PremiseIndex:
         if not named and model is None:
             raise PremiseIndexError(f"{folder / INDEX_FILE}: names no checkpoint or model")
         model = str(model) if model is not None else named
+        sizes = index_file_sizes(folder, meta)  # every file a regular one of its recorded size, before any is read
         warnings = check_model(folder, meta, Path(model), force)
         embeddings = read_embeddings(folder, meta, warnings)
-        premises = [line.model_dump() for line in read_jsonl(folder / PREMISES_FILE, PremiseLine)]
+        premises = [line.model_dump() for line in read_jsonl(folder / PREMISES_FILE, PremiseLine,
+                                                              sizes[PREMISES_FILE])]
         files = {r.path: FileInfo(list(r.imports), (r.premises[0], r.premises[1]), r.last_line)
-                 for r in read_jsonl(folder / FILES_FILE, FileLine)}
+                 for r in read_jsonl(folder / FILES_FILE, FileLine, sizes[FILES_FILE])}
         if embeddings.shape[0] != len(premises) or len(premises) != meta.get("num_premises"):
             raise PremiseIndexError(f"{folder}: {embeddings.shape[0]} embeddings, {len(premises)} premises and "
                                     f"num_premises {meta.get('num_premises')} disagree; rebuild the index")

@@ -6,22 +6,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from leanagent.data.corpus import Corpus, FileRecord, Premise
 from leanagent.ground import model_identity
 from leanagent.ground.config import format_validation_error
+from leanagent.ground.results import describe_error
 from leanagent.index.files import (
     EMBEDDINGS_FILE,
     FILES_FILE,
     FORMAT_VERSION,
     INDEX_FILE,
+    NAMES_FILE,
     NORM_TOLERANCE,
+    PREMISES_FILE,
     READABLE_FORMATS,
     PremiseIndexError,
 )
@@ -74,24 +79,126 @@ def accessibility_corpus(premises: list[dict[str, Any]], files: dict[str, FileIn
     return corpus
 
 
+MAX_SEQ_LEN = 1 << 16  # bytes a ByT5 input is cut at: LeanAgent's are 512 (premises) and 1,024 (states)
+MAX_WIDTH = 1 << 16
+MAX_META_BYTES = 1 << 20
+HEADER_BYTES = 1 << 20  # a safetensors header beside the rows, at most (ours is under 200 bytes)
+
+
+class FileStamp(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: StrictStr
+    size: StrictInt = Field(ge=0)
+    mtime_ns: StrictInt = Field(ge=0)
+    sha256: StrictStr | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+
+
+class ModelIdentity(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    path: StrictStr | None = None
+    files: list[FileStamp] = []
+
+
+class IndexMeta(BaseModel):
+    """index.json: every key a reader takes, typed, with its range; keys nobody reads pass as they are."""
+
+    model_config = ConfigDict(extra="allow")
+
+    format: Literal[READABLE_FORMATS]  # type: ignore[valid-type]
+    num_premises: StrictInt = Field(ge=0, le=10**9)
+    max_seq_len: StrictInt = Field(ge=1, le=MAX_SEQ_LEN)
+    context_max_len: StrictInt | None = Field(None, ge=1, le=MAX_SEQ_LEN)
+    embedding_dim: StrictInt | None = Field(None, ge=1, le=MAX_WIDTH)
+    num_files: StrictInt | None = Field(None, ge=0, le=10**9)
+    checkpoint: StrictStr | None = None
+    model: StrictStr | None = None
+    base_model: StrictStr | None = None
+    model_identity: ModelIdentity | None = None
+    embeddings_sha256: StrictStr | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    file_sizes: dict[StrictStr, Annotated[int, Field(ge=0, strict=True)]] | None = None
+
+
+def read_regular(file: Path, size: int | None = None, limit: int | None = None) -> bytes:
+    """The bytes of `file` once it is known to be a regular file (a FIFO would block the reader, a device such as
+    /dev/zero would fill its memory) of the size index.json records, or at most `limit` bytes; one
+    PremiseIndexError line naming the file otherwise. Opened without blocking, then checked on the open file."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise PremiseIndexError(f"{file}: missing from the index; rebuild it") from None
+    except OSError as exc:
+        raise PremiseIndexError(f"{file}: cannot be read ({exc.strerror or exc}); rebuild the index") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PremiseIndexError(f"{file}: not a regular file (a pipe, a device or a folder); rebuild the index")
+        if size is not None and st.st_size != size:
+            raise PremiseIndexError(f"{file}: {st.st_size:,} bytes, but index.json records {size:,}: changed or "
+                                    f"damaged since the index was written; rebuild the index")
+        if limit is not None and st.st_size > limit:
+            raise PremiseIndexError(f"{file}: {st.st_size:,} bytes, more than an index of its size holds "
+                                    f"({limit:,}); rebuild the index")
+        try:
+            return f.read()
+        except OSError as exc:
+            raise PremiseIndexError(f"{file}: cannot be read ({exc.strerror or exc}); rebuild the index") from None
+
+
 def read_meta(folder: Path) -> dict[str, Any]:
+    """index.json, checked against `IndexMeta`: one line naming the file and the key for anything else."""
     file = folder / INDEX_FILE
     if not folder.is_dir():
         raise PremiseIndexError(f"{folder}: no such index folder (build one with `leanagent index`)")
-    if not file.is_file():
+    if not file.exists():
         raise PremiseIndexError(f"{folder}: not a finished index (no {INDEX_FILE}); build it with `leanagent index`")
     try:
-        meta = json.loads(file.read_bytes().decode("utf-8"))
+        meta = json.loads(read_regular(file, limit=MAX_META_BYTES).decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise PremiseIndexError(f"{file}: not UTF-8 (byte {exc.start})") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except json.JSONDecodeError as exc:
         raise PremiseIndexError(f"{file}: not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:
+        raise PremiseIndexError(f"{file}: not a readable index.json ({type(exc).__name__})") from None
     if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
         raise PremiseIndexError(f"{file}: not a format-{FORMAT_VERSION} leanagent index")
-    missing = [key for key in ("num_premises", "max_seq_len") if not isinstance(meta.get(key), int)]
-    if missing:
-        raise PremiseIndexError(f"{file}: {', '.join(missing)} missing or not an integer; rebuild the index")
+    try:
+        IndexMeta.model_validate(meta)
+    except ValidationError as exc:
+        raise PremiseIndexError(f"{file}: {describe_error(exc)}; rebuild the index") from None
     return meta
+
+
+def index_file_sizes(folder: Path, meta: dict[str, Any]) -> dict[str, int | None]:
+    """Each file of the index (names.json when present) checked before any is read: a regular file, of the size
+    index.json records (an index written before it recorded sizes: the embeddings within what their count and
+    width hold). {name: size to expect on reading}."""
+    recorded = meta.get("file_sizes") or {}
+    wanted = [EMBEDDINGS_FILE, PREMISES_FILE, FILES_FILE, *([NAMES_FILE] if (folder / NAMES_FILE).exists() else [])]
+    out: dict[str, int | None] = {}
+    for name in wanted:
+        path = folder / name
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise PremiseIndexError(f"{path}: missing from the index; rebuild it") from None
+        except OSError as exc:
+            raise PremiseIndexError(f"{path}: cannot be read ({exc.strerror or exc}); rebuild the index") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise PremiseIndexError(f"{path}: not a regular file (a pipe, a device or a folder); rebuild the index")
+        size = recorded.get(name)
+        if size is not None and st.st_size != size:
+            raise PremiseIndexError(f"{path}: {st.st_size:,} bytes, but index.json records {size:,}: changed or "
+                                    f"damaged since the index was written; rebuild the index")
+        out[name] = size
+    if recorded.get(EMBEDDINGS_FILE) is None:
+        width = meta.get("embedding_dim") or MAX_WIDTH
+        most = meta["num_premises"] * width * 4 + HEADER_BYTES
+        if (folder / EMBEDDINGS_FILE).stat().st_size > most:
+            raise PremiseIndexError(f"{folder / EMBEDDINGS_FILE}: larger than {meta['num_premises']:,} rows of "
+                                    f"{width} can be; rebuild the index")
+    return out
 
 
 def read_embeddings(folder: Path, meta: dict[str, Any], warnings: list[str]) -> torch.Tensor:
@@ -100,10 +207,8 @@ def read_embeddings(folder: Path, meta: dict[str, Any], warnings: list[str]) -> 
     from safetensors.torch import load
 
     file = folder / EMBEDDINGS_FILE
-    try:
-        blob = file.read_bytes()
-    except OSError as exc:
-        raise PremiseIndexError(f"{file}: cannot be read ({exc.strerror or exc}); rebuild the index") from None
+    blob = read_regular(file, (meta.get("file_sizes") or {}).get(EMBEDDINGS_FILE),
+                        meta["num_premises"] * (meta.get("embedding_dim") or MAX_WIDTH) * 4 + HEADER_BYTES)
     recorded = meta.get("embeddings_sha256")
     if recorded is None:
         warnings.append(f"{folder / INDEX_FILE}: records no digest of its embeddings (written before leanagent "
@@ -152,14 +257,10 @@ class FileLine(BaseModel):
     last_line: StrictInt | None = None
 
 
-def read_jsonl(file: Path, model: type[BaseModel]) -> list[Any]:
-    """Each line of `file` as `model`; the first line that is not one refused as `file:line: problem`."""
-    try:
-        data = file.read_bytes()
-    except FileNotFoundError:
-        raise PremiseIndexError(f"{file}: missing from the index; rebuild it") from None
-    except OSError as exc:
-        raise PremiseIndexError(f"{file}: cannot be read ({exc.strerror or exc}); rebuild the index") from None
+def read_jsonl(file: Path, model: type[BaseModel], size: int | None = None) -> list[Any]:
+    """Each line of `file` (of `size` bytes, when index.json records it) as `model`; the first line that is not
+    one refused as `file:line: problem`."""
+    data = read_regular(file, size)
     out = []
     for lineno, raw in enumerate(data.splitlines(), start=1):
         if not raw.strip():

@@ -33,9 +33,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from leanagent.ground.atomic import read_json
 from leanagent.ground.config import PipelineConfig
 from leanagent.ground.job import heartbeat_dir, result_filename, stale_ranks
+from leanagent.ground.results import ResultUnreadableError, read_result
 from leanagent.ground.supervision import SUPERVISION_ENV, pids_dir
 from leanagent.launch.output import JobOutput
 
@@ -162,7 +162,10 @@ class Launcher(ABC):
         if not result_path.is_file():
             raise LaunchError(f"{job_dir}: the job exited 0 but wrote no {result_path.name}", None,
                               output.launcher_tail)
-        return read_json(result_path)
+        try:
+            return read_result(result_path)
+        except ResultUnreadableError as exc:
+            raise LaunchError(str(exc), None, output.launcher_tail) from None
 
 
 def child_environment(base: dict[str, str] | None = None) -> dict[str, str]:

@@ -37,6 +37,7 @@ from leanagent.checkpoints.foreign import (
 )
 from leanagent.ground.config import PipelineConfig
 from leanagent.ground.names import BYT5_SMALL
+from leanagent.ground.results import ResultUnreadableError, read_result
 from leanagent.model.options import RetrieverOptions, stored_encoder_config
 from leanagent.model.presets import encoder_config
 from leanagent.model.progress_bars import no_progress_bars
@@ -218,8 +219,8 @@ def _job_dataset(path: Path) -> str | None:
     if path.resolve().parent.name != "checkpoints" or not result.is_file():
         return None
     try:
-        dataset = json.loads(result.read_text()).get("dataset")
-    except (OSError, json.JSONDecodeError, AttributeError):
+        dataset = read_result(result).get("dataset")
+    except ResultUnreadableError:
         return None
     return str(dataset) if dataset else None
 

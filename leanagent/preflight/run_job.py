@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from leanagent.ground.atomic import read_json
 from leanagent.ground.config import PipelineConfig
 from leanagent.ground.job import JobFinishedError, JobInputError, JobRequest, result_filename
+from leanagent.ground.results import read_result
 from leanagent.ground.timings import WALL_SECONDS
 from leanagent.launch.registry import launcher_for
 from leanagent.preflight.checks import preflight_job
@@ -39,7 +39,7 @@ def run_job(cfg: PipelineConfig, job: JobRequest, on_line: Callable[[str], None]
     result_file = job.out / result_filename(cfg.trainer.node_rank)
     if result_file.is_file():
         if reuse_finished:
-            return read_json(result_file)
+            return read_result(result_file)
         raise JobFinishedError(f"{result_file} exists: this job is finished; choose a new output folder "
                                f"(nothing was overwritten)")
     started = time.monotonic()

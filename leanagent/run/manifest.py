@@ -12,9 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from leanagent.ground.atomic import read_json
+from leanagent.ground.results import JobResult, describe_error
 
 MANIFEST_NAME = "manifest.json"
 
@@ -32,22 +35,120 @@ class ManifestUnreadableError(ManifestMismatchError):
     """The run_dir's manifest.json is cut short, not JSON, or not a manifest; nothing was written."""
 
 
+class StageRecord(BaseModel):
+    """A stage as the manifest records it (`leanagent.run.state.RunState`): a finished one holds its result."""
+
+    model_config = ConfigDict(extra="allow")
+
+    status: StrictStr
+    result: JobResult | None = None
+    error: StrictStr | None = None
+    reason: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _done_has_result(self) -> Self:
+        if self.status == "done" and self.result is None:
+            raise ValueError("a finished stage (status done) without its result")
+        return self
+
+
+# What each finished stage's readers take from its result: the flow the next stage's inputs, the report its rows.
+REQUIRED_RESULT_KEYS = {"train": ("checkpoint",), "fisher": ("fisher",), "merge": ("dataset",)}
+
+
+class RepoRecord(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    index: StrictInt | None = Field(None, ge=0, le=10**6)
+    name: StrictStr | None = None
+    path: StrictStr | None = None
+    dataset: dict[StrictStr, StrictStr] | None = None
+    stages: dict[StrictStr, StageRecord] = {}
+
+    @model_validator(mode="after")
+    def _finished_results_hold_what_is_read(self) -> Self:
+        for name, stage in self.stages.items():
+            if stage.status != "done" or stage.result is None:
+                continue
+            if name.startswith("eval-") and (stage.result.metrics is None or stage.result.metrics.recall_10 is None):
+                raise ValueError(f"stages.{name}.result.metrics: a finished evaluation without its Recall@10")
+            for key in REQUIRED_RESULT_KEYS.get(name, ()):
+                if getattr(stage.result, key) is None:
+                    raise ValueError(f"stages.{name}.result.{key}: missing from a finished {name} stage")
+        return self
+
+
+class LifelongRecord(BaseModel):
+    """The config's lifelong section, as the report and the flow read it back."""
+
+    model_config = ConfigDict(extra="allow")
+
+    dataset_strategy: StrictStr | None = None
+    curriculum: StrictBool | None = None
+    ewc_lambda: float | None = Field(None, ge=0, allow_inf_nan=False, strict=True)
+
+
+class ConfigRecord(BaseModel):
+    """The config a manifest records (`fingerprint_fields`): its sections are objects; a version 1 manifest's holds
+    its repositories."""
+
+    model_config = ConfigDict(extra="allow")
+
+    lifelong: LifelongRecord | None = None
+    model: dict[StrictStr, Any] | None = None
+    data: dict[StrictStr, Any] | None = None
+    trainer: dict[StrictStr, Any] | None = None
+    repos: list[dict[StrictStr, Any]] | None = None
+
+
+class ManifestRecord(BaseModel):
+    """manifest.json: every key a reader takes (the flow resuming a run, `report`, the server following it),
+    typed, with its range; keys nobody reads pass as they are (`extra="allow"`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    version: StrictInt | None = Field(None, ge=1, le=MANIFEST_VERSION)
+    fingerprint: StrictStr | None = None
+    config: ConfigRecord = ConfigRecord()
+    order: list[StrictStr] | None = None
+    given: list[StrictStr] | None = None
+    repos: dict[StrictStr, RepoRecord] = {}
+    created_at: StrictStr | None = None
+    updated_at: StrictStr | None = None
+
+
+def check_manifest(data: Any, path: Path) -> dict[str, Any]:
+    """`data` when it is a run manifest (`ManifestRecord`); ManifestUnreadableError naming the file and the key."""
+    if not isinstance(data, dict):
+        raise ManifestUnreadableError(f"{path}: a JSON {type(data).__name__}, not a run manifest (an object with "
+                                      f"\"repos\"); {_UNREADABLE}")
+    try:
+        ManifestRecord.model_validate(data)
+    except ValidationError as exc:
+        raise ManifestUnreadableError(f"{path}: {describe_error(exc)}; {_UNREADABLE}") from None
+    return data
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
-    """A run's manifest.json, or ManifestUnreadableError naming the file, what is wrong and what to do (a file
-    cut short by a full disk or a copy, or edited by hand, is never overwritten)."""
+    """A run's manifest.json, or ManifestUnreadableError naming the file, what is wrong (the key, for a manifest
+    of the wrong shape) and what to do (a file cut short by a full disk or a copy, or edited by hand, is never
+    overwritten)."""
     try:
         data = read_json(path)
     except UnicodeDecodeError as exc:
         raise ManifestUnreadableError(f"{path}: not UTF-8 text (byte {exc.start}); {_UNREADABLE}") from None
     except json.JSONDecodeError as exc:
+        cut = " (cut short: it ends before the JSON does)" if exc.pos >= len(exc.doc.rstrip()) \
+            or exc.msg.startswith("Unterminated string") else ""
         raise ManifestUnreadableError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno} "
-                                      f"({exc.msg}); {_UNREADABLE}") from None
+                                      f"({exc.msg}){cut}; {_UNREADABLE}") from None
+    except RecursionError:
+        raise ManifestUnreadableError(f"{path}: nests deeper than a manifest does; {_UNREADABLE}") from None
+    except ValueError as exc:  # an integer of more than 4,300 digits
+        raise ManifestUnreadableError(f"{path}: {str(exc).split(';')[0]}; {_UNREADABLE}") from None
     except OSError as exc:
         raise ManifestUnreadableError(f"{path}: cannot be read ({exc.strerror}); nothing was changed") from None
-    if not isinstance(data, dict) or not isinstance(data.get("repos", {}), dict):
-        raise ManifestUnreadableError(f"{path}: a JSON {type(data).__name__}, not a run manifest (an object with "
-                                      f"\"repos\"); {_UNREADABLE}")
-    return data
+    return check_manifest(data, path)
 
 
 _UNREADABLE = ("it was cut short or edited. Restore it from a copy, or move the run_dir aside to start the run "

@@ -33,16 +33,20 @@ one request's passes at a time under a lock instead (docs/serving.md has the mea
 `create_app(index)` returns an ASGI app, so a user can mount it in their own (`app.mount("/lean", ...)`).
 
 `leanagent serve RUN_DIR` serves a lifelong run's newest finished stage and follows the run (`follow.py`). On an
-open network every request is bounded: its connection's time to send it whole and the number of open connections
-(`protocol.py`), its body's size, its counts and its names' lengths as it is decoded (`parse.py`), the new-premise
-cache's bytes (`cache.py`); an access token may ride in the URL's path (`app.TokenGate`), and no response names a
-path of this machine.
+open network every request is bounded before its work: its connection's time to send it whole and the number of
+open connections, with a few kept for `/health` (`protocol.py`), its body's size and the bytes all bodies hold at
+once (`app.BodyBudget`: past it a 503), its JSON values counted before any is decoded, its lists checked whole and
+its names' lengths as it is decoded (`parse.py`), the new-premise cache's real bytes (`cache.py`). An access token
+rides in the URL's path (`app.TokenGate`); beyond this machine one is required, and it is checked and kept out of
+every log line (`access.py`). No response names a path of this machine, and nothing a client can send is a
+traceback in the log.
 
 The package, one concern a module: `schemas.py` (what a request may hold, and the limits), `parse.py` (a body to a
 request, under the limits), `cache.py` (new premises' embeddings), `batching.py` (shared encoder passes),
 `server.py` (`PremiseServer`: the protocol over a loaded index), `follow.py` (a run's newest stage, swapped in as
-the run goes on), `app.py` (the HTTP app and its refusals), `protocol.py` (HTTP/1.1 with deadlines and a
-connection cap) and `process.py` (the socket, uvicorn and the signals that stop it: what `leanagent serve` runs).
+the run goes on), `app.py` (the HTTP app and its refusals), `access.py` (the token's rules), `protocol.py`
+(HTTP/1.1 with deadlines and a connection cap) and `process.py` (the socket, uvicorn and the signals that stop it:
+what `leanagent serve` runs).
 Lean's names for corpus paths and premises are `leanagent.data.lean_names`.
 """
 

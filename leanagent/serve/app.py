@@ -2,17 +2,29 @@
 
 Why errors look as they do: see the package docstring (the client shows any body that is not a result array).
 A request is answered by the server current when it starts (`ServerHolder.using`), to its end: a server that
-follows a run swaps in a newer stage between requests, never inside one. Bodies are decoded off the event loop,
-under the limits (`parse.py`). With an access token every path starts with it (`TokenGate`), the one way Lean's
-client, which is given only `premiseSelection.apiBaseUrl`, can carry one. No response names a path of this
-machine, and the OpenAPI schema is served only when asked for.
+follows a run swaps in a newer stage between requests, never inside one. With an access token every path starts
+with it (`TokenGate`), the one way Lean's client, which is given only `premiseSelection.apiBaseUrl`, can carry
+one. No response names a path of this machine, and the OpenAPI schema is served only when asked for.
+
+What a request may cost, and who waits:
+
+- a body's bytes are reserved in one budget for all requests (`BodyBudget`, `bodies_mb`) as they arrive, and its
+  decoded size once it is counted; a request that does not fit is a 503 with Retry-After, so a crowd of large
+  bodies costs at most the budget, never the machine's memory;
+- bodies are decoded off the event loop, at most `parse_slots` at once (the rest wait on the loop, holding no
+  thread): the event loop stays free for `GET /health`, which is answered on it, without a thread;
+- a client that hangs up mid-body is one short line a minute in the log (`NOTICES`), never a traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import hmac
 import json
 import logging
+import os
+import threading
 from contextlib import nullcontext
 from typing import Any
 
@@ -20,37 +32,127 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from leanagent.index.query import PremiseIndex
-from leanagent.serve.follow import ServerHolder
+from leanagent.serve.follow import ServerHolder, give_back_memory
 from leanagent.serve.parse import excerpt, parse_request
+from leanagent.serve.protocol import NOTICES
 from leanagent.serve.schemas import RequestError, ServeLimits
 from leanagent.serve.server import PremiseServer
 
 LOG = logging.getLogger("leanagent.serve")
 ENDPOINTS = "GET /indexed-modules, GET /indexed-premises, GET /max-new-premises, POST /retrieve, GET /health"
 MAX_ERROR_CHARS = 500
+RETRY_AFTER_S = 1
+BYTES_PER_BODY_BYTE = 4  # the chunks, their join, the decoded text, the text without its strings (when counted)
+BYTES_PER_VALUE = 64  # a decoded JSON value: its object and its slot in a list or dict
+TRIM_AFTER_BYTES = 32 << 20  # requests that held this much give the allocator's free pages back when done
 
 
-def _error(status: int, message: str) -> JSONResponse:
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD_BYTES = 256 << 10
+
+
+def returnable_large_allocations() -> None:
+    """Large allocations (a body, its decoded text, a list of a million positions) from their own pages, handed
+    back to the system when freed: glibc's default raises the threshold to the largest block freed so far (up to
+    32 MB), after which such blocks come from the heap and its resident size stays at the burst's peak."""
+    try:
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    except (OSError, AttributeError):  # not glibc: its allocator decides
+        pass
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     message = " ".join(message.split())
     if len(message) > MAX_ERROR_CHARS:
         message = message[: MAX_ERROR_CHARS - 3] + "..."
-    return JSONResponse({"error": message}, status_code=status)
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-async def _read_body(request: Request, limit: int) -> list[bytes]:
+class Busy(RequestError):
+    """Over a budget shared by all requests: a 503, to be retried."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message)
+
+
+class ClientGone(Exception):
+    """The client hung up before its request was read whole: nobody to answer."""
+
+
+class BodyBudget:
+    """Bytes that request bodies hold across all requests at once, taken as they arrive and given back when each
+    request ends. When the last request that held a large share ends, the C allocator is told to give its free
+    pages back (`give_back_memory`), so the resident memory returns near its baseline after a burst."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = self.peak = 0
+        self._lock = threading.Lock()
+        self._since_trim = 0
+
+    def take(self, n: int, what: str, own: int = 0) -> None:
+        """Reserve `n` more bytes for a request that holds `own` already: a 503 while others hold too much, a 413
+        when the request alone could never fit."""
+        if own + n > self.capacity:
+            raise RequestError(413, f"{what} needs {(own + n) / 2**20:,.1f} MB for request bodies, more than this "
+                                    f"server's --bodies-mb {self.capacity / 2**20:,.0f} holds for all requests "
+                                    f"together; send less, or restart the server with a larger --bodies-mb")
+        with self._lock:
+            if self.used + n > self.capacity:
+                raise Busy(f"the server holds {self.used / 2**20:,.0f} MB of request bodies, near its "
+                           f"--bodies-mb {self.capacity / 2**20:,.0f}; {what} must wait: retry in a moment")
+            self.used += n
+            self.peak = max(self.peak, self.used)
+            self._since_trim += n
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+            trim = not self.used and self._since_trim >= TRIM_AFTER_BYTES
+            if trim:
+                self._since_trim = 0
+        if trim:
+            give_back_memory()
+
+
+class _Held:
+    """What one request has taken of the budget, given back once, whatever ends it."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.bytes = 0
+
+    def take(self, n: int, what: str) -> None:
+        self.budget.take(n, what, self.bytes)
+        self.bytes += n
+
+    def release(self) -> None:
+        self.budget.give(self.bytes)
+        self.bytes = 0
+
+
+async def _read_body(request: Request, limit: int, held: _Held) -> list[bytes]:
     """The body's chunks, refused as soon as they pass `limit` bytes (declared or streamed), so a huge one is never
-    held; joined and decoded in a worker thread, not here on the event loop."""
+    held, each chunk taken from the shared budget as it arrives; joined and decoded in a worker thread."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestError(413, f"body of {int(declared):,} bytes, more than this server's {limit:,}")
+    reserved = int(declared) if declared is not None and declared.isdigit() else 0
+    if reserved > limit:
+        raise RequestError(413, f"body of {reserved:,} bytes, more than this server's {limit:,}")
+    held.take(reserved, "this body")  # a declared body is reserved whole before a byte of it is read
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(413, f"body of more than {limit:,} bytes, this server's limit")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(413, f"body of more than {limit:,} bytes, this server's limit")
+            if size > reserved:
+                held.take(min(len(chunk), size - reserved), "this body")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None
     return chunks
 
 
@@ -89,14 +191,25 @@ def create_app(source: PremiseIndex | PremiseServer | ServerHolder, limits: Serv
         holder = source
     else:
         holder = ServerHolder(source if isinstance(source, PremiseServer) else PremiseServer(source, limits))
+    limits = holder.current.limits
     app = FastAPI(title="leanagent premise selection", docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json" if openapi else None,
                   description="Lean's premise-selection protocol (premiseSelection.apiBaseUrl)")
     app.state.holder = holder
+    budget = app.state.bodies = BodyBudget(int(limits.bodies_mb * 2**20))
+    # Decoding is Python work under the GIL: a few at once keep the cores busy; more would only slow the event
+    # loop's turn (and /health's) without answering anyone sooner.
+    slots: list[asyncio.Semaphore] = []
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
-        return _error(exc.status, exc.message)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        return _error(exc.status, exc.message, headers)
+
+    @app.exception_handler(ClientGone)
+    async def gone(request: Request, exc: ClientGone) -> Response:
+        NOTICES.note("gone", "clients hung up before their request arrived whole")
+        return Response(status_code=400)  # to nobody: the connection is closed
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -124,24 +237,44 @@ def create_app(source: PremiseIndex | PremiseServer | ServerHolder, limits: Serv
             return server.limits.max_new_premises
 
     @app.get("/health")
-    def health() -> dict[str, Any]:
+    async def health() -> dict[str, Any]:  # on the event loop: answered while every worker thread is busy
         with holder.using() as server:
-            return server.health()
+            return {**server.health(), "bodies_mb": round(budget.used / 2**20, 1)}
 
     @app.post("/retrieve")
     async def retrieve(request: Request) -> Response:
-        with holder.using() as server:
-            # Batched, a pass waits a moment for a request on its way: counted from before its body is read.
-            with server.batcher.arriving() if server.batcher is not None else nullcontext() as arrival:
-                chunks = await _read_body(request, server.limits.max_body_bytes)
+        if not slots:
+            slots.append(asyncio.Semaphore(max(2, os.cpu_count() or 2)))
+        held = _Held(budget)
+        parsed = None
+        try:
+            with holder.using() as server:
+                # Batched, a pass waits a moment for a request on its way: counted from before its body is read.
+                with server.batcher.arriving() if server.batcher is not None else nullcontext() as arrival:
+                    chunks = await _read_body(request, server.limits.max_body_bytes, held)
 
-                def answer() -> bytes:
-                    ranked = server.retrieve(parse_request(b"".join(chunks), server.limits), arrival)
-                    # Scores come from unit vectors: finite, or a 500 rather than invalid JSON.
-                    return json.dumps(ranked, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+                    def parse() -> Any:
+                        body = b"".join(chunks)
+                        chunks.clear()
 
-                body = await run_in_threadpool(answer)
-                holder.answered()
-                return Response(body, media_type="application/json")
+                        def decoding(size: int, values: int) -> None:  # counted, before anything is decoded
+                            held.take((BYTES_PER_BODY_BYTE - 1) * size + BYTES_PER_VALUE * values, "decoding this body")
+
+                        return parse_request(body, server.limits, decoding)
+
+                    async with slots[0]:
+                        parsed = await run_in_threadpool(parse)
+
+                    def answer() -> bytes:
+                        ranked = server.retrieve(parsed, arrival)
+                        # Scores come from unit vectors: finite, or a 500 rather than invalid JSON.
+                        return json.dumps(ranked, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+                    body = await run_in_threadpool(answer)
+                    holder.answered()
+                    return Response(body, media_type="application/json")
+        finally:
+            parsed = None  # the decoded body goes before its bytes are given back (and memory trimmed)
+            held.release()
 
     return TokenGate(app, token) if token else app

@@ -25,8 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from leanagent.ground.atomic import read_json
-from leanagent.run.manifest import MANIFEST_NAME, stage_indexes
+from leanagent.index.files import INDEX_FILES
+from leanagent.run.manifest import MANIFEST_NAME, read_manifest, stage_indexes
 from leanagent.serve.server import PremiseServer
 
 DEFAULT_FOLLOW_S = 10.0
@@ -41,15 +41,26 @@ class Stage:
     index: Path
 
 
+class StageRefused(ValueError):
+    """A stage whose index is not the run's own (outside its folder); the message is one line."""
+
+
 def run_stages(run_dir: Path) -> list[Stage]:
-    """The run's finished stages that have an index, in curriculum order (an unreadable manifest: none yet)."""
-    try:
-        manifest = read_json(Path(run_dir) / MANIFEST_NAME)
-    except (OSError, ValueError):
-        return []
-    if not isinstance(manifest, dict):
-        return []
+    """The run's finished stages that have an index, in curriculum order; ManifestUnreadableError (one line naming
+    the manifest and the key) for a manifest cut short or of the wrong shape."""
+    manifest = read_manifest(Path(run_dir) / MANIFEST_NAME)
     return [Stage(position, name, Path(folder)) for position, name, folder in stage_indexes(manifest)]
+
+
+def check_inside(run_dir: Path, stage: Stage) -> None:
+    """A stage's index folder, and each of its files, must lie inside the run's folder once links are resolved:
+    the manifest names what is served, and a link out of the run would serve whatever it points to."""
+    root = Path(run_dir).resolve()
+    folder = (root / stage.index).resolve()
+    for path in (folder, *((folder / name).resolve() for name in INDEX_FILES)):
+        if not path.is_relative_to(root):
+            raise StageRefused(f"{stage.index}: resolves to {path}, outside the run's folder {root}; a run serves "
+                               f"only the indexes it wrote")
 
 
 def is_run_dir(path: Path) -> bool:
@@ -126,12 +137,12 @@ class StageFollower(threading.Thread):
         self.log = log
         self.every_s = every_s
         self.refused: set[tuple[int, str]] = set()
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         # Servers swapped out and not yet freed (their last request may still run): memory is given back when they go.
         self._retired: list[weakref.ref[PremiseServer]] = []
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
 
     def check(self) -> Stage | None:
         """Take the newest stage if it is newer than the one served and loads; the stage now served, if it moved."""
@@ -143,12 +154,12 @@ class StageFollower(threading.Thread):
         if key in self.refused:
             return None
         try:
+            check_inside(self.run_dir, newest)
             server = self.load(newest)
         except Exception as exc:  # any reason a stage cannot be served: the current one goes on
             self.refused.add(key)
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             self.log(f"warning: stage {newest.name} (#{newest.position + 1}) cannot be served, still serving "
-                     f"{self.served.name}: {first}")
+                     f"{self.served.name}: {_one_line(exc)}")
             return None
         self._retired.append(weakref.ref(self.holder.swap(server)))
         self.log(f"now serving stage {newest.name} (#{newest.position + 1}): {len(server.premise_names)} premises, "
@@ -169,6 +180,23 @@ class StageFollower(threading.Thread):
         return gone
 
     def run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.check()
-            self.release_retired()
+        """Poll until stopped, whatever goes wrong: each problem (a manifest cut short or of the wrong shape, a
+        folder that cannot be read) is logged once, in one line, while it lasts, and the next poll tries again."""
+        said: str | None = None
+        while not self._stopping.wait(self.every_s):
+            try:
+                self.check()
+                self.release_retired()
+                said = None
+            except Exception as exc:
+                line = f"warning: cannot follow the run, still serving {self.served.name}: {_one_line(exc)}"
+                if line != said:
+                    self.log(line)
+                    said = line
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if not first or isinstance(exc, MemoryError | KeyError | TypeError) \
+        else first

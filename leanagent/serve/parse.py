@@ -1,27 +1,34 @@
 """A `/retrieve` body to a `RetrieveRequest`, with bounded work whatever the bytes.
 
-The limits are checked while the JSON is decoded, not after: the decoder calls back for every object and, in a
-body large enough to hold more positions than the limit, every integer, and the first one over a limit stops it.
-So a body of millions of tiny new premises, or of tens of millions of positions, is refused after the first few
-over the limit, in the memory those took, not after building all of them and validating them. A name or a
-declaration is checked for length as its object is built, before anything is done with it. Nesting too deep for
-the decoder, an integer no field takes, a string that is not Unicode (a lone surrogate) are each a 4xx with one
-line; every message quotes at most a short prefix of what it refuses (`excerpt`).
+Every limit is checked before the work it bounds, in the order of what each step costs:
+
+1. the body's JSON values are counted in C before anything is decoded (`count_values`: commas and brackets, the
+   strings taken out only when the quick count is over), so a body of twelve million positions or names is
+   refused in the time of a few scans of its bytes, never built as twelve million objects;
+2. while it is decoded, new premises are counted and each name and declaration checked for length as its object
+   is built (the decoder calls back per object), and an integer of more than 4,300 digits (which Python refuses
+   to read) is a 422;
+3. the list fields are checked whole (`check_lists`): their sizes, then their entries, one error per field with
+   a sample of the bad entries, before the model validates them (a million wrong entries validated one by one
+   built a million errors);
+4. the model (`RetrieveRequest`), each field's first error only.
+
+Nesting too deep for the decoder, a string that is not Unicode (a lone surrogate), are each a 4xx with one line;
+every message quotes at most a short prefix of what it refuses (`excerpt`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
 
-from leanagent.ground.config import format_validation_error
 from leanagent.serve.schemas import RequestError, RetrieveRequest, ServeLimits
 
 EXCERPT_CHARS = 40
-MAX_DIGITS = 18  # no field takes an integer beyond int64 (positions, k)
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
@@ -33,12 +40,11 @@ def excerpt(value: Any, chars: int = EXCERPT_CHARS) -> str:
 
 
 class _Budget:
-    """The decoder's callbacks: count objects and integers, check names and declarations as they are built."""
+    """The decoder's callbacks: count objects, check names and declarations as they are built."""
 
     def __init__(self, limits: ServeLimits) -> None:
         self.limits = limits
         self.objects = 0
-        self.integers = 0
 
     def object_pairs(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         self.objects += 1
@@ -56,19 +62,108 @@ class _Budget:
                                     f"this server's {self.limits.max_decl_chars:,}")
         return obj
 
-    def integer(self, digits: str) -> int:
-        self.integers += 1
-        if self.integers > self.limits.max_positions:
-            raise RequestError(413, f"more than {self.limits.max_positions:,} positions in one request, this "
-                                    f"server's limit")
-        if len(digits.lstrip("-")) > MAX_DIGITS:
-            raise RequestError(422, f"an integer of {len(digits.lstrip('-')):,} digits ({excerpt(digits)}): no "
-                                    f"field takes one that large")
-        return int(digits)
-
     @staticmethod
     def constant(name: str) -> Any:
         raise RequestError(400, f"body is not JSON: {name} is not a JSON value")
+
+
+# A JSON string, possessive (3.11+): no backtracking state per character, so a 60 MB string is one step.
+_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"')
+VALUE_SLACK = 64  # the body's own keys, a newer client's additions
+# The fields that hold positions or names, each entry counted against max_positions.
+POSITION_FIELDS = ("local_premises", "imported_modules", "imported_all_modules")
+SAMPLE = 3  # bad entries quoted in a field's error
+
+
+def max_values(limits: ServeLimits) -> int:
+    """The JSON values a body may hold: its positions and names, its new premises (an object, a name and a
+    declaration each, and a spare key), and a few of its own."""
+    return limits.max_positions + 4 * limits.max_new_premises + VALUE_SLACK
+
+
+def count_values(text: str, limits: ServeLimits) -> int:
+    """An upper bound of the JSON values in `text` (every value but the outermost is an array's element or an
+    object's member, and a container of n of them holds n - 1 commas), counted in C before anything is decoded:
+    over the limit, the strings are taken out and the count made exact, so commas in declarations cannot refuse a
+    body that is within it. Refused with a 413 when over `max_values`."""
+    limit = max_values(limits)
+    bound = text.count(",") + text.count("[") + text.count("{") + 1
+    if bound <= limit:
+        return bound
+    # At least this many: every string is a value or a key (a key's member is a value), so the values are at least
+    # a quarter of the quotes that are not escaped. Refuses a body of millions of names without taking it apart
+    # (one regex pass over 16 MB holds the interpreter's lock for half a second, and /health waits for it).
+    if (text.count('"') - text.count('\\"')) // 4 <= limit:
+        bare = _STRING.sub('""', text)
+        bound = bare.count(",") + bare.count("[") + bare.count("{") + 1
+        if bound <= limit:
+            return bound
+    raise RequestError(413, f"a body of more than {limit:,} JSON values: this server takes at most "
+                            f"{limits.max_positions:,} positions and names in local_premises and the module lists "
+                            f"together (--max-positions) and {limits.max_new_premises:,} new premises "
+                            f"(--max-new-premises)")
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else {dict: "object", list: "array", str: "string", bool: "boolean",
+                                         int: "integer", float: "number"}.get(type(value), type(value).__name__)
+
+
+def _bad_entries(field: str, entries: list[Any], ok: Any, wanted: str) -> str | None:
+    """One line for a list field whose entries `ok` refuses: how many, and the first few, each quoted short."""
+    count = 0
+    sample = []
+    for i, entry in enumerate(entries):
+        if not ok(entry):
+            count += 1
+            if len(sample) < SAMPLE:
+                sample.append(f"[{i}] {excerpt(entry, 24)}")
+    if not count:
+        return None
+    more = f", and {count - len(sample):,} more" if count > len(sample) else ""
+    return f"{field}: {count:,} of its {len(entries):,} entries are not {wanted} ({', '.join(sample)}{more})"
+
+
+def _is_position(entry: Any) -> bool:
+    return type(entry) is int or type(entry) is str
+
+
+def _is_new_premise(entry: Any) -> bool:
+    return type(entry) is dict and type(entry.get("name")) is str and type(entry.get("decl")) is str
+
+
+def check_lists(payload: dict[str, Any], limits: ServeLimits) -> None:
+    """The list fields before the model sees them: their sizes against the limits, then their entries, one error
+    per field with a short sample of the bad entries (validating a list of a million wrong entries one by one
+    built a million errors: 2.5 GB)."""
+    problems = []
+    positions = 0
+    for field in POSITION_FIELDS:
+        value = payload.get(field)
+        if isinstance(value, list):
+            positions += len(value)
+    if positions > limits.max_positions:
+        raise RequestError(413, f"{positions:,} premises and modules named, more than this server's "
+                                f"{limits.max_positions:,} (--max-positions)")
+    new = payload.get("new_premises")
+    if isinstance(new, list) and len(new) > limits.max_new_premises:
+        raise RequestError(413, f"new_premises: {len(new):,} premises, more than this server's "
+                                f"{limits.max_new_premises:,} (GET /max-new-premises); set "
+                                f"premiseSelection.maxUnindexedPremises to at most that, or restart the server with a "
+                                f"larger --max-new-premises")
+    for field in (*POSITION_FIELDS, "new_premises"):
+        value = payload.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, list):
+            problems.append(f"{field}: must be an array, found a JSON {_kind(value)}")
+        elif field == "new_premises":
+            problems.append(_bad_entries(field, value, _is_new_premise, 'objects {"name": string, "decl": string}'))
+        else:
+            problems.append(_bad_entries(field, value, _is_position, "positions (integers) or names (strings)"))
+    problems = [p for p in problems if p]
+    if problems:
+        raise RequestError(422, "; ".join(problems))
 
 
 def _check_unicode(payload: dict[str, Any]) -> None:
@@ -91,28 +186,44 @@ def _check_unicode(payload: dict[str, Any]) -> None:
                     from None
 
 
-def parse_request(body: bytes, limits: ServeLimits) -> RetrieveRequest:
-    """The request a body holds, or a `RequestError` (a 4xx with one line)."""
+def parse_request(body: bytes, limits: ServeLimits,
+                  counted: Callable[[int, int], None] | None = None) -> RetrieveRequest:
+    """The request a body holds, or a `RequestError` (a 4xx with one line). `counted(bytes, values)` is called
+    once the body's values are counted, before they are decoded (the app reserves their memory there)."""
     budget = _Budget(limits)
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RequestError(400, f"body is not UTF-8 JSON (byte {exc.start} cannot be decoded)") from None
-    # Integers are counted one callback each, which costs a 76,000-position body (an old client's) a third of its
-    # time: only where the body is large enough to hold more than the limit (each takes at least 2 bytes).
-    integers = budget.integer if len(text) > 2 * limits.max_positions else None
+    values = count_values(text, limits)
+    if counted is not None:
+        counted(len(body), values)
     try:
-        payload = json.loads(text, object_pairs_hook=budget.object_pairs, parse_int=integers,
-                             parse_constant=budget.constant)
+        payload = json.loads(text, object_pairs_hook=budget.object_pairs, parse_constant=budget.constant)
     except json.JSONDecodeError as exc:
         raise RequestError(400, f"body is not JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
     except RecursionError:
         raise RequestError(400, "body nests arrays or objects deeper than this server decodes") from None
+    except ValueError as exc:  # Python refuses to read an integer of more than 4,300 digits
+        raise RequestError(422, f"an integer too large for any field ({str(exc).split(';')[0]})") from None
     if not isinstance(payload, dict):
-        raise RequestError(422, f"body must be a JSON object with a state, found a JSON {type(payload).__name__}")
+        raise RequestError(422, f"body must be a JSON object with a state, found a JSON {_kind(payload)}")
     if SURROGATE_ESCAPE.search(text):  # only then can a string hold a lone surrogate (raw ones are not UTF-8)
         _check_unicode(payload)
+    check_lists(payload, limits)
     try:
         return RetrieveRequest.model_validate(payload)
     except ValidationError as exc:
-        raise RequestError(422, format_validation_error(exc)) from None
+        raise RequestError(422, one_error_per_field(exc)) from None
+
+
+def one_error_per_field(exc: ValidationError) -> str:
+    """`field: problem; ...` with each top-level field once (its first error), however many entries it has."""
+    seen: dict[str, str] = {}
+    for err in exc.errors():
+        loc = err["loc"]
+        top = str(loc[0]) if loc else "(body)"
+        if top not in seen:
+            where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+            seen[top] = f"{top}{where}: {err['msg']}"
+    return "; ".join(seen.values())

@@ -13,11 +13,14 @@ saying why it stopped and how many retrievals it answered.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
+import contextlib
+import logging
 import resource
+import signal
 import socket
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +29,20 @@ import uvicorn
 from leanagent.ground.supervision import Interrupted, interrupt_on_signals
 from leanagent.index.files import PremiseIndexError
 from leanagent.index.query import PremiseIndex
-from leanagent.serve.app import create_app
-from leanagent.serve.follow import DEFAULT_FOLLOW_S, ServerHolder, Stage, StageFollower, is_run_dir, run_stages
-from leanagent.serve.protocol import bounded_protocol, quiet_accept_errors
+from leanagent.run.manifest import ManifestUnreadableError
+from leanagent.serve.access import REDACTED, AccessError, RedactToken, is_loopback, require_token
+from leanagent.serve.app import create_app, returnable_large_allocations
+from leanagent.serve.follow import (
+    DEFAULT_FOLLOW_S,
+    ServerHolder,
+    Stage,
+    StageFollower,
+    StageRefused,
+    check_inside,
+    is_run_dir,
+    run_stages,
+)
+from leanagent.serve.protocol import OncePerMinute, bounded_protocol, quiet_accept_errors
 from leanagent.serve.schemas import ServeLimits
 from leanagent.serve.server import PremiseServer, StageInfo
 
@@ -46,19 +60,17 @@ def _to_stderr(line: str) -> None:
 
 
 def newest_stage(run_dir: Path) -> Stage:
-    """The stage a RUN_DIR serves now: its newest finished stage with an index."""
-    stages = run_stages(run_dir)
+    """The stage a RUN_DIR serves now: its newest finished stage with an index, inside the run's folder."""
+    try:
+        stages = run_stages(run_dir)
+        if stages:
+            check_inside(run_dir, stages[-1])
+    except (ManifestUnreadableError, StageRefused) as exc:
+        raise ServeError(str(exc)) from None
     if not stages:
         raise ServeError(f"{run_dir}: no stage of this run has a premise index yet (each repository's evaluation "
                          f"writes one when it is done); serve an INDEX, or start the server once a stage is done")
     return stages[-1]
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def lean_url(host: str, port: int, token: str | None = None) -> str:
@@ -93,18 +105,45 @@ class _Server(uvicorn.Server):
         quiet_accept_errors(asyncio.get_running_loop())
         await super().serve(sockets=sockets)
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's graceful stop for SIGHUP too (a closed terminal, a session's end), as for SIGINT and SIGTERM:
+        requests in flight are answered, then the signal is raised again for `interrupt_on_signals` (exit 129). A
+        SIGHUP ignored (`nohup`) stays ignored."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        wanted = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in wanted
+                    if signal.getsignal(sig) is not signal.SIG_IGN}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        for captured in reversed(self._captured_signals):
+            signal.raise_signal(captured)
+
 
 def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, device: str = "cpu",
           model: str | None = None, force: bool = False, limits: ServeLimits | None = None, access_log: bool = False,
           log: Callable[[str], None] = _to_stderr, dtype: str = "auto", token: str | None = None,
-          follow_s: float = DEFAULT_FOLLOW_S, openapi: bool = False) -> int:
+          follow_s: float = DEFAULT_FOLLOW_S, openapi: bool = False, token_source: str = "the token",
+          insecure_no_token: bool = False) -> int:
     """Serve an INDEX folder, or a RUN_DIR's newest stage (followed every `follow_s` seconds), until a signal stops
     it; the exit code: 0 when told to stop, 128 + N after signal N.
 
     `model`, `force` and `dtype` are `PremiseIndex.load`'s (another path to the same weights; a changed model,
-    warned about). Raises ServeError, before anything listens, for a source or an address that cannot be used."""
+    warned about). `token_source` says where the token is read (the banner shows it, never the token);
+    `insecure_no_token`: serve beyond this machine without one. Raises ServeError, before anything is loaded or
+    listens, for a source or an address that cannot be used."""
     limits = limits or ServeLimits()
     source = Path(source)
+    try:
+        require_token(host, token, insecure_no_token)
+    except AccessError as exc:
+        raise ServeError(str(exc)) from None
+    returnable_large_allocations()
     follows = is_run_dir(source)
 
     def load(folder: Path, stage: Stage | None) -> PremiseServer:
@@ -119,14 +158,15 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
     except PremiseIndexError as exc:
         raise ServeError(str(exc)) from None
     app = create_app(holder, token=token, openapi=openapi)  # before listening: never a half-built server
-    connections = descriptor_room(limits.max_connections, log)
+    connections = descriptor_room(limits.max_connections + limits.health_connections, log)
     try:
         sock = listen(host, port)
     except OSError as exc:
         raise ServeError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
     bound_host, bound_port = sock.getsockname()[:2]
-    url = lean_url(bound_host, bound_port, token)
-    config = uvicorn.Config(app, http=bounded_protocol(limits.request_timeout_s, connections),
+    url = lean_url(bound_host, bound_port, REDACTED if token else None)
+    health = min(limits.health_connections, connections // 2)
+    config = uvicorn.Config(app, http=bounded_protocol(limits.request_timeout_s, connections - health, health),
                             log_level="info" if access_log else "warning", access_log=access_log,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     follower = StageFollower(source, holder, stage, lambda s: load(s.index, s), log, follow_s) if stage else None
@@ -138,10 +178,11 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
     try:
         # Ours until uvicorn takes the signals over, and again after: it shuts down gracefully, then re-raises
         # the signal it got, which ours turns into Interrupted. A signal during start-up stops as cleanly.
-        with interrupt_on_signals():
+        with interrupt_on_signals(), _quiet_logs(token):
             _warn_beyond_loopback(bound_host, bound_port, token, log)
+            where = f" ({REDACTED}: {token_source})" if token else ""
             log(f"serving {count} premises of {what} ({dtype}) at {url}; in Lean: "
-                f"set_option premiseSelection.apiBaseUrl \"{url}\"  (Ctrl-C stops)")
+                f"set_option premiseSelection.apiBaseUrl \"{url}\"{where}  (Ctrl-C stops)")
             if follower is not None:
                 follower.start()
             _Server(config).run(sockets=[sock])
@@ -155,13 +196,29 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
     return code
 
 
+@contextlib.contextmanager
+def _quiet_logs(token: str | None) -> Iterator[None]:
+    """uvicorn's log as a shared server needs it: its per-request warnings (a malformed request, one a client can
+    send thousands of) at most once a minute each, and the token in no line (the access log has whole paths)."""
+    filters = [(logging.getLogger("uvicorn.error"), OncePerMinute())]
+    if token:
+        filters += [(logging.getLogger(name), RedactToken(token)) for name in ("uvicorn.access", "uvicorn.error")]
+    for logger, f in filters:
+        logger.addFilter(f)
+    try:
+        yield
+    finally:
+        for logger, f in filters:
+            logger.removeFilter(f)
+
+
 def _warn_beyond_loopback(host: str, port: int, token: str | None, log: Callable[[str], None]) -> None:
     if is_loopback(host):
         return
     where = "every network interface" if host in ("0.0.0.0", "::") else host
     if token is None:
-        log(f"warning: listening on {where}: anyone who can reach port {port} can use this server and read what it "
-            f"indexes; give --token-file (or LEANAGENT_SERVE_TOKEN) to require a token in the URL")
+        log(f"warning: listening on {where} without a token (--insecure-no-token): anyone who can reach port {port} "
+            f"can use this server and read what it indexes")
     else:
         log(f"warning: listening on {where}, with a token in the URL's path: plain HTTP, so on a network you trust "
             f"(or behind a TLS proxy)")

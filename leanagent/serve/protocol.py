@@ -7,8 +7,12 @@ protocol that
 
 - closes a connection whose request has not arrived whole (headers and body) within `request_timeout_s` of the
   connection, or of the end of the previous response on a kept-alive one, with a 408 naming the deadline;
-- closes a new connection at once, before reading it, while `max_connections` are open (so descriptors never
-  run out before the limit does, and each refusal costs nothing);
+- beyond `max_connections` open ones, takes `health_connections` more for `GET /health` alone (a monitor, a
+  user asking whether the server lives, is answered while stalled clients hold every other slot): such a
+  connection must send its request within `HEALTH_TIMEOUT_S`, gets a 503 for any other path, and is closed after
+  its answer;
+- closes a new connection at once, before reading it, beyond those (so descriptors never run out before the limit
+  does, and each refusal costs nothing);
 
 and `quiet_accept_errors` turns asyncio's "socket.accept() out of system resource" traceback into one line a
 minute. Once a request has arrived whole, the time the app takes to answer is not bounded here (a batch of new
@@ -26,6 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 LOG = logging.getLogger("leanagent.serve")
 NOTICE_EVERY_S = 60.0
+HEALTH_TIMEOUT_S = 2.0
 
 
 class _Notices:
@@ -47,6 +52,17 @@ class _Notices:
 NOTICES = _Notices()
 
 
+class OncePerMinute(logging.Filter):
+    """For uvicorn's own per-request warnings (`Invalid HTTP request received.`: a client may send thousands): each
+    message once a minute with its count (`NOTICES`), instead of once per request. Errors pass as they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        NOTICES.note(f"uvicorn:{record.msg}", f"uvicorn: {record.getMessage()}")
+        return False
+
+
 def _timeout_response(seconds: float) -> bytes:
     body = (b'{"error":"the request did not arrive whole within %d s of the connection (or of the previous '
             b'response); send it at once"}' % round(seconds))
@@ -60,23 +76,32 @@ class BoundedH11Protocol(H11Protocol):
 
     request_timeout_s: float = 10.0
     max_connections: int = 1024
+    health_connections: int = 8
 
     _refused = False
+    _health_only = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
-        if len(self.server_state.connections) >= self.max_connections:
+        open_now = len(self.server_state.connections)
+        if open_now >= self.max_connections + self.health_connections:
             NOTICES.note("connections", f"refused connections beyond the limit of {self.max_connections} open ones "
-                                        f"(--max-connections)")
+                                        f"(--max-connections) and {self.health_connections} for GET /health")
             self._refused = True
             transport.abort()
             return
         super().connection_made(transport)  # type: ignore[arg-type]
+        if open_now >= self.max_connections:
+            NOTICES.note("health-only", f"{self.max_connections} connections open (--max-connections): new ones "
+                                        f"are answered GET /health alone")
+            self._health_only = True
+            self.app = _HealthOnly(self.app)
         self._deadline: asyncio.TimerHandle | None = None
         self._arm()
 
     def _arm(self) -> None:
         self._disarm()
-        self._deadline = self.loop.call_later(self.request_timeout_s, self._too_slow)
+        seconds = min(self.request_timeout_s, HEALTH_TIMEOUT_S) if self._health_only else self.request_timeout_s
+        self._deadline = self.loop.call_later(seconds, self._too_slow)
 
     def _disarm(self) -> None:
         deadline = getattr(self, "_deadline", None)
@@ -115,10 +140,37 @@ class BoundedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
 
-def bounded_protocol(request_timeout_s: float, max_connections: int) -> type[BoundedH11Protocol]:
+class _HealthOnly:
+    """ASGI, for a connection beyond --max-connections: `GET /health` (after a token, when there is one) passes,
+    closing the connection after its answer; anything else is a 503 to retry later."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        async def closing(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        parts = scope.get("path", "").strip("/").split("/")
+        if scope.get("type") == "http" and parts[-1] == "health" and len(parts) <= 2:
+            await self.app(scope, receive, closing)
+            return
+        body = (b'{"error":"the server holds as many connections as it takes (--max-connections); on this one it '
+                b'answers GET /health alone: retry in a moment"}')
+        await closing({"type": "http.response.start", "status": 503,
+                       "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                                   (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def bounded_protocol(request_timeout_s: float, max_connections: int,
+                     health_connections: int = 0) -> type[BoundedH11Protocol]:
     """The protocol class uvicorn takes as `http=`, with these limits."""
     return type("BoundedH11Protocol", (BoundedH11Protocol,),
-                {"request_timeout_s": float(request_timeout_s), "max_connections": int(max_connections)})
+                {"request_timeout_s": float(request_timeout_s), "max_connections": int(max_connections),
+                 "health_connections": int(health_connections)})
 
 
 def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:

@@ -20,7 +20,11 @@ class ServeLimits(BaseModel):
     max_state_chars: int = Field(1_000_000, gt=0, description="a proof state (the model reads its first 1024 bytes)")
     max_positions: int = Field(1_000_000, gt=0, description="positions in one request's local_premises and module "
                                                             "lists together, counted as the body is read")
-    max_body_bytes: int = Field(64 << 20, gt=0, description="a request body beyond this is refused unread")
+    max_body_bytes: int = Field(16 << 20, gt=0, description="a request body beyond this is refused unread (Lean's "
+                                                            "client sends well under 2 MB)")
+    bodies_mb: float = Field(256.0, gt=0, description="memory for the bodies of all requests being read and decoded "
+                                                      "at once (4 bytes per body byte and 64 per JSON value, as "
+                                                      "counted); past it a 503 with Retry-After")
     cache_mb: float = Field(256.0, ge=0, description="memory for new premises' embeddings kept between requests "
                                                      "(least recently used go first)")
     # On by default; on a CPU oversubscribed several times it measured slower over HTTP (docs/serving.md).
@@ -32,6 +36,8 @@ class ServeLimits(BaseModel):
     request_timeout_s: float = Field(10.0, gt=0, description="a connection's request must arrive whole within this "
                                                              "many seconds (else 408 and closed)")
     max_connections: int = Field(1024, gt=0, description="open connections at most; more are closed at once")
+    health_connections: int = Field(8, ge=0, description="connections beyond --max-connections held for GET "
+                                                         "/health alone, each closed unless it asks within 2 s")
 
 
 DEFAULT_K = 32  # the reference server's default; the Lean client always sends k

@@ -149,26 +149,6 @@ def test_premise_text_equals_the_regex_reference() -> None:
         assert serialize_premise(name, code) == reference_serialize(name, code), (name, code)
 
 
-def test_premise_text_looks_for_a_logarithmic_number_of_suffixes_of_a_long_name() -> None:
-    """A name of 80,001 components: the reference joins and searches for every suffix (quadratic: 25 s for a 160 kB
-    name, sent to a server); here a suffix longer than the code is never built, and the longest one in the code
-    is found by bisection."""
-
-    class Code(str):
-        searches = 0
-
-        def __contains__(self, item: object) -> bool:
-            Code.searches += 1
-            return super().__contains__(item)
-
-    name = "a." * 80_000 + "a"
-    for code, expected in ((Code("theorem foo : a.a = a"), f"theorem foo : {MARK_START}{name}{MARK_END} = a"),
-                           (Code(f"theorem {name} : True"), f"theorem {MARK_START}{name}{MARK_END} : True")):
-        Code.searches = 0
-        assert serialize_premise(name, code) == expected
-        assert Code.searches <= 20
-
-
 # ---- a random corpus with imports ----------------------------------------------------------------
 
 def random_records(rng: random.Random, num_files: int, big: int = 0) -> list[dict[str, Any]]:

@@ -6,11 +6,19 @@ embeddings, a plain dot product, a sort), not from the server's code path.
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import uvicorn
 
@@ -102,3 +110,56 @@ def rows_of(index: PremiseIndex, modules: list[str]) -> list[int]:
 
 def post(url: str, body: str | bytes) -> httpx.Response:
     return httpx.post(f"{url}/retrieve", content=body, headers={"Content-Type": "application/json"}, timeout=60)
+
+
+LONG = 60  # seconds a test waits at most for what a server does at once: generous on a loaded machine
+
+
+@contextmanager
+def serving(source: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`leanagent serve SOURCE ARGS --port 0` as a user runs it; (its URL, the process), stopped with SIGINT."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "leanagent.cli", "serve", str(source), "--port", "0", *args],
+                            stderr=subprocess.PIPE, text=True, env=full_env, cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE if "--access-log" in args else None)  # uvicorn's access log
+    try:
+        lines = []
+        while True:
+            line = proc.stderr.readline()
+            assert line, f"the server ended: {''.join(lines)}"
+            lines.append(line)
+            if line.startswith("serving "):
+                break
+        proc.banner = "".join(lines)  # type: ignore[attr-defined]
+        yield line.split(" at ", 1)[1].split(";", 1)[0], proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=LONG)
+
+
+def stall(port: int) -> socket.socket:
+    """A client that sends half a request line and stalls."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=LONG)
+    conn.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Le")
+    return conn
+
+
+def until(condition, seconds: float = LONG) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time given"
+        time.sleep(0.05)
+
+
+def open_connections(pid: int, port: int) -> int:
+    return sum(1 for c in psutil.Process(pid).net_connections(kind="tcp")
+               if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+
+
+def peak_rss(pid: int) -> int:
+    """The process's resident high-water mark (Linux's VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")

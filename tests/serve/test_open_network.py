@@ -13,75 +13,33 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from leanagent.serve import PremiseServer, RetrieveRequest, ServeLimits, create_app
 from leanagent.serve.cache import EmbeddingCache
 
-from .conftest import OLD_CLIENT, REPO_ROOT, STATE, LiveServer, post
-
-LONG = 60  # seconds a test waits at most for what a server does at once: generous on a loaded machine
-
-
-@contextmanager
-def serving(source: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`leanagent serve SOURCE ARGS --port 0` as a user runs it; (its URL, the process), stopped with SIGINT."""
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT), **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "leanagent.cli", "serve", str(source), "--port", "0", *args],
-                            stderr=subprocess.PIPE, text=True, env=full_env, cwd=REPO_ROOT)
-    try:
-        lines = []
-        while True:
-            line = proc.stderr.readline()
-            assert line, f"the server ended: {''.join(lines)}"
-            lines.append(line)
-            if line.startswith("serving "):
-                break
-        proc.banner = "".join(lines)  # type: ignore[attr-defined]
-        yield line.split(" at ", 1)[1].split(";", 1)[0], proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=LONG)
-
-
-def _stall(port: int) -> socket.socket:
-    """A client that sends half a request line and stalls."""
-    conn = socket.create_connection(("127.0.0.1", port), timeout=LONG)
-    conn.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Le")
-    return conn
-
-
-def _until(condition, seconds: float = LONG) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "not within the time given"
-        time.sleep(0.05)
-
-
-def _open_connections(pid: int, port: int) -> int:
-    return sum(1 for c in psutil.Process(pid).net_connections(kind="tcp")
-               if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED)
-
-
-def _peak_rss(pid: int) -> int:
-    """The process's resident high-water mark (Linux's VmHWM), in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
+from .conftest import (
+    LONG,
+    OLD_CLIENT,
+    REPO_ROOT,
+    STATE,
+    LiveServer,
+    open_connections,
+    peak_rss,
+    post,
+    serving,
+    stall,
+    until,
+)
 
 
 def test_stalled_sockets_get_408_while_a_good_request_is_answered(built) -> None:
     with serving(built["root"] / "index", "--request-timeout-s", "2") as (url, proc):
         port = int(url.rsplit(":", 1)[1])
-        stalled = [_stall(port) for _ in range(300)]
+        stalled = [stall(port) for _ in range(300)]
         answer = post(url, OLD_CLIENT)  # while 300 sockets hold half a request each
         assert answer.status_code == 200 and len(answer.json()) == 6
         # Each stalled socket is answered 408 and closed once its deadline passes (2 s); read them all.
@@ -102,10 +60,11 @@ def test_stalled_sockets_get_408_while_a_good_request_is_answered(built) -> None
 
 
 def test_connections_beyond_the_limit_are_closed_at_once(built) -> None:
-    with serving(built["root"] / "index", "--max-connections", "20", "--request-timeout-s", "30") as (url, proc):
+    with serving(built["root"] / "index", "--max-connections", "20", "--request-timeout-s", "30",
+                 "--health-connections", "0") as (url, proc):
         port = int(url.rsplit(":", 1)[1])
-        stalled = [_stall(port) for _ in range(20)]
-        _until(lambda: _open_connections(proc.pid, port) >= 20)  # all 20 taken in before the next ones come
+        stalled = [stall(port) for _ in range(20)]
+        until(lambda: open_connections(proc.pid, port) >= 20)  # all 20 taken in before the next ones come
         extra = [socket.create_connection(("127.0.0.1", port), timeout=LONG) for _ in range(5)]
         for conn in extra:  # closed (reset) by the server without a byte of an answer
             try:
@@ -127,19 +86,43 @@ def test_connections_beyond_the_limit_are_closed_at_once(built) -> None:
             time.sleep(0.1)
 
 
+def test_while_stalled_sockets_hold_every_slot_health_is_answered_and_nothing_else(built) -> None:
+    """1,024 stalled sockets once held every slot and a normal GET /health was reset. Connections beyond
+    --max-connections are kept for /health alone: answered and closed; any other path a 503 to retry."""
+    with serving(built["root"] / "index", "--max-connections", "20", "--request-timeout-s", "30") as (url, proc):
+        port = int(url.rsplit(":", 1)[1])
+        stalled = [stall(port) for _ in range(20)]
+        until(lambda: open_connections(proc.pid, port) >= 20)
+        for _ in range(3):  # one after another, each on a new connection
+            health = httpx.get(f"{url}/health", timeout=LONG)
+            assert health.status_code == 200 and health.json()["status"] == "ok"
+            assert health.headers["connection"] == "close"
+        refused = post(url, OLD_CLIENT)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "answers GET /health alone" in refused.json()["error"]
+        for conn in stalled:
+            conn.close()
+        until(lambda: post(url, OLD_CLIENT).status_code == 200)
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the server's peak memory from /proc")
 def test_a_large_body_and_too_many_positions_are_refused_as_they_are_read(built) -> None:
-    with serving(built["root"] / "index", "--max-positions", "1000") as (url, proc):
-        before = _peak_rss(proc.pid)
-        # 2.6 million tiny new premises, 60 MB: refused after the first 2,049 objects, not after building them all.
+    with serving(built["root"] / "index", "--max-positions", "1000", "--max-body-bytes", str(64 << 20)) as (url,
+                                                                                                          proc):
+        before = peak_rss(proc.pid)
+        # 2.6 million tiny new premises, 60 MB: refused once its values are counted, before any is decoded.
         tiny = b'{"name":"a","decl":"b"},'
         body = b'{"state":"s","new_premises":[' + tiny * 2_600_000 + b'{"name":"a","decl":"b"}]}'
         answer = post(url, body)
-        assert answer.status_code == 413 and "new_premises: more than this server's 2,048" in answer.json()["error"]
+        assert answer.status_code == 413 and "a body of more than 9,256 JSON values" in answer.json()["error"]
+        # Twelve million names in a module list, 60 MB: the same (it was parsed and validated whole: 1.6 GB).
+        names = b'{"state":"s","imported_modules":[' + b'"a",' * 12_000_000 + b'"a"]}'
+        assert post(url, names).status_code == 413
         many = post(url, json.dumps({"state": "s", "local_premises": [0] * 5000}))
-        assert many.status_code == 413 and "more than 1,000 positions" in many.json()["error"]
+        assert many.status_code == 413 and "5,000 premises and modules named, more than this server's 1,000" in \
+            many.json()["error"]
         # The body's bytes are held while read, never millions of objects: far from the 2.46 GB they took.
-        assert _peak_rss(proc.pid) - before < 600 * 2**20
+        assert peak_rss(proc.pid) - before < 600 * 2**20
         assert httpx.get(f"{url}/health", timeout=LONG).json()["status"] == "ok"
 
 
@@ -152,7 +135,7 @@ def test_the_new_premise_cache_is_bounded_in_bytes(built) -> None:
         assert server.retrieve(RetrieveRequest(state=STATE, k=5, new_premises=new))
     cache: EmbeddingCache = server._cache
     assert cache.bytes <= capacity and len(cache) == 20
-    assert all(len(key) == 16 for key in cache._rows)  # kept by digest: the texts themselves are not held
+    assert all(len(key) == 16 for key in cache._slots)  # kept by digest: the texts themselves are not held
 
 
 @pytest.mark.parametrize("name, status", [("a." * 80_000 + "a", 413), ("a." * 500 + "a", 200)])
@@ -168,17 +151,23 @@ def test_a_long_name_is_refused_before_any_work_on_it_and_a_long_enough_one_is_a
 
 def test_a_token_in_the_path_is_required_and_lean_is_told_the_url(built, tmp_path) -> None:
     token_file = tmp_path / "token"
-    with serving(built["root"] / "index", "--token-file", str(token_file)) as (url, proc):
+    with serving(built["root"] / "index", "--token-file", str(token_file), "--access-log") as (shown, proc):
         token = token_file.read_text().strip()
-        assert oct(token_file.stat().st_mode & 0o777) == "0o600" and len(token) >= 24
-        assert url.endswith(f"/{token}") and f'premiseSelection.apiBaseUrl "{url}"' in proc.banner
-        base = url[: -len(token) - 1]
+        assert oct(token_file.stat().st_mode & 0o777) == "0o600" and len(token) >= 32  # 192 random bits
+        # The banner names the file to read the token from, never the token.
+        assert shown.endswith("/TOKEN") and f'premiseSelection.apiBaseUrl "{shown}" (TOKEN: the first line of ' \
+            f'{token_file})' in proc.banner and token not in proc.banner
+        base = shown[: -len("/TOKEN")]
+        url = f"{base}/{token}"
         for path in ("/health", "/indexed-premises", "/retrieve", f"/{token[:-1]}x/health"):
             refused = httpx.get(f"{base}{path}", timeout=LONG)
             assert refused.status_code == 404 and "access token" in refused.json()["error"]
             assert token not in refused.text
         assert post(url, OLD_CLIENT).status_code == 200
         assert httpx.get(f"{url}/indexed-modules", timeout=LONG).json()[0] == "Core.Basic"
+        proc.send_signal(signal.SIGINT)
+        log = proc.stderr.read() + proc.stdout.read()
+    assert '"POST /TOKEN/retrieve HTTP/1.1" 200' in log and token not in log, log  # the access log, redacted
 
 
 def test_no_response_names_a_path_and_the_schema_is_off_unless_asked(built) -> None:
@@ -194,10 +183,35 @@ def test_no_response_names_a_path_and_the_schema_is_off_unless_asked(built) -> N
         assert "/retrieve" in httpx.get(f"{url}/openapi.json", timeout=LONG).json()["paths"]
 
 
-def test_every_interface_is_warned_about_and_lean_gets_this_machines_name(built) -> None:
-    with serving(built["root"] / "index", "--host", "0.0.0.0") as (url, proc):
-        assert "warning: listening on every network interface" in proc.banner and "--token-file" in proc.banner
+def test_every_interface_needs_a_token_or_says_it_serves_anyone(built, tmp_path) -> None:
+    """Off loopback without a token the server served everyone; now it refuses before binding, unless told."""
+    refused = subprocess.run([sys.executable, "-m", "leanagent.cli", "serve", str(built["root"] / "index"), "--host",
+                              "0.0.0.0", "--port", "0"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=LONG,
+                             env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "LEANAGENT_SERVE_TOKEN": ""})
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "needs an access token" in refused.stderr and "--insecure-no-token" in refused.stderr
+    with serving(built["root"] / "index", "--host", "0.0.0.0", "--insecure-no-token") as (url, proc):
+        assert "warning: listening on every network interface without a token" in proc.banner
         assert "0.0.0.0" not in url and url.startswith(f"http://{socket.getfqdn()}:")
+    with serving(built["root"] / "index", "--host", "0.0.0.0", "--token-file", str(tmp_path / "t")) as (url, proc):
+        assert "with a token in the URL's path" in proc.banner
+
+
+@pytest.mark.parametrize("content, mode, match", [
+    ("a\n", 0o600, "a token of 1 characters; at least 16 are needed"),
+    ("abcdefgh/ijklmnopq\n", 0o600, "the token holds '/', which a URL's path does not carry"),
+    ("abcdefgh ijklmnopq\n", 0o600, "the token holds ' '"),
+    ("abcdefghijklmnopqrstu\n", 0o644, "readable by others (mode 644), so the token is no secret; run `chmod 600 "),
+])
+def test_a_weak_token_or_a_token_file_others_can_read_is_refused(built, tmp_path, content, mode, match) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(content)
+    token_file.chmod(mode)
+    refused = subprocess.run([sys.executable, "-m", "leanagent.cli", "serve", str(built["root"] / "index"),
+                              "--token-file", str(token_file), "--port", "0"], capture_output=True, text=True,
+                             cwd=REPO_ROOT, timeout=LONG, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1 and match in refused.stderr, refused.stderr
+    assert content.strip() not in refused.stderr or len(content.strip()) < 2
 
 
 def test_sigint_ends_the_server_with_130(built) -> None:

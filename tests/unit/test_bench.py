@@ -275,3 +275,16 @@ def test_every_section_names_functions_that_exist():
 
     for section in SECTIONS:
         assert callable(_named(section.measure)) and callable(_named(section.table)), section.name
+
+
+def test_the_abuse_section_replays_attacks_on_real_servers(tmp_path):
+    """`bench abuse --size small`, on three attacks of each kind (a request, a followed run, a refused start): every
+    row judged, none failing, the table printed with each attack."""
+    figures = _bench(["abuse", "--size", "small", "--attacks", "huge-integer", "manifest-shapes", "no-token",
+                      "--work", str(tmp_path / "work")], tmp_path / "abuse.json")
+    rows = {row["attack"]: row for row in figures["rows"]}
+    assert set(rows) == {"huge-integer", "manifest-shapes", "no-token"} and figures["failed"] == []
+    assert rows["huge-integer"]["statuses"] == {"422": 2} and rows["huge-integer"]["cpu_s"] is not None
+    assert rows["no-token"]["statuses"] == {"exit 1": 1}
+    assert "the stage written after: served" in rows["manifest-shapes"]["note"]
+    assert rows["manifest-shapes"]["health_worst_s"] is not None and rows["manifest-shapes"]["peak_rss_mb"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -77,12 +78,21 @@ def test_rows_not_finite_or_not_unit_are_refused(index, edit, match) -> None:
     _refused(index, match)
 
 
+def _without_sizes(folder: Path) -> Path:
+    """index.json as written before it recorded its files' sizes (the line checks are then the first to see)."""
+    meta = json.loads((folder / INDEX_FILE).read_text())
+    meta.pop("file_sizes")
+    (folder / INDEX_FILE).write_text(json.dumps(meta))
+    return folder
+
+
 def test_unreadable_lines_are_named_with_the_file_and_line(index, indexes, tmp_path) -> None:
+    _without_sizes(index)
     premises = (index / PREMISES_FILE).read_bytes().splitlines(keepends=True)
     premises[4] = premises[4].replace(b'"full_name": "', b'"full_name": "\xff')
     (index / PREMISES_FILE).write_bytes(b"".join(premises))
     _refused(index, "premises.jsonl:5: not UTF-8 (byte")
-    files = shutil.copytree(indexes["index"], tmp_path / "files")
+    files = _without_sizes(shutil.copytree(indexes["index"], tmp_path / "files"))
     lines = (files / FILES_FILE).read_text().splitlines()
     record = json.loads(lines[1])
     del record["imports"]
@@ -103,3 +113,41 @@ def test_an_index_from_before_digests_loads_with_a_warning(index) -> None:
     (index / INDEX_FILE).write_text(json.dumps(meta))
     loaded = PremiseIndex.load(index)
     assert any("records no digest of its embeddings" in w for w in loaded.warnings)
+
+
+def test_a_file_of_another_size_a_pipe_or_a_device_is_refused_before_it_is_read(index, indexes, tmp_path) -> None:
+    """Each file is a regular one of the size index.json records, checked before any is read: a pipe blocked the
+    loader for ever, /dev/zero filled its memory (2 GB, then a bare MemoryError)."""
+    with open(index / PREMISES_FILE, "ab") as f:
+        f.write(b"\n")
+    _refused(index, f"{PREMISES_FILE}: ")
+    assert "bytes, but index.json records" in _refused(index, PREMISES_FILE)
+    (index / PREMISES_FILE).unlink()
+    os.mkfifo(index / PREMISES_FILE)
+    _refused(index, f"{PREMISES_FILE}: not a regular file")
+    (index / EMBEDDINGS_FILE).unlink()
+    (index / EMBEDDINGS_FILE).symlink_to("/dev/zero")
+    _refused(index, f"{EMBEDDINGS_FILE}: not a regular file")
+    old = _without_sizes(shutil.copytree(indexes["index"], tmp_path / "old"))
+    (old / EMBEDDINGS_FILE).unlink()
+    (old / EMBEDDINGS_FILE).symlink_to("/dev/zero")
+    _refused(old, f"{EMBEDDINGS_FILE}: not a regular file")  # without recorded sizes, the same refusal
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("checkpoint", 5, "checkpoint: must be a valid string"),
+    ("context_max_len", "abc", "context_max_len: must be a valid integer"),
+    ("model_identity", {"files": "x"}, "model_identity.files: must be a valid list"),
+    ("max_seq_len", 0, "max_seq_len: must be greater than or equal to 1"),
+    ("max_seq_len", 10**12, "max_seq_len: must be less than or equal to 65536"),
+    ("num_premises", -1, "num_premises: must be greater than or equal to 0"),
+    ("embeddings_sha256", "xyz", "embeddings_sha256: String should match pattern"),
+    ("file_sizes", {"premises.jsonl": -3}, "file_sizes.premises.jsonl: must be greater than or equal to 0"),
+    ("format", "2", "not a format-2 leanagent index"),
+])
+def test_every_key_of_index_json_is_checked_in_one_line(index, key, value, match) -> None:
+    meta = json.loads((index / INDEX_FILE).read_text())
+    meta[key] = value
+    (index / INDEX_FILE).write_text(json.dumps(meta))
+    message = _refused(index, match)
+    assert message.startswith(str(index / INDEX_FILE)), message

@@ -1,0 +1,108 @@
+"""Who may use a server: the access token's rules, the refusal to serve beyond this machine without one, and the
+token kept out of every log line.
+
+Why a token in the path: Lean's client is given only `premiseSelection.apiBaseUrl`, so a token must ride in that
+URL. Why these rules: a token is the only thing between a network and the indexed code, so a short one is refused
+(a generated one holds 192 random bits), one with a character a URL's path cannot carry as it is would make every
+path a 404, and a token file others can read is no secret.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import secrets
+import stat
+import string
+from pathlib import Path
+
+MIN_TOKEN_CHARS = 16
+GENERATED_TOKEN_BYTES = 24  # 192 random bits, 32 characters of base64url
+TOKEN_CHARS = frozenset(string.ascii_letters + string.digits + "-._~")  # RFC 3986's unreserved characters
+REDACTED = "TOKEN"
+
+
+class AccessError(ValueError):
+    """A token or an address that cannot be used; the message is one line saying what to do."""
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(GENERATED_TOKEN_BYTES)
+
+
+def check_token(token: str, where: str) -> str:
+    """`token` when it is long enough and every character rides in a URL's path as it is; else AccessError."""
+    if len(token) < MIN_TOKEN_CHARS:
+        raise AccessError(f"{where}: a token of {len(token)} characters; at least {MIN_TOKEN_CHARS} are needed (a "
+                          f"generated one has 32: remove the file to have one written)")
+    bad = next((c for c in token if c not in TOKEN_CHARS), None)
+    if bad is not None:
+        raise AccessError(f"{where}: the token holds {bad!r}, which a URL's path does not carry as it is; use "
+                          f"letters, digits and -._~ only (a generated one does)")
+    return token
+
+
+def check_token_file(path: Path) -> None:
+    """A token file must be a regular file that its owner alone can read (AccessError naming the chmod)."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise AccessError(f"--token-file {path}: cannot be read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise AccessError(f"--token-file {path}: not a regular file")
+    if st.st_mode & 0o077:
+        raise AccessError(f"--token-file {path}: readable by others (mode {stat.S_IMODE(st.st_mode):03o}), so the "
+                          f"token is no secret; run `chmod 600 {path}` (or remove it to have a new one written)")
+
+
+def read_token_file(path: Path) -> str:
+    """The token of a token file (its first line), written there first, readable by its owner alone, when the
+    file does not exist."""
+    if not path.exists():
+        token = new_token()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise AccessError(f"--token-file {path}: cannot be created ({exc.strerror or exc})") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        return token
+    check_token_file(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AccessError(f"--token-file {path}: cannot be read ({type(exc).__name__})") from None
+    return check_token(lines[0].strip() if lines else "", f"--token-file {path}")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def require_token(host: str, token: str | None, insecure_no_token: bool) -> None:
+    """Beyond this machine, a server without a token would serve anyone who reaches its port: refused before
+    anything is loaded or bound, unless the user says so."""
+    if token is None and not insecure_no_token and not is_loopback(host):
+        raise AccessError(f"--host {host}: serving beyond this machine needs an access token: give --token-file FILE "
+                          f"(a new file gets a random token) or set LEANAGENT_SERVE_TOKEN; or pass "
+                          f"--insecure-no-token to serve anyone who can reach the port")
+
+
+class RedactToken(logging.Filter):
+    """Replaces the token, wherever a log record carries it (uvicorn's access line has the whole path), with
+    `TOKEN`: a log is read by more people than the token's file."""
+
+    def __init__(self, token: str) -> None:
+        super().__init__()
+        self.token = token
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and self.token in record.msg:
+            record.msg = record.msg.replace(self.token, REDACTED)
+        if isinstance(record.args, tuple):
+            record.args = tuple(a.replace(self.token, REDACTED) if isinstance(a, str) else a for a in record.args)
+        return True
