@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from leanagent.bench.target import Outcome, Server, request
+from leanagent.ground.names import TINY
 from leanagent.run.manifest import MANIFEST_NAME, repo_key
 
 STATE = "x y n m : Nat\n⊢ Eq (HAdd.hAdd (glend 0) (blix (quon x) m)) (HAdd.hAdd 0 (quon (blix x m)))"
@@ -40,7 +41,7 @@ def build_index_for(work: Path) -> Path:
         from leanagent.model.presets import write_random_encoder
 
         repo = write_demo_repos(work / "data", 1)[0]
-        model = work / "model" if (work / "model").is_dir() else write_random_encoder(work / "model", "tiny")
+        model = work / "model" if (work / "model").is_dir() else write_random_encoder(work / "model", TINY)
         build_index(model, repo, index)
     return index
 

@@ -41,7 +41,7 @@ def count_job(cfg, job, clock):
     theorems = load_split(job.datasets[0] / cfg.data.split / part_file(TRAIN_PART))
     mine = torch.tensor([len(theorems[dist.get_rank()::dist.get_world_size()])])
     dist.all_reduce(mine)
-    return {"theorems": int(mine.item()), "world_size": dist.get_world_size()}
+    return {"training_theorems": int(mine.item()), "world_size": dist.get_world_size()}
 '''
 
 REGISTER = f'''
@@ -68,8 +68,8 @@ def test_a_registered_program_runs_a_real_job_and_has_its_command(registered: Pa
     job = JobRequest(program="count", config=config, datasets=(ddp_assets["repo_a"],), out=tmp_path / "job")
     result = run_job(load_config(config), job)
     expected = len(load_split(ddp_assets["repo_a"] / "random" / part_file(TRAIN_PART)))
-    assert (result["program"], result["theorems"], result["world_size"]) == ("count", expected, 2)
-    assert json.loads((tmp_path / "job" / "result.json").read_text())["theorems"] == expected
+    assert (result["program"], result["training_theorems"], result["world_size"]) == ("count", expected, 2)
+    assert json.loads((tmp_path / "job" / "result.json").read_text())["training_theorems"] == expected
     assert "timings" in result and "peak_rss_mb" in result  # the account every program's result carries
     shown = subprocess.run([sys.executable, "-m", "leanagent.cli", "count", "--help"], capture_output=True, text=True,
                            timeout=120, cwd=REPO_ROOT)
