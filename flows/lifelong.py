@@ -88,6 +88,7 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
     with lock:
         try:  # checked again under the lock: another run may have grown the sequence since `plan_run` read it
             state = RunState(cfg.run_dir, cfg)
+            cfg = state.decided(cfg)  # `trainer.precision: auto`: the precision the run started in, if it has
             if ordered:
                 state.extend([plan.entries[r.display_name] for r in ordered], plan.given)
         except BAD_INPUT as exc:

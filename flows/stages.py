@@ -122,7 +122,7 @@ def run_evaluations(state: RunState, stages: list[tuple[str, str, Path]], out: P
                **{key: result[key] for key in (*COST_KEYS, "index") if key in result}}
         for name, evaluation in zip(names, result["evaluations"], strict=True):
             state.record(name, {**evaluation, "checkpoint": result["checkpoint"], "world_size": result["world_size"],
-                                "job": job})
+                                **({"precision": result["precision"]} if "precision" in result else {}), "job": job})
         if artifacts is not None:
             artifacts.stages_done(names)
     return [state.stage_done(name) for name, _, _ in stages]

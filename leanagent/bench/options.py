@@ -201,3 +201,25 @@ class ServeOptions(BaseModel):
     serve_args: str = Field("", description="more `leanagent serve` options, e.g. '--dtype bf16'")
     server_cpus: tuple[int, ...] = Field((), description="Linux: run the server on these CPUs and the clients on "
                                                          "the others (default: both share every CPU)")
+
+
+class PrecisionOptions(BaseModel):
+    """What `leanagent bench precision` measures: the training step and the Fisher pass in each trainer precision, on
+    the CPU at hand, the precisions taking turns on the same batches."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dataset: Path | None = Field(None, description="a LeanDojo dataset whose training examples are the batches "
+                                                   "(default: a synthetic one, as `leanagent demo-data` writes)")
+    presets: tuple[Literal["tiny", "byt5-small"], ...] = Field(
+        ("tiny", "byt5-small"), description="the random encoders' shapes, each measured (tiny: the demo's)")
+    layers: PositiveInt = Field(2, description="layers of byt5-small kept: each layer of its width does the same "
+                                               "work, so 2 keep a step's balance at a sixth of its time")
+    precisions: tuple[Literal["32-true", "bf16-mixed"], ...] = Field(("32-true", "bf16-mixed"),
+                                                                       description="the precisions measured")
+    batches: PositiveInt = Field(4, description="batches of 4 examples each pass runs")
+    max_len: PositiveInt = Field(1024, description="bytes sequences are cut at (LeanAgent's 1024)")
+    rounds: PositiveInt = Field(3, description="rounds in which the passes take turns; each keeps its fastest")
+    min_seconds: float = Field(0.0, ge=0, description="take turns for at least this long per pass")
+    threads: PositiveInt = Field(1, description="torch's threads: 1 is what each rank of a 2-rank CPU job runs "
+                                                "(torchrun's OMP_NUM_THREADS), and holds still on a busy machine")

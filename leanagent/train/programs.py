@@ -41,6 +41,7 @@ from leanagent.train.trainer import (
     build_fisher_trainer,
     build_training_trainer,
     init_process_group,
+    job_precision,
     set_nccl_environment,
 )
 
@@ -306,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     # Before the process group exists: NCCL reads these when its communicators are created.
     set_nccl_environment(cfg.trainer)
     init_process_group(cfg.trainer)
+    cfg.trainer.precision = job_precision(cfg.trainer)  # `auto` resolved once, alike on every rank; in result.json
     pl.seed_everything(cfg.trainer.seed, workers=True)
     if not PROGRAMS[args.program].several_datasets and len(args.dataset) != 1:
         raise SystemExit(f"{args.program} takes exactly one --dataset, got {len(args.dataset)}")
@@ -320,7 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     result.update(job_account(clock))
     if local_rank() == 0:
         node = 0 if global_rank() == 0 else node_rank()
-        write_json_atomic(job_dir / result_filename(node), {"program": args.program, **result})
+        write_json_atomic(job_dir / result_filename(node), {"program": args.program,
+                                                            "precision": cfg.trainer.precision, **result})
     shutdown_process_group()
 
 
