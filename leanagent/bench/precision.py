@@ -78,7 +78,15 @@ def cpu_flags() -> tuple[str, list[str]]:
 
 
 def bench_precision(options: PrecisionOptions) -> PrecisionFigures:
+    threads = torch.get_num_threads()
     torch.set_num_threads(options.threads)
+    try:
+        return _measure(options)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(options: PrecisionOptions) -> PrecisionFigures:
     cpu, flags = cpu_flags()
     figures = PrecisionFigures(cpu=cpu, flags=flags, torch_capability=torch.backends.cpu.get_cpu_capability(),
                                cpu_has_bf16=cpu_has_bf16(), auto=resolve_precision("auto", "cpu"),
