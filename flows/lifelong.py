@@ -108,6 +108,8 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
     with lock:
         try:  # checked again under the lock: another run may have grown the sequence since the plan read it
             state = RunState(plan.cfg.run_dir, plan.cfg)
+            # `trainer.precision: auto`: the precision the run started in, if it has one
+            plan = plan.model_copy(update={"cfg": state.decided(plan.cfg)})
             state.extend([plan.entries[r.display_name] for r in ordered], plan.given, plan.source)
             return _run_curriculum(plan, ordered, state, options or JobOptions())
         except (*BAD_INPUT, *UNRECORDED) as exc:  # one line, no traceback (UNRECORDED: the disk went wrong)

@@ -130,7 +130,9 @@ class Stages:
                      **{key: result[key] for key in (*COST_KEYS, "index") if key in result}}
             for name, evaluation in zip(names, result["evaluations"], strict=True):
                 self.state.record(name, {**evaluation, "checkpoint": result["checkpoint"],
-                                         "world_size": result["world_size"], "job": spent})
+                                         "world_size": result["world_size"],
+                                         **({"precision": result["precision"]} if "precision" in result else {}),
+                                         "job": spent})
             if self.artifacts is not None:
                 self.artifacts.stages_done(names)
         return [self.state.stage_done(name) for name, _ in stages]

@@ -3,7 +3,7 @@
     python scripts/compare_recipes.py OUT [--repos 2] [--scale 3] [--theorems 90] [--epochs 3]
                                          [--preset tiny|byt5-small | --model PATH] [--accelerator cpu|gpu]
                                          [--devices 2]
-                                         [--precision bf16-mixed] [--max-seq-len 256] [--corpus-autocast]
+                                         [--precision auto] [--max-seq-len 256] [--corpus-autocast]
                                          [--lr LR] [--no-compile] [--parallel]
                                          [--mathlib-scale [--files 1000] [--premises 38000] [--eval-share 0.15]
                                           [--states ../shared/data/minif2f-lean4-ld182/random/test.json]]
@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
                                         "as model.name_or_path takes it) instead of a random --preset encoder")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--precision", default="bf16-mixed", help="trainer.precision (the seed's by default)")
+    parser.add_argument("--precision", default="auto", help="trainer.precision (default auto: LeanAgent's bf16-mixed "
+                                                           "on a GPU; on a CPU its own, by its bf16 matmuls)")
     parser.add_argument("--max-seq-len", type=int, default=256, help="model and data max_seq_len, in bytes")
     parser.add_argument("--corpus-autocast", action="store_true",
                         help="model.corpus_autocast: embed the corpus under bf16 autocast (faster on a bf16 CPU)")

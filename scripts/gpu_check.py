@@ -47,7 +47,7 @@ def main() -> None:
     cfg = PipelineConfig.model_validate({
         "model": {"name_or_path": str(model), "warmup_steps": 10, "max_seq_len": 512},
         "data": {"batch_size": 8, "max_seq_len": 512, "num_workers": 2},
-        "trainer": {"accelerator": "cpu" if args.cpu_smoke else "gpu", "devices": devices, "precision": "bf16-mixed",
+        "trainer": {"accelerator": "cpu" if args.cpu_smoke else "gpu", "devices": devices, "precision": "auto",
                     "accumulate_grad_batches": 1},
     })
     cfg_path = out / "gpu.yaml"

@@ -141,9 +141,9 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 def write_cpu_config(demo_assets: DemoAssets) -> Callable[..., Path]:
     """Write a 2-rank CPU config YAML; call it as `write_cpu_config(path, run_dir, repos, **section_overrides)`.
 
-    The flows' tests train in fp32 (`32-true`): bf16 autocast on a CPU runs this tiny encoder's steps several times
-    slower, and what these tests check (orchestration, continuation, reruns) is the same in either precision. The
-    seed's bf16-mixed runs in the rank programs' tests (tests/ddp, tests/slurm) and in the README's demo.
+    The flows' tests train in the CPU's own precision (`auto`: fp32 where bf16 autocast would be emulated, several
+    times slower; bf16-mixed on a CPU with bf16 matmuls), as the demo does: what these tests check (orchestration,
+    continuation, reruns) is the same in either precision.
     """
 
     def write(path: Path, run_dir: Path, repos: list[Path], **overrides: Any) -> Path:
@@ -151,7 +151,7 @@ def write_cpu_config(demo_assets: DemoAssets) -> Callable[..., Path]:
             "model": {"name_or_path": str(demo_assets.model), "warmup_steps": 5, "max_seq_len": 256,
                       "num_retrieved": 100, "lr": 1e-3},
             "data": {"batch_size": 4, "eval_batch_size": 16, "num_workers": 0, "max_seq_len": 256},
-            "trainer": {"accelerator": "cpu", "devices": 2, "precision": "32-true", "accumulate_grad_batches": 1},
+            "trainer": {"accelerator": "cpu", "devices": 2, "precision": "auto", "accumulate_grad_batches": 1},
             "lifelong": {"epochs_per_repo": 1, "ewc_lambda": 0.1},
             "run_dir": str(run_dir),
             "repos": [{"path": str(p)} for p in repos],

@@ -9,7 +9,16 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from leanagent.bench.attacks import ATTACKS
 from leanagent.ground.config import DataConfig
-from leanagent.ground.names import BYT5_SMALL, DEFAULT_SPLIT, DTYPES, FP32, TINY, DtypeChoice, Preset
+from leanagent.ground.names import (
+    BYT5_SMALL,
+    DEFAULT_SPLIT,
+    DTYPES,
+    FP32,
+    PRESET_NAMES,
+    TINY,
+    DtypeChoice,
+    Preset,
+)
 
 FisherMethod = Literal["loop", "vectorised"]
 # The parts of `leanagent bench path` after the corpus and data figures (which every part needs), in run order.
@@ -218,3 +227,25 @@ class AbuseOptions(BaseModel):
     attacks: tuple[AttackName, ...] = Field((), description="only these attacks (default: all)")
     work: Path | None = Field(None, description="keep the index, the run and the logs here (default: a temporary "
                                                 "folder)")
+
+
+class PrecisionOptions(BaseModel):
+    """What `leanagent bench precision` measures: the training step and the Fisher pass in each trainer precision, on
+    the CPU at hand, the precisions taking turns on the same batches."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dataset: Path | None = Field(None, description="a LeanDojo dataset whose training examples are the batches "
+                                                   "(default: a synthetic one, as `leanagent demo-data` writes)")
+    presets: tuple[Preset, ...] = Field(
+        PRESET_NAMES, description="the random encoders' shapes, each measured (tiny: the demo's)")
+    layers: PositiveInt = Field(2, description="layers of byt5-small kept: each layer of its width does the same "
+                                               "work, so 2 keep a step's balance at a sixth of its time")
+    precisions: tuple[Literal["32-true", "bf16-mixed"], ...] = Field(("32-true", "bf16-mixed"),
+                                                                       description="the precisions measured")
+    batches: PositiveInt = Field(4, description="batches of 4 examples each pass runs")
+    max_len: PositiveInt = Field(1024, description="bytes sequences are cut at (LeanAgent's 1024)")
+    rounds: PositiveInt = Field(3, description="rounds in which the passes take turns; each keeps its fastest")
+    min_seconds: float = Field(0.0, ge=0, description="take turns for at least this long per pass")
+    threads: PositiveInt = Field(1, description="torch's threads: 1 is what each rank of a 2-rank CPU job runs "
+                                                "(torchrun's OMP_NUM_THREADS), and holds still on a busy machine")

@@ -24,12 +24,13 @@ from leanagent.bench.options import (
     CurriculumOptions,
     DtypesOptions,
     GradCacheOptions,
+    PrecisionOptions,
     ProjectionOptions,
     ServeOptions,
     SwapOptions,
 )
 from leanagent.cli.common import CommandError, add_model_options, check_device, model_from_args
-from leanagent.ground.names import CORPUS_FILE, DEFAULT_SPLIT, TEST_PART, part_file
+from leanagent.ground.names import CORPUS_FILE, DEFAULT_SPLIT, TEST_PART, TRAIN_PART, part_file
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,12 @@ def _check_file(attribute: str) -> Callable[[BaseModel], None]:
     return check
 
 
+def _check_dataset(dataset: Path | None) -> None:
+    train = Path(DEFAULT_SPLIT) / part_file(TRAIN_PART)
+    if dataset is not None and not (dataset / train).is_file():
+        raise CommandError(f"--dataset {dataset}: no {train} to take training examples from")
+
+
 def _check_batching(options: BatchingOptions) -> None:
     if not (options.index / "index.json").is_file():
         raise CommandError(f"{options.index}: no index.json (build one with `leanagent index`)")
@@ -105,6 +112,10 @@ SECTIONS: tuple[BenchSection, ...] = (
     BenchSection("dtypes", DtypesOptions, "the served encoder's pass per --dtype (fp32, bf16, int8) at byt5-small's "
                  "shape, and its corpus embedding rate", "dtypes:bench_dtypes", "dtypes:dtypes_table",
                  check=_check_file("states")),
+    BenchSection("precision", PrecisionOptions, "the training step and the Fisher pass in each trainer precision "
+                 "(32-true, bf16-mixed) on this CPU, with its flags and what trainer.precision: auto takes here",
+                 "precision:bench_precision", "precision:precision_table",
+                 check=lambda options: _check_dataset(options.dataset)),
     BenchSection("grad-cache", GradCacheOptions, "what model.grad_cache saves and costs: one InfoNCE step's peak "
                  "memory and time, cached and not, each in a process of its own", "grad_cache:bench_grad_cache",
                  "grad_cache:grad_cache_table", check=_check_file("states")),

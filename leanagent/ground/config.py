@@ -11,13 +11,14 @@ cannot silently fall back to a default.
 from __future__ import annotations
 
 import difflib
+import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from leanagent.ground.names import DEFAULT_SPLIT, PER_EXAMPLE, SPLITS, FisherEstimatorName
 
@@ -96,13 +97,25 @@ class DataConfig(_Section):
         return self
 
 
+# Lightning's `Trainer(precision=...)` values (lightning_fabric's `_PRECISION_INPUT`, each as a string: a YAML number
+# such as `32` is read as "32"), and `auto`: LeanAgent's bf16-mixed on a GPU, and on a CPU the CPU's own precision
+# (bf16-mixed where it has bf16 matmuls, 32-true elsewhere: `leanagent.model.dtypes.resolve_precision`, which the
+# ranks apply; a run keeps the one it started with, `leanagent.run.fingerprint`). Written out here, as this floor
+# loads no Lightning; tests/unit/test_config_and_trainer.py checks it against Lightning's own list.
+Precision = Literal["auto", "bf16-mixed", "32-true", "16-mixed", "bf16-true", "16-true", "64-true",
+                    "transformer-engine", "transformer-engine-float16", "bf16", "32", "16", "64"]
+
+
 class TrainerConfig(_Section):
     accelerator: Literal["gpu", "cpu", "cuda", "auto"] = "gpu"
     devices: int = Field(4, gt=0, description="processes per node (GPUs per node)")
     num_nodes: int = Field(1, gt=0)
     node_rank: int = Field(0, ge=0, description="this node's rank when num_nodes > 1")
     rdzv_endpoint: str | None = Field(None, description="host:port of node 0 when num_nodes > 1")
-    precision: str = "bf16-mixed"
+    precision: Precision = Field(
+        "bf16-mixed", description="Lightning's precision (LeanAgent's bf16-mixed), or auto: bf16-mixed on a GPU; on "
+                                  "a CPU bf16-mixed where it has bf16 matmuls (AVX-512 BF16, AMX), else 32-true. A "
+                                  "run keeps the precision it started with")
     gradient_clip_val: float = 1.0
     accumulate_grad_batches: int = Field(4, gt=0)
     ddp_timeout_seconds: int = Field(ONE_YEAR_SECONDS, gt=0)
@@ -115,6 +128,12 @@ class TrainerConfig(_Section):
         None, gt=0, description="also write the job's last.ckpt every N optimizer steps, mid-epoch (atomic)")
     checkpoint_every_minutes: float | None = Field(
         None, gt=0, description="also write the job's last.ckpt every this many minutes, mid-epoch (atomic)")
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _number_as_text(cls, value: Any) -> Any:
+        """`precision: 32` in YAML is a number; Lightning takes it as "32" too."""
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _node_rank_within_nodes(self) -> TrainerConfig:
@@ -291,18 +310,74 @@ def _absolute(p: Path, base: Path) -> Path:
 
 
 def format_validation_error(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
-    """`key: problem; ...`; with the validated `model`, an unknown key names the nearest known one."""
+    """`key: problem; ...`; with the validated `model`, an unknown key names the nearest known one, and a value
+    outside an enumerated setting's choices (a Literal: trainer.precision, trainer.accelerator, lifelong.checkpoint,
+    ...) names the value, the nearest choice and every choice, once per key (not once per branch of a union)."""
     parts = []
+    named: set[str] = set()
     for err in exc.errors():
         key = ".".join(str(x) for x in err["loc"]) or "(top level)"
         message = err["msg"]
+        choices = _choices_at(model, err["loc"]) if model is not None and err["type"] != "missing" else None
         if model is not None and (err["type"] == "extra_forbidden" or _not_a_section(model, err)):
             known = _known_keys(model, err["loc"][:-1])
             close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
             message = "unknown key" + (f" (did you mean {close[0]!r}?)" if close else
                                         f"; known here: {', '.join(known)}" if known else "")
+        elif choices is not None:
+            depth, values = choices
+            key = ".".join(str(x) for x in err["loc"][:depth])
+            if key in named:
+                continue  # another branch of the same union: the key is named once
+            message = not_a_choice(err.get("input"), values)
+        named.add(key)
         parts.append(f"{key}: {message}")
     return "; ".join(parts)
+
+
+def not_a_choice(value: Any, choices: Sequence[Any]) -> str:
+    """`'bf16-mix' is not a valid value (did you mean 'bf16-mixed'?); one of: auto, bf16-mixed, ...`."""
+    shown = [_yaml_text(c) for c in choices]
+    likeness = {c: difflib.SequenceMatcher(None, str(value).lower(), c.lower()).ratio() for c in shown}
+    nearest = max(shown, key=likeness.__getitem__)
+    given = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    hint = f" (did you mean {nearest!r}?)" if likeness[nearest] > 0 else ""
+    return f"{given} is not a valid value{hint}; one of: {', '.join(shown)}"
+
+
+def _yaml_text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _choices_at(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[int, list[Any]] | None:
+    """(how many parts of `loc` name the setting, its choices) when `loc` is in an enumerated setting of `model`."""
+    node: Any = model
+    for depth, part in enumerate(loc):
+        if isinstance(part, int):
+            continue
+        if not (isinstance(node, type) and issubclass(node, BaseModel)) or part not in node.model_fields:
+            return None
+        annotation = node.model_fields[part].annotation
+        values = _enumerated(annotation)
+        if values:
+            return depth + 1, values
+        node = _section_type(annotation)
+    return None
+
+
+def _enumerated(annotation: Any) -> list[Any]:
+    """The values a Literal (or a union of Literals and bool, e.g. `Literal["auto"] | bool`) admits; [] for any
+    other annotation."""
+    if typing.get_origin(annotation) is Literal:
+        return list(typing.get_args(annotation))
+    if annotation is bool:
+        return [True, False]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if all(a is bool or typing.get_origin(a) is Literal for a in args):
+            values = [v for a in args for v in _enumerated(a)]
+            return values if any(typing.get_origin(a) is Literal for a in args) else []
+    return []
 
 
 def _not_a_section(model: type[BaseModel], err: Any) -> bool:

@@ -4,7 +4,7 @@ The rank programs write it (`leanagent/train/programs.py`); the launchers return
 run's manifest as a stage's result, and the report, the server's follower and the next stage read it back. A
 file edited by hand, cut short, or written by another version must be refused in one line naming the file and
 the key, before anything uses it, not fail later as a traceback. Keys nobody reads are kept as they are
-(`extra="allow"`): a newer writer's additions (a resolved precision, say) pass through.
+(`extra="allow"`): a newer writer's additions pass through.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from leanagent.ground.config import Precision
 from leanagent.ground.job import JobInputError
 
 # Non-negative counts and seconds; a count beyond this is no count a run makes.
@@ -109,6 +110,7 @@ class JobResult(JobCost):
     evaluation's): the keys its readers take."""
 
     program: StrictStr | None = None
+    precision: Precision | None = None  # the trainer precision the job ran in (`auto` resolved by its ranks)
     checkpoint: StrictStr | None = None
     fisher: StrictStr | None = None
     dataset: StrictStr | None = None

@@ -54,14 +54,16 @@ def epoch_text(p: Mapping[str, Any]) -> str | None:
 
 
 def speed_texts(p: Mapping[str, Any]) -> list[str]:
-    """`85.2 examples/s` and `ETA 4m10s`, each when known."""
+    """`32-true` (the precision the job runs in: `trainer.precision`, `auto` resolved), `85.2 examples/s` and
+    `ETA 4m10s`, each when known."""
     rate, eta = rate_and_eta(p)
-    return ([f"{rate:.1f} examples/s"] if rate is not None else []) + \
+    return ([str(p["precision"])] if p.get("precision") else []) + \
+        ([f"{rate:.1f} examples/s"] if rate is not None else []) + \
         ([f"ETA {format_duration(eta)}"] if eta is not None else [])
 
 
 def describe(label: str, p: Mapping[str, Any]) -> str:
-    """`train repo_1: epoch 2/5, step 120/400 (30%), 85.2 examples/s, ETA 4m10s`."""
+    """`train repo_1: epoch 2/5, step 120/400 (30%), bf16-mixed, 85.2 examples/s, ETA 4m10s`."""
     epoch = epoch_text(p)
     total, step = p.get("total"), int(p.get("step") or 0)
     parts = ([epoch] if epoch else []) + \

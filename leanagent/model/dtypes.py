@@ -25,13 +25,15 @@ around 1e-3 on a unit vector), and near-ties can swap.
 
 from __future__ import annotations
 
+import os
+import platform
 import warnings
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
-from leanagent.ground.names import DTYPE_CHOICES
+from leanagent.ground.names import AUTO, DTYPE_CHOICES
 
 DTYPES = DTYPE_CHOICES  # `--dtype`: leanagent.ground.names
 # The CPU's choice, keyed by whether it has bf16 matmuls: the fastest dtype whose agreement is recorded in the module
@@ -42,13 +44,57 @@ class DtypeError(ValueError):
     """A dtype this device cannot run."""
 
 
+# oneDNN's own variables limiting the instructions it uses (`ONEDNN_MAX_CPU_ISA=AVX2` makes this CPU run as an
+# AVX2-only one), and the values that still allow AMX.
+ONEDNN_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
 def cpu_has_bf16() -> bool:
-    """Whether this CPU runs bf16 matmuls natively (oneDNN's own check: AVX-512 BF16, AMX, or Arm's bf16), asked of
-    torch rather than read from the OS, so that it means the same on Linux and macOS."""
+    """Whether this CPU's bf16 matmuls run faster than its fp32 ones, as torch reports it: oneDNN runs bf16 here
+    (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`: AVX-512 on x86, BF16 on Arm), and on x86 the CPU has AMX-BF16
+    tiles (`torch.cpu.get_capabilities()["amx_bf16"]`, from cpuinfo) that oneDNN is not told to leave alone
+    (ONEDNN_MAX_CPU_ISA below an AMX level). Asked of torch rather than read from the OS, so that it means the same
+    on Linux and macOS.
+
+    Why AMX, not AVX-512 BF16 alone: a byt5-small-shaped training step (`leanagent bench precision`, figures in
+    docs/performance.md) ran 2.1x faster in bf16 than in fp32 with AMX, but 2.0x slower with oneDNN limited to
+    AVX-512 BF16 (as on CPUs with those instructions and no AMX), and slower still on AVX-512 or AVX2 alone, where
+    bf16 is emulated. `ONEDNN_MAX_CPU_ISA=AVX2` (oneDNN's own variable) makes a CPU with AMX answer no here and run
+    its kernels as an AVX2-only one does: how the tests see both kinds of CPU on one machine."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
     except (AttributeError, RuntimeError):  # a torch built without oneDNN
         return False
+    if platform.machine().lower() not in ("x86_64", "amd64", "x86", "i686"):
+        return True  # Arm: oneDNN's check is the CPU's BF16 matrix instructions
+    limit = next((os.environ[v] for v in ONEDNN_ISA_ENV if os.environ.get(v)), "ALL").strip().upper()
+    if limit not in ("ALL", "DEFAULT") and "AMX" not in limit:
+        return False
+    try:
+        return bool(torch.cpu.get_capabilities().get("amx_bf16", False))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# trainer.precision: auto: LeanAgent's bf16-mixed on a GPU; on a CPU keyed by `cpu_has_bf16()` (speed: `leanagent
+# bench precision`, figures in docs/performance.md).
+GPU_PRECISION = "bf16-mixed"
+AUTO_PRECISION_CPU = {True: "bf16-mixed", False: "32-true"}
+# The autocast dtype of each precision `leanagent bench precision` measures (Lightning's CPU plugins: bf16-mixed
+# runs the step under `torch.autocast("cpu", torch.bfloat16)`, 32-true under none).
+LIGHTNING_AUTOCAST: dict[str, torch.dtype | None] = {"32-true": None, "bf16-mixed": torch.bfloat16}
+
+
+def resolve_precision(precision: str, accelerator: str, cpu_bf16: bool | None = None) -> str:
+    """The Lightning precision `trainer.precision` means on `accelerator` here: itself, unless it is `auto`, which
+    is LeanAgent's bf16-mixed on a GPU (`gpu`, `cuda`, or `auto` where torch sees CUDA) and on a CPU bf16-mixed
+    where it has bf16 matmuls, else 32-true (`cpu_bf16`: that answer given, instead of asked of this CPU)."""
+    if precision != AUTO:
+        return precision
+    if accelerator in ("gpu", "cuda") or (accelerator == AUTO and torch.cuda.is_available()):
+        return GPU_PRECISION
+    return AUTO_PRECISION_CPU[cpu_has_bf16() if cpu_bf16 is None else cpu_bf16]
 
 
 def resolve(dtype: str, device: torch.device | str) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, field_validator
 
-from leanagent.ground.config import ABSENT_MEANS, DataConfig, ModelConfig, PipelineConfig
+from leanagent.ground.config import ABSENT_MEANS, DataConfig, ModelConfig, PipelineConfig, not_a_choice
 from leanagent.model.losses import LOSSES
 
 ENCODER_CONFIG_KEY = "encoder_config"  # the architecture, stored beside the options in `hyper_parameters`
@@ -39,7 +39,7 @@ class RetrieverOptions(ModelConfig):
     @classmethod
     def _known_loss(cls, loss: str) -> str:
         if loss not in LOSSES:
-            raise ValueError(f"unknown loss {loss!r} (known: {', '.join(LOSSES)})")
+            raise ValueError(not_a_choice(loss, list(LOSSES)))  # one line, as every enumerated setting's
         return loss
 
     @classmethod

@@ -13,7 +13,7 @@ from typing import Any
 
 from leanagent.report.cells import fit, mean, metric, mrr, pct
 from leanagent.report.metrics import REGISTRY, check_matrix, composite_scores, lifelong_metrics
-from leanagent.report.run import MATRIX_METRIC, RunReport, glossary_text, report_from_manifest
+from leanagent.report.run import MATRIX_METRIC, RunReport, glossary_text, report_from_manifest, run_setup
 from leanagent.run.manifest import MANIFEST_NAME, ManifestUnreadableError, read_manifest
 
 JSON_KEYS = {"names", "test_recall_at_10", "val_recall_at_10", "avg_test_recall_at_10", "test_recall_at_1",
@@ -89,29 +89,6 @@ def load_run(path: str | Path) -> LifelongRun:
     except json.JSONDecodeError as exc:
         raise SourceError(f"{path}: not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
     return _run_from_json(path, doc)
-
-
-def run_setup(config: Any) -> str | None:
-    """`merge_all, curriculum, EWC 0.1`: LeanAgent's three switches, from a manifest's config (a run recorded before
-    `dataset_strategy` existed ran `single`, the default), then the training recipe when it is another one
-    (`infonce + mined negatives`)."""
-    lifelong = config.get("lifelong") if isinstance(config, dict) else None
-    if not isinstance(lifelong, dict):
-        return None
-    ewc = lifelong.get("ewc_lambda") or 0
-    return ", ".join([str(lifelong.get("dataset_strategy", "single")),
-                      "curriculum" if lifelong.get("curriculum", True) else "given order",
-                      f"EWC {ewc:g}" if ewc else "no EWC", *_recipe(config)])
-
-
-def _recipe(config: dict[str, Any]) -> list[str]:
-    """The training recipe where it is not LeanAgent's (`model.loss`, `data.negatives`); nothing for LeanAgent's,
-    and for a run recorded before the keys existed (it trained LeanAgent's)."""
-    model, data = config.get("model") or {}, config.get("data") or {}
-    loss, negatives = model.get("loss", "mse"), data.get("negatives", "random")
-    if (loss, negatives) == ("mse", "random"):
-        return []
-    return [f"{loss} + {negatives} negatives"]
 
 
 def _run_from_json(path: Path, doc: Any) -> LifelongRun:

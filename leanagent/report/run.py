@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from leanagent.ground.names import AUTO
 from leanagent.report.cells import fit, mean, mean_of, metric, mrr, pct
 from leanagent.report.metrics import REGISTRY, check_matrix, glossary, lifelong_metrics, metric_names
 from leanagent.report.timing import JobCost, job_costs, time_markdown, time_summary, time_text
@@ -44,6 +45,8 @@ class RunReport:
     baseline: list[float | None] = field(default_factory=list)
     # Each finished job's seconds by part and the premises it embedded (`report/timing.py`), in the order they ran.
     costs: list[JobCost] = field(default_factory=list)
+    # The run's setup (`run_setup`: strategy, curriculum, EWC, recipe, precision), when read from a manifest.
+    setup: str | None = None
 
     def set_baseline(self, evaluations: list[dict]) -> None:
         self.baseline = [e["metrics"][MATRIX_METRIC] for e in evaluations]
@@ -109,7 +112,8 @@ class RunReport:
         matrix = f"| trained through \\ evaluated on | {cols} |\n|---|" + "---|" * len(self.names) + "\n"
         matrix += "".join(f"| {label} | " + " | ".join(pct(v) for v in row) + " |\n"
                           for label, row in self._matrix_rows())
-        return (f"# Lifelong retrieval: {len(self.rows)} of {len(self.names)} repositories\n\n"
+        setup = f"Setup: {self.setup}\n\n" if self.setup else ""
+        return (f"# Lifelong retrieval: {len(self.rows)} of {len(self.names)} repositories\n\n{setup}"
                 f"## Per repository (on its own test split)\n\n{header}{body}\n{COLUMNS_NOTE}\n\n"
                 f"## Lifelong metrics after each repository\n\nOver the repositories seen so far; recall in percent. "
                 f"\n\n{self._metrics_markdown()}\n{_bullets(glossary_text())}\n\n"
@@ -118,8 +122,9 @@ class RunReport:
                 f"{self._summary_lines()}\n\n{time_markdown(self.costs)}\nManifest: `{manifest}`\n")
 
     def text(self, time_table: bool = True) -> str:
-        """Plain text for a terminal: the per-repository table, the metrics after each repository, the matrix, then
-        where the time went (a table per job, or with `time_table=False` one line for all of them)."""
+        """Plain text for a terminal: the per-repository table, the metrics after each repository, the run's setup
+        (precision included) and the matrix, then where the time went (a table per job, or with `time_table=False`
+        one line for all of them)."""
         lines = [f"{'repository':<24} {'R@1':>7} {'R@10':>7} {'MRR':>7} {'val R@10':>8} {'epochs':>6}  "
                  f"next starts from"]
         lines += [f"{fit(r['repository'], 24):<24} {pct(r.get('R@1')):>7} {pct(r.get('R@10')):>7} "
@@ -127,7 +132,8 @@ class RunReport:
                   f"{_checkpoint_val(r)}" for r in self.rows]
         lines.append(COLUMNS_NOTE)
         lines += ["", "Lifelong metrics after each repository (over the repositories seen so far)",
-                  self._metrics_text(), "", f"{MATRIX_METRIC} (row: trained through; column: evaluated on)",
+                  self._metrics_text(), "", *([f"Setup: {self.setup}"] if self.setup else []),
+                  f"{MATRIX_METRIC} (row: trained through; column: evaluated on)",
                   f"{'':<24} " + " ".join(f"{fit(n, 10):>10}" for n in self.names)]
         lines += [f"{fit(label, 24):<24} " + " ".join(f"{pct(v):>10}" for v in row)
                   for label, row in self._matrix_rows()]
@@ -175,7 +181,7 @@ class RunReport:
 def report_from_manifest(manifest: dict) -> RunReport:
     """Rebuild the report of a run (finished or not) from its manifest, as `leanagent report` prints it."""
     names = list(manifest.get("order") or [])
-    report = RunReport(names, costs=job_costs(manifest))
+    report = RunReport(names, costs=job_costs(manifest), setup=run_setup(manifest.get("config")))
     baseline = [stage_result(manifest, j, name, EVAL_UNTRAINED) for j, name in enumerate(names)]
     if names and all(b is not None for b in baseline):
         report.set_baseline(baseline)
@@ -188,6 +194,35 @@ def report_from_manifest(manifest: dict) -> RunReport:
     return report
 
 
+
+
+def run_setup(config: Any) -> str | None:
+    """`merge_all, curriculum, EWC 0.1, precision bf16-mixed`: LeanAgent's three switches, from a manifest's config
+    (a run recorded before `dataset_strategy` existed ran `single`, the default), the training recipe when it is
+    another one (`infonce + mined negatives`), and the precision the run's jobs ran in (`trainer.precision`, as
+    the run recorded it: `auto` resolved by its first job; left out while no job has)."""
+    lifelong = config.get("lifelong") if isinstance(config, dict) else None
+    if not isinstance(lifelong, dict):
+        return None
+    ewc = lifelong.get("ewc_lambda") or 0
+    return ", ".join([str(lifelong.get("dataset_strategy", "single")),
+                      "curriculum" if lifelong.get("curriculum", True) else "given order",
+                      f"EWC {ewc:g}" if ewc else "no EWC", *_recipe(config), *_precision(config)])
+
+
+def _recipe(config: dict[str, Any]) -> list[str]:
+    """The training recipe where it is not LeanAgent's (`model.loss`, `data.negatives`); nothing for LeanAgent's,
+    and for a run recorded before the keys existed (it trained LeanAgent's)."""
+    model, data = config.get("model") or {}, config.get("data") or {}
+    loss, negatives = model.get("loss", "mse"), data.get("negatives", "random")
+    if (loss, negatives) == ("mse", "random"):
+        return []
+    return [f"{loss} + {negatives} negatives"]
+
+
+def _precision(config: dict[str, Any]) -> list[str]:
+    precision = (config.get("trainer") or {}).get("precision")
+    return [f"precision {precision}"] if isinstance(precision, str) and precision != AUTO else []
 
 
 def _bullets(text: str) -> str:

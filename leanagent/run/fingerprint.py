@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from leanagent.ground.config import ABSENT_MEANS, PipelineConfig
+from leanagent.ground.names import AUTO
 from leanagent.run.manifest import ManifestMismatchError
 
 # Where the run's repositories come from: the sequence, which may grow, not the experiment.
@@ -39,6 +40,13 @@ RUN_IRRELEVANT_KEYS = (
 )
 
 
+# Settings whose `auto` is decided by the machine (`trainer.precision: auto`, by the CPU's bf16 matmuls), each with
+# the key of a job's result that says what it ran: the run records the value its first job ran, and continues in it
+# on any machine. A config saying `auto` agrees with any recorded value (a run recorded before `auto` existed
+# included: its config holds bf16-mixed); a recorded `auto` (no job of the run has finished) agrees with any config.
+DECIDED_BY_THE_RUN = {"trainer.precision": "precision"}
+
+
 def fingerprint_fields(cfg: PipelineConfig) -> dict[str, Any]:
     """The config as JSON, minus RUN_IRRELEVANT_KEYS, the repositories and the launchers' sections: what two runs
     must agree on to share a run_dir."""
@@ -55,8 +63,39 @@ def fingerprint_fields(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def config_fingerprint(cfg: PipelineConfig) -> str:
-    canonical = json.dumps(fingerprint_fields(cfg), sort_keys=True, separators=(",", ":"))
+    return fields_fingerprint(fingerprint_fields(cfg))
+
+
+def fields_fingerprint(fields: dict[str, Any]) -> str:
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def recorded_setting(config: dict[str, Any], dotted: str) -> Any:
+    """A dotted key of a manifest's config, or None."""
+    node: Any = config
+    for key in dotted.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
+def keep_decided(recorded: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` with each DECIDED_BY_THE_RUN key that says `auto` set to the value `recorded` holds, if any: what
+    the run continues in."""
+    out = json.loads(json.dumps(fields))
+    for dotted in DECIDED_BY_THE_RUN:
+        value = recorded_setting(recorded, dotted)
+        if recorded_setting(out, dotted) == AUTO and value not in (None, AUTO):
+            set_setting(out, dotted, value)
+    return out
+
+
+def set_setting(config: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = config
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -74,12 +113,13 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     A key absent from the stored config is a knob added by a later version of leanagent; the run was computed
     at the value that reproduces the old behaviour: `ABSENT_MEANS` where that is not today's default (an old
     run without `model.sort_by_length` padded its pools: it continues under false only), else the default.
-    At that value it is not a change.
+    At that value it is not a change. Nor is `auto` on either side of a DECIDED_BY_THE_RUN key.
     """
     a, b = _flatten(old), _flatten(new)
     before = {**_flatten(fingerprint_fields(PipelineConfig())), **ABSENT_MEANS}
     return [f"{k}: {_stored(a, before, k)} -> {b.get(k, '(absent)')!r}" for k in sorted(a.keys() | b.keys())
-            if a.get(k) != b.get(k) and not (k not in a and k in before and b.get(k) == before[k])]
+            if a.get(k) != b.get(k) and not (k not in a and k in before and b.get(k) == before[k])
+            and not (k in DECIDED_BY_THE_RUN and AUTO in (a.get(k), b.get(k)))]
 
 
 def _stored(old: dict[str, Any], before: dict[str, Any], key: str) -> str:

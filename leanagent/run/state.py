@@ -21,7 +21,16 @@ from typing import Any
 
 from leanagent.ground.atomic import write_json_atomic
 from leanagent.ground.config import PipelineConfig
-from leanagent.run.fingerprint import check_config, config_fingerprint, fingerprint_fields
+from leanagent.ground.names import AUTO
+from leanagent.run.fingerprint import (
+    DECIDED_BY_THE_RUN,
+    check_config,
+    fields_fingerprint,
+    fingerprint_fields,
+    keep_decided,
+    recorded_setting,
+    set_setting,
+)
 from leanagent.run.manifest import (
     MANIFEST_NAME,
     MANIFEST_VERSION,
@@ -112,17 +121,26 @@ class RunState:
         stored = read_manifest(self.path) if self.path.is_file() else None
         given = given_before(stored) if stored is not None else []  # a version 1 manifest has it in its config
         fields = fingerprint_fields(cfg)
-        fingerprint = config_fingerprint(cfg)
         if stored is not None:
             self.data: dict[str, Any] = stored
             self._stored = json.dumps(self.data, sort_keys=True)
             check_config(self.path, self.data, fields)
             self.data["given"] = given
-            # Only knobs added since, at their defaults (or none): the same experiment, in today's terms.
-            self.data["fingerprint"], self.data["config"] = fingerprint, fields
+            # Only knobs added since, at their defaults (or none): the same experiment, in today's terms; what the
+            # run decided (its precision) where the config says auto.
+            fields = keep_decided(self.data.get("config") or {}, fields)
+            self.data["fingerprint"], self.data["config"] = fields_fingerprint(fields), fields
         else:
-            self.data = {"version": MANIFEST_VERSION, "fingerprint": fingerprint, "config": fields, "order": None,
-                         "repos": {}, "created_at": _now()}
+            self.data = {"version": MANIFEST_VERSION, "fingerprint": fields_fingerprint(fields), "config": fields,
+                         "order": None, "repos": {}, "created_at": _now()}
+
+    def decided(self, cfg: PipelineConfig) -> PipelineConfig:
+        """`cfg` as this run continues it, the config its jobs get: each setting the run decided (DECIDED_BY_THE_RUN:
+        the precision its first job ran under `trainer.precision: auto`) at the recorded value where `cfg` says
+        auto, so that a run goes on in its precision on a CPU that would resolve auto otherwise."""
+        data = cfg.model_dump(mode="json")
+        kept = keep_decided(self.data["config"], data)
+        return cfg if kept == data else PipelineConfig.model_validate(kept)
 
     def extend(self, ordered: list[RepoEntry], given: list[RepoEntry], given_by: str | None = None) -> None:
         """Record the run's sequence: the recorded repositories (checked against `given` again, under the lock),
@@ -165,6 +183,12 @@ class RunState:
         self._set(name, {"status": "running", "started_at": _now()})
 
     def record(self, name: str, result: dict) -> None:
+        """The stage is done with `result`; the first result of a run whose config says `auto` for a setting the run
+        decides (DECIDED_BY_THE_RUN) records what that job ran as the run's value."""
+        for dotted, key in DECIDED_BY_THE_RUN.items():
+            if recorded_setting(self.data["config"], dotted) == AUTO and isinstance(result.get(key), str):
+                set_setting(self.data["config"], dotted, result[key])
+                self.data["fingerprint"] = fields_fingerprint(self.data["config"])
         entry = self._stage(name) or {}
         self._set(name, {**entry, "status": "done", "result": result, "finished_at": _now()})
 

@@ -42,6 +42,7 @@ from leanagent.train.trainer import (
     build_fisher_trainer,
     build_training_trainer,
     init_process_group,
+    job_precision,
     set_nccl_environment,
 )
 
@@ -296,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     # Before the process group exists: NCCL reads these when its communicators are created.
     set_nccl_environment(cfg.trainer)
     init_process_group(cfg.trainer)
+    cfg.trainer.precision = job_precision(cfg.trainer)  # `auto` resolved once, alike on every rank; in result.json
     pl.seed_everything(cfg.trainer.seed, workers=True)
     refusal = job.refusal()
     if refusal is not None:
@@ -311,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     result.update(job_account(clock))
     if local_rank() == 0:
         node = 0 if global_rank() == 0 else node_rank()
-        write_json_atomic(job_dir / result_filename(node), {"program": job.program, **result})
+        write_json_atomic(job_dir / result_filename(node), {"program": job.program,
+                                                            "precision": cfg.trainer.precision, **result})
     shutdown_process_group()
 
 

@@ -104,4 +104,4 @@ class ProgressTracker:
         epochs = trainer.max_epochs if s.stage != "test" and trainer.max_epochs and trainer.max_epochs > 0 else None
         return {"stage": s.stage, "epoch": trainer.current_epoch + 1 if epochs else None, "epochs": epochs,
                 "step": s.step, "total": s.total, "done": s.done, "examples": s.examples,
-                "elapsed": time.monotonic() - s.started}
+                "elapsed": time.monotonic() - s.started, "precision": str(trainer.precision)}

@@ -3,6 +3,8 @@
 Every value comes from `TrainerConfig`, whose defaults are the seed's: DDPStrategy with a
 one-year timeout, 4 GPUs, bf16-mixed, gradient clipping 1.0, 4-step accumulation, log every
 step, no sanity validation, and the LR-monitor / checkpoint / early-stopping callbacks.
+`trainer.precision: auto` becomes a concrete precision here, in the ranks (`job_precision`): on a CPU it is the
+CPU that runs the matmuls whose bf16 support decides.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from pytorch_lightning.strategies import DDPStrategy
 from leanagent.ground.atomic import write_atomic
 from leanagent.ground.config import TrainerConfig
 from leanagent.ground.job import STOP_FILE_ENV
+from leanagent.ground.names import AUTO
+from leanagent.model.dtypes import AUTO_PRECISION_CPU, resolve_precision
 from leanagent.train.callbacks import (
     MONITOR,
     DatasetEpoch,
@@ -123,6 +127,19 @@ def init_process_group(cfg: TrainerConfig) -> None:
                             rank=int(os.environ["RANK"]), world_size=world_size, **kwargs)
 
 
+def job_precision(cfg: TrainerConfig) -> str:
+    """The precision this job's trainers run: `cfg.precision`, with `auto` resolved on these ranks' hardware
+    (`leanagent.model.dtypes.resolve_precision`: bf16-mixed on a GPU; on a CPU by its bf16 matmuls), one answer
+    for every rank: where the ranks' CPUs disagree (nodes of two kinds), 32-true, which none of them runs slowly.
+    Collective once the process group exists (`init_process_group`): every rank calls it."""
+    resolved = resolve_precision(cfg.precision, cfg.accelerator)
+    if cfg.precision != AUTO or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return resolved
+    answers: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(answers, resolved)
+    return resolved if len(set(answers)) == 1 else AUTO_PRECISION_CPU[False]
+
+
 def tensorboard_logger(job_dir: Path) -> TensorBoardLogger:
     """JOB/tensorboard/, no version folder: the job is the run, so `tensorboard --logdir RUN_DIR/jobs` lists
     one run per repository by its job folder (`00-repo_0/train/tensorboard`). Lightning logs at the global
@@ -136,7 +153,7 @@ def _common(cfg: TrainerConfig, job_dir: Path, tensorboard: bool = False) -> dic
         "accelerator": cfg.accelerator,
         "devices": cfg.devices,
         "num_nodes": cfg.num_nodes,
-        "precision": cfg.precision,
+        "precision": resolve_precision(cfg.precision, cfg.accelerator),  # the ranks resolve `auto` first: job_precision
         "strategy": ddp_strategy(cfg),
         "log_every_n_steps": cfg.log_every_n_steps,
         "num_sanity_val_steps": cfg.num_sanity_val_steps,

@@ -21,7 +21,7 @@ def write_config(path: Path, model: Path, devices: int = 2, **overrides) -> Path
     cfg = {
         "model": {"name_or_path": str(model), "lr": 1e-3, "warmup_steps": 5, "max_seq_len": 256},
         "data": {"batch_size": 4, "eval_batch_size": 16, "max_seq_len": 256, "num_workers": 0},
-        "trainer": {"accelerator": "cpu", "devices": devices, "precision": "bf16-mixed",
+        "trainer": {"accelerator": "cpu", "devices": devices, "precision": "auto",
                     "accumulate_grad_batches": 1},
         "lifelong": {"epochs_per_repo": 1, "ewc_lambda": 0.1},
     }

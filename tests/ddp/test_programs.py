@@ -17,8 +17,9 @@ from leanagent.checkpoints.ours import epochs_completed, load_fisher, read_check
 from leanagent.data.corpus import Corpus
 from leanagent.data.examples import build_train_examples
 from leanagent.data.theorems import load_split
+from leanagent.model.dtypes import resolve_precision
 
-from .conftest import REPO_ROOT, leanagent, write_config
+from .conftest import REPO_ROOT, leanagent, run_probe, shown_cli, write_config
 
 pytestmark = pytest.mark.ddp
 
@@ -41,6 +42,8 @@ def lifelong(ddp_jobs) -> dict:
 
 def test_training_continues_epochs_across_repositories(lifelong):
     a, b = lifelong["a"], lifelong["b"]
+    # `trainer.precision: auto`, resolved by the ranks for this CPU, recorded by every job.
+    assert {lifelong[k]["precision"] for k in ("a", "fa", "b", "ev")} == {resolve_precision("auto", "cpu")}
     assert (a["epoch"], b["epoch"]) == (1, 2)
     assert a["world_size"] == b["world_size"] == 2
     assert b["global_step"] > a["global_step"]
@@ -164,3 +167,35 @@ def test_interrupted_training_resumes_from_its_last_checkpoint(lifelong, tmp_pat
     penalties = [float(r.split(",")[col]) for r in rows if r.split(",")[col]]
     # theta* is A's weights: the resumed weights already differ from them at the first step.
     assert penalties[0] > 0.0
+
+
+def test_auto_trains_in_fp32_on_a_cpu_without_bf16_matmuls_and_says_so(ddp_assets, tmp_path):
+    """The demo's shape (2 ranks, `precision: auto`) on a CPU without bf16 matmuls: ONEDNN_MAX_CPU_ISA=AVX2, oneDNN's
+    own variable, makes this one such a CPU, its detection included. The job trains in 32-true, and its progress
+    lines and result.json say so."""
+    cfg = write_config(tmp_path / "cfg.yaml", ddp_assets["model"])
+    shown = shown_cli("train", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]), "--out",
+                      str(tmp_path / "job"), ONEDNN_MAX_CPU_ISA="AVX2", LEANAGENT_PROGRESS_INTERVAL="0.2")
+    assert json.loads((tmp_path / "job" / "result.json").read_text())["precision"] == "32-true"
+    progress = [line for line in shown.stdout.splitlines() if line.startswith("[progress] train")]
+    assert progress and all(", 32-true, " in line or line.endswith(", 32-true") for line in progress), progress
+
+
+RANKS_OF_TWO_KINDS = """
+import os, sys
+from pathlib import Path
+if os.environ["RANK"] == "1":
+    os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"  # read when torch loads oneDNN: this rank's CPU has no bf16 matmuls
+from leanagent.ground.config import TrainerConfig
+from leanagent.train.trainer import init_process_group, job_precision
+cfg = TrainerConfig(accelerator="cpu", devices=2, precision="auto")
+init_process_group(cfg)
+Path(sys.argv[1], f"rank{os.environ['RANK']}").write_text(job_precision(cfg))
+"""
+
+
+def test_ranks_whose_cpus_differ_agree_on_fp32(tmp_path):
+    """Nodes of two kinds in one job: `auto` must not run bf16 on one rank and fp32 on another; it takes 32-true,
+    which neither runs slowly. (On a CPU without bf16 matmuls both ranks say so anyway.)"""
+    run_probe(RANKS_OF_TWO_KINDS, tmp_path, str(tmp_path))
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["32-true", "32-true"]

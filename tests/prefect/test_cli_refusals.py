@@ -54,6 +54,10 @@ MISTAKES = {
     "truncated corpus line": ("{truncated}", {}, "corpus.jsonl:4: not valid JSON"),
     "4 GPUs on a machine without one": ("{good}", {"trainer": {"accelerator": "gpu", "devices": 4}},
                                         "asks for trainer.devices: 4 GPU(s), but torch sees 0"),
+    # Lightning's own refusal came from rank 0 after the jobs had launched: 505 lines and 11 tracebacks.
+    "a precision Lightning does not know": ("{good}", {"trainer": {"precision": "bf16-mix"}},
+                                            "trainer.precision: 'bf16-mix' is not a valid value (did you mean "
+                                            "'bf16-mixed'?); one of: auto, bf16-mixed, 32-true"),
 }
 
 
@@ -108,8 +112,12 @@ def test_bad_input_answers_before_prefect_starts(demo_assets, write_cpu_config, 
     config = write_cpu_config(tmp_path / "config.yaml", tmp_path / "run", [demo_assets.repos[0], tmp_path / "nope"])
     typo = tmp_path / "typo.yaml"
     typo.write_text(config.read_text().replace("epochs_per_repo", "epochs_per_rep"))
+    precision = write_cpu_config(tmp_path / "precision.yaml", tmp_path / "run", demo_assets.repos[:1],
+                                 trainer={"precision": "bf16-mix"})
     for path, expected in ((config, f"dataset folder {tmp_path / 'nope'} does not exist"),
-                           (typo, "lifelong.epochs_per_rep: unknown key (did you mean 'epochs_per_repo'?)")):
+                           (typo, "lifelong.epochs_per_rep: unknown key (did you mean 'epochs_per_repo'?)"),
+                           (precision, "trainer.precision: 'bf16-mix' is not a valid value (did you mean "
+                                       "'bf16-mixed'?)")):
         run = subprocess.run([sys.executable, "-m", "leanagent.cli", "run", "--config", str(path)],
                              capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
         assert run.returncode == 1 and expected in run.stderr, run.stderr

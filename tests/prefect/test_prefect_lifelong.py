@@ -20,7 +20,8 @@ from leanagent.data.corpus import Corpus
 from leanagent.ground.atomic import read_json
 from leanagent.index.files import read_names
 from leanagent.index.query import PremiseIndex
-from leanagent.report import RunReport
+from leanagent.model.dtypes import resolve_precision
+from leanagent.report import RunReport, run_setup
 from leanagent.run.manifest import ManifestMismatchError, stage_indexes
 from tests.conftest import FinishedRun, file_times
 from tests.prefect.prefect_api import flow_run_artifacts, wait_for_logs
@@ -74,13 +75,21 @@ def test_three_repositories_train_fisher_and_evaluate(run3: FinishedRun) -> None
     assert lifelong["WF5"] is None  # needs more than 5 repositories
     assert all(lifelong[m] is not None for m in ("FM", "EBWT", "WP5", "IP", "CFR"))
     assert lifelong["avg"] == pytest.approx([sum(row[: i + 1]) / (i + 1) for i, row in enumerate(matrix)])
-    stages = read_json(Path(summary["manifest"]))["repos"]
+    manifest = read_json(Path(summary["manifest"]))
+    stages = manifest["repos"]
     assert all(s["status"] == "done" for repo in stages.values() for s in repo["stages"].values())
+    # `trainer.precision: auto`: every job ran the precision the ranks chose for this CPU, and the run recorded it.
+    ran = resolve_precision("auto", "cpu")
+    assert {r["precision"] for r in results.values()} == {ran} == {manifest["config"]["trainer"]["precision"]}
+    assert {s["result"]["precision"] for repo in stages.values() for s in repo["stages"].values()} == {ran}
 
 
 def test_report_command_rebuilds_the_run_report_from_the_manifest(run3: FinishedRun) -> None:
     summary = run3.summary
-    expected = RunReport(summary["order"], summary["rows"], summary["matrix"], summary["baseline"]).text()
+    setup = run_setup(read_json(Path(summary["manifest"]))["config"])
+    assert setup == f"single, curriculum, EWC 0.1, precision {resolve_precision('auto', 'cpu')}"
+    expected = RunReport(summary["order"], summary["rows"], summary["matrix"], summary["baseline"],
+                         setup=setup).text()
     proc = subprocess.run([sys.executable, "-m", "leanagent.cli", "report", str(run3.run_dir)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

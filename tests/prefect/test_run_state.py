@@ -194,3 +194,44 @@ def test_lock_names_the_holder_in_another_process(tmp_path: Path) -> None:
     with RunLock(tmp_path):  # the kernel released the dead holder's lock
         assert (tmp_path / ".lock").read_text().strip() == str(os.getpid())
 
+
+
+def _on_cpu(cfg: PipelineConfig, precision: str) -> PipelineConfig:
+    return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"accelerator": "cpu",
+                                                                           "precision": precision})})
+
+
+def test_a_run_under_auto_keeps_the_precision_its_first_job_ran_on_any_machine(tmp_path: Path) -> None:
+    """`trainer.precision: auto` is resolved by the ranks; the first result says what ran, and the run records it:
+    reopened with `auto` (on a CPU that would resolve it otherwise) it continues in it, and its jobs are told so."""
+    cfg = _on_cpu(_cfg(tmp_path), "auto")
+    state = _started(cfg)
+    assert state.data["config"]["trainer"]["precision"] == "auto"  # nothing has run yet
+    assert state.decided(cfg) is cfg
+    state.record("00-a/eval-untrained", {"metrics": {}, "precision": "32-true"})
+    state.record("00-a/train", {"checkpoint": "a.ckpt", "precision": "32-true"})
+    on_disk = json.loads(state.path.read_text())
+    assert on_disk["config"]["trainer"]["precision"] == "32-true"
+    reopened = RunState(cfg.run_dir, cfg)  # not refused: auto agrees with what the run recorded
+    assert reopened.data["config"]["trainer"]["precision"] == "32-true"
+    assert reopened.decided(cfg).trainer.precision == "32-true"
+    assert reopened.decided(cfg).model_dump(exclude={"trainer"}) == cfg.model_dump(exclude={"trainer"})
+    assert RunState(cfg.run_dir, _on_cpu(cfg, "32-true")).stage_done("00-a/train") == {"checkpoint": "a.ckpt",
+                                                                                        "precision": "32-true"}
+    with pytest.raises(ManifestMismatchError, match=r"trainer\.precision: '32-true' -> 'bf16-mixed'"):
+        RunState(cfg.run_dir, _on_cpu(cfg, "bf16-mixed"))
+
+
+def test_a_run_recorded_before_auto_continues_in_its_bf16_under_auto(tmp_path: Path) -> None:
+    """A manifest written before `auto` existed holds the precision its config gave (LeanAgent's bf16-mixed) and
+    results without one: a config that now says auto continues it in bf16-mixed, whatever this CPU would take."""
+    old = _on_cpu(_cfg(tmp_path), "bf16-mixed")
+    state = _started(old)
+    state.record("00-a/train", {"checkpoint": "a.ckpt"})
+    written = json.loads(state.path.read_text())
+    auto = _on_cpu(old, "auto")
+    reopened = RunState(old.run_dir, auto)
+    assert reopened.decided(auto).trainer.precision == "bf16-mixed"
+    assert reopened.data["config"] == written["config"] and reopened.data["fingerprint"] == written["fingerprint"]
+    reopened.record("00-a/fisher", {"fisher": "a.safetensors", "precision": "bf16-mixed"})
+    assert json.loads(state.path.read_text())["config"]["trainer"]["precision"] == "bf16-mixed"

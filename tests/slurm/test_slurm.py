@@ -39,7 +39,7 @@ def write_config(path: Path, model: Path, launcher: str = "slurm", **sections) -
         "launcher": launcher,
         "model": {"name_or_path": str(model), "lr": 1e-3, "warmup_steps": 5, "max_seq_len": 256},
         "data": {"batch_size": 4, "eval_batch_size": 16, "max_seq_len": 256, "num_workers": 0},
-        "trainer": {"accelerator": "cpu", "devices": devices, "num_nodes": nodes, "precision": "bf16-mixed",
+        "trainer": {"accelerator": "cpu", "devices": devices, "num_nodes": nodes, "precision": "auto",
                     "accumulate_grad_batches": 1},
         "lifelong": {"epochs_per_repo": 2, "ewc_lambda": 0.0},
         "slurm": {"partition": "debug", "poll_s": 0.5},

@@ -21,6 +21,7 @@ from leanagent.bench.results import (
 from leanagent.bench.table import format_table
 from leanagent.cli import main as cli_main
 from leanagent.data.synthetic import write_demo_repos
+from leanagent.model.dtypes import cpu_has_bf16, resolve_precision
 
 EXPECTED = ("corpus_load_s", "corpus_rss_mb", "train_examples_per_s", "tokenize_premises_per_s",
             "embed_premises_per_s", "embed_unsorted_premises_per_s", "retrieval_ms_per_context",
@@ -288,3 +289,14 @@ def test_the_abuse_section_replays_attacks_on_real_servers(tmp_path):
     assert rows["no-token"]["statuses"] == {"exit 1": 1}
     assert "the stage written after: served" in rows["manifest-shapes"]["note"]
     assert rows["manifest-shapes"]["health_worst_s"] is not None and rows["manifest-shapes"]["peak_rss_mb"] > 0
+
+
+def test_the_precision_section_times_each_precision_and_names_the_cpu(tmp_path, capsys):
+    figures = _bench(["precision", "--presets", "tiny", "--batches", "1", "--rounds", "1"], tmp_path / "p.json")
+    for precision in ("32-true", "bf16-mixed"):
+        assert figures[f"tiny_{precision}_train_s_per_example"] > 0
+        assert figures[f"tiny_{precision}_fisher_s_per_example"] > 0
+    assert figures["auto"] == resolve_precision("auto", "cpu") and figures["cpu_has_bf16"] == cpu_has_bf16()
+    assert figures["cpu"] and figures["torch_capability"] and figures["examples"] == 4
+    table = capsys.readouterr().out
+    assert f"trainer.precision auto -> {figures['auto']}" in table and "tiny         bf16-mixed" in table

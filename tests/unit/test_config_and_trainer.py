@@ -11,9 +11,17 @@ import torch
 from pytorch_lightning.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.strategies import DDPStrategy
 
-from leanagent.ground.config import ONE_YEAR_SECONDS, ConfigError, PipelineConfig, TrainerConfig, load_config
+from leanagent.ground.config import (
+    ONE_YEAR_SECONDS,
+    ConfigError,
+    PipelineConfig,
+    Precision,
+    TrainerConfig,
+    load_config,
+)
+from leanagent.model.dtypes import resolve_precision
 from leanagent.model.loading import load_retriever
-from leanagent.train.trainer import build_fisher_trainer, build_training_trainer, ddp_strategy
+from leanagent.train.trainer import build_fisher_trainer, build_training_trainer, ddp_strategy, job_precision
 
 
 def test_seed_values_are_the_defaults():
@@ -139,3 +147,63 @@ def test_fisher_trainer_matches_strategy_precision_devices(tmp_path):
     trainer = build_fisher_trainer(cfg, tmp_path)
     assert trainer.max_epochs == 1 and trainer.precision == "bf16-mixed"
     assert trainer.strategy._timeout == timedelta(seconds=ONE_YEAR_SECONDS)
+
+
+def test_precision_takes_lightnings_values_and_auto() -> None:
+    """The config's Literal is written out (the ground floor loads no Lightning): it must be Lightning's own list."""
+    import typing
+
+    from lightning_fabric.connector import _PRECISION_INPUT
+
+    lightning = {str(v) for part in typing.get_args(_PRECISION_INPUT) for v in typing.get_args(part)}
+    assert set(typing.get_args(Precision)) == lightning | {"auto"}
+    assert TrainerConfig(precision=32).precision == "32"  # YAML's `precision: 32` is a number
+
+
+def _enumerated_settings() -> list[tuple[str, str, list]]:
+    """(section, key, choices) of every enumerated setting of the config: each Literal, Literal | bool or bool."""
+    from leanagent.ground.config import _enumerated
+
+    return [(section, key, _enumerated(field.annotation))
+            for section in ("model", "data", "trainer", "lifelong")
+            for key, field in PipelineConfig.model_fields[section].annotation.model_fields.items()
+            if _enumerated(field.annotation)]
+
+
+@pytest.mark.parametrize(("section", "key", "choices"), _enumerated_settings(),
+                         ids=[f"{s}.{k}" for s, k, _ in _enumerated_settings()])
+def test_every_enumerated_setting_refuses_a_typo_naming_the_key_the_value_and_the_nearest(tmp_path, section, key,
+                                                                                          choices):
+    meant = next((str(c) for c in choices if isinstance(c, str) and len(c) > 2), "false")  # a bool: true, false
+    typo = meant[:-1]  # the last letter dropped, as `bf16-mixe`, `per_exampl` or `fals`
+    path = tmp_path / "cfg.yaml"
+    path.write_text(f"{section}: {{{key}: {typo}}}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1, message
+    assert message.startswith(f"{path}: {section}.{key}: '{typo}' is not a valid value (did you mean '{meant}'?); "
+                              f"one of: "), message
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("trainer: {precision: bf16-mix}", "trainer.precision: 'bf16-mix' is not a valid value (did you mean "
+                                       "'bf16-mixed'?); one of: auto, bf16-mixed, 32-true,"),
+    ("trainer: {accelerator: gpuu}", "trainer.accelerator: 'gpuu' is not a valid value (did you mean 'gpu'?); "
+                                     "one of: gpu, cpu, cuda, auto"),
+    ("model: {compile: atuo}", "model.compile: 'atuo' is not a valid value (did you mean 'auto'?); one of: auto, "
+                               "true, false"),  # named once, though pydantic refuses each branch of the union
+])
+def test_a_bad_value_is_one_line_with_the_nearest_choice(tmp_path, text, expected):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: {expected}") and "\n" not in str(info.value), str(info.value)
+
+
+def test_auto_precision_reaches_lightning_resolved(tmp_path):
+    """A trainer built from `precision: auto` runs Lightning's concrete precision for this CPU (the ranks resolve it
+    once for the job first, `job_precision`; the builders resolve a config that was not)."""
+    cfg = TrainerConfig(accelerator="cpu", devices=1, precision="auto")
+    assert build_fisher_trainer(cfg, tmp_path).precision == resolve_precision("auto", "cpu") == job_precision(cfg)

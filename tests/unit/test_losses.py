@@ -219,4 +219,4 @@ def test_a_new_loss_is_one_table_entry(monkeypatch: pytest.MonkeyPatch, tmp_path
     torch.testing.assert_close(retrieval_loss(ctx, prem, label, options), (ctx @ prem.t() - label).abs().mean())
     assert check_options(PipelineConfig.model_validate({"model": {"loss": "l1"}})) == []
     assert check_options(PipelineConfig.model_validate({"model": {"loss": "l2"}})) == [
-        "model.loss: unknown loss 'l2' (known: mse, infonce, l1)"]
+        "model.loss: 'l2' is not a valid value (did you mean 'l1'?); one of: mse, infonce, l1"]

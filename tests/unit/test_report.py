@@ -216,9 +216,10 @@ def test_report_compares_a_run_dir_with_a_json_source(tmp_path: Path, capsys: py
     printed = capsys.readouterr().out
     assert "1:run" in printed and "2:other" in printed
     setup = next(line for line in printed.splitlines() if line.startswith("setup "))
-    assert setup.split()[1:] == ["single,", "curriculum,", "no", "EWC", "-"]  # a JSON source has no setup
+    # LeanAgent's trainer (bf16-mixed) recorded; a JSON source has no setup.
+    assert setup.split()[1:] == ["single,", "curriculum,", "no", "EWC,", "precision", "bf16-mixed", "-"]
     mine, theirs = json.loads(out_json.read_text())["runs"]
-    assert mine["setup"] == "single, curriculum, no EWC" and theirs["setup"] is None
+    assert mine["setup"] == "single, curriculum, no EWC, precision bf16-mixed" and theirs["setup"] is None
     assert mine["source"] == str(run_dir) and mine["names"] == ["a", "b"]
     assert mine["FM"] == pytest.approx(20.0) and mine["IP"] == pytest.approx(4.0) and theirs["IP"] is None
     assert mine["final_R@1"] == pytest.approx((30 + 45) / 2) and mine["final_MRR"] == pytest.approx(0.25)
