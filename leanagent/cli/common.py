@@ -57,11 +57,19 @@ def check_device(device: str) -> None:
 
 
 def add_dtype_argument(p: argparse.ArgumentParser) -> None:
-    """`--dtype`, one meaning for `index`, `retrieve` and `serve` (`leanagent.model.dtypes`)."""
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "int8"],
-                   help="the encoder's precision (default auto: bf16 on a GPU or mps, and on a CPU with bf16 "
-                        "matmuls, where it agreed with fp32; fp32 on other CPUs; int8: dynamic quantization, CPU "
-                        "only); an index serves at any dtype")
+    """`--engine` and `--dtype`, one meaning for `index`, `retrieve` and `serve` (`leanagent.model.engines`)."""
+    from leanagent.model.engines import DTYPE_CHOICES, ENGINE_CHOICES, ENGINES
+
+    p.add_argument("--engine", default="auto", choices=ENGINE_CHOICES,
+                   help="what runs the encoder: " + "; ".join(f"{e.name}: {e.help}" for e in ENGINES.values())
+                        + " (default auto: ct2 fp32 on a CPU where CTranslate2 is installed, the fastest that "
+                          "agrees with torch fp32 exactly; else torch)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="the encoder's precision: " + "; ".join(f"{e.name} runs {', '.join(e.dtypes)}"
+                                                                for e in ENGINES.values())
+                        + " (default auto: ct2's fp32; torch's bf16 on a GPU or mps and on a CPU with bf16 matmuls, "
+                          "fp32 on other CPUs; int8 and int8_float32 only when asked: they cost recall, see "
+                          "docs/serving.md); an index serves at any engine and dtype")
 
 
 def add_model_check_arguments(p: argparse.ArgumentParser) -> None:

@@ -92,7 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     token = read_token(args.token_file)
     try:
         return serve(Path(args.source), args.host, args.port, device=args.device, model=args.model, force=args.force,
-                     limits=limits, access_log=args.access_log, dtype=args.dtype, token=token,
+                     limits=limits, access_log=args.access_log, dtype=args.dtype, engine=args.engine, token=token,
                      follow_s=args.follow_s, openapi=args.openapi)
     except ServeError as exc:
         raise CommandError(str(exc)) from None

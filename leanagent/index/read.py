@@ -25,7 +25,6 @@ from leanagent.index.files import (
     READABLE_FORMATS,
     PremiseIndexError,
 )
-from leanagent.model.dtypes import DtypeError, apply_dtype
 
 
 @dataclass(frozen=True)
@@ -33,13 +32,6 @@ class FileInfo:
     imports: list[str]
     rows: tuple[int, int]
     last_line: int | None
-
-
-def set_dtype(retriever: Any, dtype: str) -> str:
-    try:
-        return apply_dtype(retriever, dtype)
-    except DtypeError as exc:
-        raise PremiseIndexError(str(exc)) from None
 
 
 def check_model(folder: Path, meta: dict[str, Any], model: Path, force: bool) -> list[str]:

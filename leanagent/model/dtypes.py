@@ -31,7 +31,9 @@ from typing import Any
 
 import torch
 
-DTYPES = ("auto", "fp32", "bf16", "int8")
+from leanagent.model.engines import AUTO, ENGINES
+
+DTYPES = (AUTO, *ENGINES["torch"].dtypes)
 # The CPU's choice, keyed by whether it has bf16 matmuls: the fastest dtype whose agreement is recorded in the module
 # docstring (speed: `leanagent bench dtypes`; agreement: the trained-model test named there).
 AUTO_CPU = {True: "bf16", False: "fp32"}

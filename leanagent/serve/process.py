@@ -97,18 +97,20 @@ class _Server(uvicorn.Server):
 def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, device: str = "cpu",
           model: str | None = None, force: bool = False, limits: ServeLimits | None = None, access_log: bool = False,
           log: Callable[[str], None] = _to_stderr, dtype: str = "auto", token: str | None = None,
-          follow_s: float = DEFAULT_FOLLOW_S, openapi: bool = False) -> int:
+          follow_s: float = DEFAULT_FOLLOW_S, openapi: bool = False, engine: str = "auto") -> int:
     """Serve an INDEX folder, or a RUN_DIR's newest stage (followed every `follow_s` seconds), until a signal stops
     it; the exit code: 0 when told to stop, 128 + N after signal N.
 
-    `model`, `force` and `dtype` are `PremiseIndex.load`'s (another path to the same weights; a changed model,
-    warned about). Raises ServeError, before anything listens, for a source or an address that cannot be used."""
+    `model`, `force`, `dtype` and `engine` are `PremiseIndex.load`'s (another path to the same weights; a changed
+    model, warned about; ct2: each stage's model converted once, cached next to its index, converted on the
+    follower's thread at a swap, as the index is loaded). Raises ServeError, before anything listens, for a
+    source or an address that cannot be used."""
     limits = limits or ServeLimits()
     source = Path(source)
     follows = is_run_dir(source)
 
     def load(folder: Path, stage: Stage | None) -> PremiseServer:
-        index = PremiseIndex.load(folder, device=device, model=model, force=force, dtype=dtype)
+        index = PremiseIndex.load(folder, device=device, model=model, force=force, dtype=dtype, engine=engine)
         for warning in index.warnings:
             log(f"warning: {warning}")
         return PremiseServer(index, limits, StageInfo(stage.name, stage.position) if stage else None)
@@ -131,7 +133,7 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     follower = StageFollower(source, holder, stage, lambda s: load(s.index, s), log, follow_s) if stage else None
     # Read now, not kept: a reference held here would keep this stage's model and embeddings after a swap.
-    count, dtype = len(holder.current.premise_names), holder.current.index.dtype
+    count, engine_line = len(holder.current.premise_names), holder.current.index.describe_engine()
     what = (f"stage {stage.name} (#{stage.position + 1}) of {source}, followed every {follow_s:g} s" if stage
             else str(source))
     code, reason = 0, "shutdown"
@@ -140,7 +142,7 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
         # the signal it got, which ours turns into Interrupted. A signal during start-up stops as cleanly.
         with interrupt_on_signals():
             _warn_beyond_loopback(bound_host, bound_port, token, log)
-            log(f"serving {count} premises of {what} ({dtype}) at {url}; in Lean: "
+            log(f"serving {count} premises of {what} ({engine_line}) at {url}; in Lean: "
                 f"set_option premiseSelection.apiBaseUrl \"{url}\"  (Ctrl-C stops)")
             if follower is not None:
                 follower.start()
