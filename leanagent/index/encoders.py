@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import import_module
 from pathlib import Path
@@ -159,11 +160,21 @@ class Ct2QueryEncoder:
 
 def ct2_encoder(source: EncoderSource, dtype: str) -> Ct2QueryEncoder:
     """The index's model as CTranslate2 at `dtype`: its cached conversion, or a new one (module docstring)."""
+    with ct2_conversion(source) as (folder, width):
+        return Ct2QueryEncoder(folder, dtype, width)  # read whole when loaded: a temporary folder may go
+
+
+@contextmanager
+def ct2_conversion(source: EncoderSource) -> Iterator[tuple[Path, int]]:
+    """(folder, width) of the index's model converted to CTranslate2: the cached conversion next to the index when
+    there is one of this model, else converted now (and cached there when it can be, else into a temporary folder
+    that goes when the context ends). The torch model, if it had to be loaded, is let go of afterwards."""
     digest = model_identity.digest(source.meta.get("model_identity")) if source.matches else None
     cached = source.folder / f"{CT2_FOLDER_PREFIX}{digest[:16]}" if digest and source.folder else None
     expected = {"format": CT2_FORMAT, "model_sha256": digest}
-    if cached is not None and _meta_of(cached) is not None and _is(cached, expected):
-        return Ct2QueryEncoder(cached, dtype, int(_meta_of(cached)["width"]))
+    if cached is not None and _is(cached, expected):
+        yield cached, int(_meta_of(cached)["width"])
+        return
     encoder = source.loaded().retriever.encoder
     width = int(encoder.config.d_model)
     meta = {**expected, "width": width, "model": source.model}
@@ -176,12 +187,12 @@ def ct2_encoder(source: EncoderSource, dtype: str) -> Ct2QueryEncoder:
         else:
             _drop_stale(source.folder, keep=cached)
             source.forget()
-            return Ct2QueryEncoder(cached, dtype, width)
+            yield cached, width
+            return
     with tempfile.TemporaryDirectory(prefix="leanagent-ct2-") as tmp:
         folder = convert_encoder(encoder, Path(tmp) / "model", meta)
-        query = Ct2QueryEncoder(folder, dtype, width)  # read whole: the folder may go
-    source.forget()
-    return query
+        source.forget()
+        yield folder, width
 
 
 def convert_encoder(encoder: Any, out: Path, meta: dict[str, Any]) -> Path:
