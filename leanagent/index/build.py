@@ -13,7 +13,7 @@ from leanagent.ground import model_identity
 from leanagent.index.encoders import EncoderSource, build_encoder
 from leanagent.index.files import CONTEXT_MAX_LEN, PremiseIndexError, check_out, write_index
 from leanagent.model.engines import EngineError, choose
-from leanagent.model.loading import load_model
+from leanagent.model.loading import load_model, model_path
 
 
 def build_index(model: str | Path, dataset: str | Path, out: str | Path, device: str = "cpu",
@@ -36,6 +36,7 @@ def build_index(model: str | Path, dataset: str | Path, out: str | Path, device:
         engine, dtype = choose(engine, dtype, torch.device(device).type)
     except EngineError as exc:
         raise PremiseIndexError(str(exc)) from None
+    model = model_path(model)  # a cached hub id as its snapshot folder
     identity = model_identity.identify(model)  # before loading: the bytes the embeddings come from
     loaded = load_model(model, device, base_model=base_model)
     source = EncoderSource(None, {"base_model": base_model}, str(model), device, matches=False, _loaded=loaded)
