@@ -201,3 +201,29 @@ class ServeOptions(BaseModel):
     serve_args: str = Field("", description="more `leanagent serve` options, e.g. '--dtype bf16'")
     server_cpus: tuple[int, ...] = Field((), description="Linux: run the server on these CPUs and the clients on "
                                                          "the others (default: both share every CPU)")
+
+
+EngineDtype = Literal["torch:fp32", "torch:bf16", "torch:int8", "ct2:fp32", "ct2:int8", "ct2:int8_float32"]
+
+
+class EnginesOptions(BaseModel):
+    """What `leanagent bench engines` measures: the query side per engine and dtype on one index, against torch
+    fp32 (always measured, first)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: Path | None = Field(None, description="an INDEX folder, or a lifelong RUN_DIR (its newest stage): its "
+                                                 "model is measured, on its datasets' test states")
+    dataset: tuple[Path, ...] = Field((), description="without --index: a LeanDojo dataset whose corpus is indexed "
+                                                      "here (torch fp32) and whose test states are ranked")
+    model: str | None = Field(None, description="without --index: the model indexed (an HF folder, checkpoint or "
+                                                "cached hub id; default: a random encoder of --preset's shape)")
+    preset: Literal["tiny", "byt5-small"] = Field("byt5-small", description="the random encoder's shape")
+    states: tuple[Path, ...] = Field((), description="LeanDojo split files whose proof states are timed (default: "
+                                                     "the test states)")
+    max_states: PositiveInt = Field(10, description="states timed, evenly spread over their lengths")
+    engines: tuple[EngineDtype, ...] = Field(("torch:fp32", "torch:bf16", "ct2:fp32", "ct2:int8", "ct2:int8_float32"),
+                                             description="the engines and dtypes measured, in this order")
+    repeats: PositiveInt = Field(3, description="rounds in which the engines take turns on every state")
+    premises: PositiveInt = Field(64, description="premises of the embedding rate")
+    split: str = Field("random", description="the split folder whose test.json is ranked")

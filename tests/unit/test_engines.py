@@ -218,3 +218,16 @@ def test_evaluation_ranks_the_same_by_either_path(unit_repo) -> None:
     embedding = CorpusEmbedding.of_corpus(rows, corpus)
     native, chunked = (embedding.top_k(contexts, mask, 10, path) for path in (NATIVE, FP32_CHUNKS))
     assert torch.equal(native[1], chunked[1]) and torch.equal(native[0], chunked[0])
+
+
+def test_the_cpu_decides_the_scoring_path() -> None:
+    """oneDNN limited to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2) is a CPU without bf16 matmuls as torch sees it: evaluation's
+    bf16 rows are then scored in fp32 chunks; here, the CPU's own answer."""
+    from leanagent.model.dtypes import cpu_has_bf16
+
+    code = ("import torch; from leanagent.model.topk import scoring_path; "
+            "print(scoring_path(torch.zeros(2, 4, dtype=torch.bfloat16)))")
+    avx2 = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
+                          env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert avx2.returncode == 0 and avx2.stdout.strip() == FP32_CHUNKS, avx2.stderr
+    assert scoring_path(torch.zeros(2, 4, dtype=torch.bfloat16)) == (NATIVE if cpu_has_bf16() else FP32_CHUNKS)
