@@ -12,7 +12,7 @@ its own over the same stored rows:
 - **premises/s**: `encode_premises` of `premises` of the index's premises, the engines taking turns;
 - **agreement**: on every test state of the datasets (the index's, or `--dataset`), ranked as `leanagent retrieve
   --file --line` ranks them (the premises the state may use), the top-10 overlap with torch fp32, Recall@10 and
-  its difference from torch fp32's, and the lowest cosine of a state's embedding with torch fp32's.
+  its difference from torch fp32's; and the lowest cosine of a timed state's embedding with torch fp32's.
 
 The CPU's name and the flags that decide these figures (AVX2, AVX-512, VNNI, BF16, AMX) are recorded beside them.
 """
@@ -52,7 +52,7 @@ class EngineRow(Section):
     overlap: float  # top-10 overlap with torch fp32, mean over the test states
     recall10: float  # Recall@10 (percent) on the test states
     recall10_change: float  # minus torch fp32's
-    cosine_min: float  # the lowest cosine of a state's embedding with torch fp32's
+    cosine_min: float  # the lowest cosine of a timed state's embedding with torch fp32's
 
 
 @dataclass
@@ -109,7 +109,7 @@ def bench_engines(options: EnginesOptions) -> EnginesFigures:
             timed = pick_states_of(examples, options.max_states)
         name, flags = cpu_description()
         figures = EnginesFigures(model, str(folder), name, flags, torch.get_num_threads(), len(timed), len(examples))
-        seconds = _latency(indexes, timed, options.repeats)
+        seconds, cosines = _latency(indexes, timed, options.repeats)
         rates = _premise_rates(indexes, options.premises, options.repeats)
         agreement = _agreement(indexes, examples)
         reference = seconds[REFERENCE]
@@ -117,9 +117,9 @@ def bench_engines(options: EnginesOptions) -> EnginesFigures:
             per_state = [statistics.median(times) for times in seconds[spec]]
             ratios = [statistics.median(ref) / statistics.median(own)
                       for ref, own in zip(reference, seconds[spec], strict=True)]
-            overlap, recall, cosine = agreement[spec]
+            overlap, recall = agreement[spec]
             figures.rows.append(EngineRow(spec, statistics.median(per_state), statistics.median(ratios), rates[spec],
-                                          overlap, recall, recall - agreement[REFERENCE][1], cosine))
+                                          overlap, recall, recall - agreement[REFERENCE][1], cosines[spec]))
     return figures
 
 
@@ -153,21 +153,26 @@ def pick_states_of(examples: list, count: int) -> list[str]:
     return found[::step][:count]
 
 
-def _latency(indexes: dict[str, PremiseIndex], states: list[str], repeats: int) -> dict[str, list[list[float]]]:
+def _latency(indexes: dict[str, PremiseIndex], states: list[str], repeats: int
+             ) -> tuple[dict[str, list[list[float]]], dict[str, float]]:
     """Per engine, per state, the seconds of each pass: every engine once per state per round, in an order that
-    rotates with the state and the round, after one warm-up pass each."""
+    rotates with the state and the round, after one warm-up pass each. And per engine the lowest cosine of a
+    state's embedding with torch fp32's."""
     specs = list(indexes)
     for spec in specs:
         indexes[spec].encode_state(states[0] if states else "⊢ True")
     out = {spec: [[] for _ in states] for spec in specs}
+    rows: dict[str, list[torch.Tensor]] = {spec: [torch.empty(0)] * len(states) for spec in specs}
     for r in range(repeats):
         for i, state in enumerate(states):
             shift = (i + r) % len(specs)
             for spec in specs[shift:] + specs[:shift]:
                 start = time.perf_counter()
-                indexes[spec].encode_state(state)
+                rows[spec][i] = indexes[spec].encode_state(state)
                 out[spec][i].append(time.perf_counter() - start)
-    return out
+    cosine = {spec: min((float(torch.nn.functional.cosine_similarity(a, b)[0])
+                         for a, b in zip(rows[spec], rows[REFERENCE], strict=True)), default=1.0) for spec in specs}
+    return out, cosine
 
 
 def _premise_rates(indexes: dict[str, PremiseIndex], count: int, repeats: int) -> dict[str, float]:
@@ -186,27 +191,24 @@ def _premise_rates(indexes: dict[str, PremiseIndex], count: int, repeats: int) -
     return {spec: len(texts) / seconds for spec, seconds in best.items()}
 
 
-def _agreement(indexes: dict[str, PremiseIndex], examples: list) -> dict[str, tuple[float, float, float]]:
-    """Per engine: mean top-10 overlap with torch fp32, Recall@10 (percent), the lowest state cosine with fp32."""
+def _agreement(indexes: dict[str, PremiseIndex], examples: list) -> dict[str, tuple[float, float]]:
+    """Per engine: mean top-10 overlap with torch fp32 and Recall@10 (percent)."""
     tops: dict[str, list[list[int]]] = {spec: [] for spec in indexes}
     scores: dict[str, list] = {spec: [] for spec in indexes}
-    cosine = {spec: 1.0 for spec in indexes}
+    rows_of: dict[int, dict] = {}
     for corpus, example in examples:
-        row_of = {(p.path, p.full_name): i for i, p in enumerate(corpus.premises)}
-        reference = indexes[REFERENCE].encode_state(example.context)
+        row_of = rows_of.setdefault(id(corpus), {(p.path, p.full_name): i for i, p in enumerate(corpus.premises)})
         for spec, index in indexes.items():
             hits = index.retrieve(example.context, k=10, file=example.file_path, line=example.theorem_start[0],
                                   column=example.theorem_start[1])
             retrieved = [row_of.get((h.path, h.full_name), -1) for h in hits]
             tops[spec].append(retrieved)
             scores[spec].append(score_context(example.index, retrieved, example.all_pos_premises))
-            own = index.encode_state(example.context)
-            cosine[spec] = min(cosine[spec], float(torch.nn.functional.cosine_similarity(own, reference)[0]))
     out = {}
     for spec in indexes:
         overlaps = [len(set(a) & set(b)) / max(1, len(b)) for a, b in zip(tops[spec], tops[REFERENCE], strict=True)]
         recall = aggregate(scores[spec])["Recall@10"] if scores[spec] else float("nan")
-        out[spec] = (statistics.fmean(overlaps) if overlaps else float("nan"), recall, cosine[spec])
+        out[spec] = (statistics.fmean(overlaps) if overlaps else float("nan"), recall)
     return out
 
 
