@@ -64,16 +64,18 @@ def score_matrix(context_emb: torch.Tensor, rows: torch.Tensor, path: str = NATI
     if path == NATIVE:
         return context_emb.to(rows.dtype) @ rows.t()
     context = context_emb.float() if exact else context_emb.to(rows.dtype).float()
-    out = torch.empty(context.shape[0], rows.shape[0], dtype=torch.float32 if exact else rows.dtype,
-                      device=rows.device)
-    step = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
-    buffer = torch.empty(min(step, rows.shape[0]), rows.shape[1], dtype=torch.float32, device=rows.device)
+    n, width = rows.shape
+    step = max(1, CHUNK_ELEMENTS // max(1, width))
+    buffer = torch.empty(min(step, n), width, dtype=torch.float32, device=rows.device)
+    # Scores transposed (a row per premise), so that each chunk's product is written in place, contiguous: two
+    # operations a chunk (the upcast, the product), each a parallel region a loaded CPU must gather its threads for.
+    flipped = torch.empty(n, context.shape[0], dtype=torch.float32, device=rows.device)
     with torch.autocast(rows.device.type, enabled=False):  # in evaluation's autocast: fp32 here, as said
-        for lo in range(0, rows.shape[0], step):
-            part = buffer[: min(step, rows.shape[0] - lo)]
+        for lo in range(0, n, step):
+            part = buffer[: min(step, n - lo)]
             part.copy_(rows[lo: lo + step])
-            out[:, lo: lo + len(part)] = context @ part.t()
-    return out
+            torch.mm(part, context.t(), out=flipped[lo: lo + len(part)])
+    return flipped.t().contiguous() if exact else flipped.t().to(rows.dtype).contiguous()
 
 
 def _ordered(scores: torch.Tensor, keys: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
