@@ -107,6 +107,8 @@ def bench_engines(options: EnginesOptions) -> EnginesFigures:
         examples = [(corpus, e) for corpus, split in datasets for e in split]
         if not timed:
             timed = pick_states_of(examples, options.max_states)
+        if not timed:
+            raise ValueError(f"{folder}: no test states in its datasets to time or rank; give --states")
         name, flags = cpu_description()
         figures = EnginesFigures(model, str(folder), name, flags, torch.get_num_threads(), len(timed), len(examples))
         seconds, cosines = _latency(indexes, timed, options.repeats)

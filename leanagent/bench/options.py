@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from leanagent.ground.config import DataConfig
+from leanagent.model.engines import ENGINES
 
 FisherMethod = Literal["loop", "vectorised"]
 # The parts of `leanagent bench path` after the corpus and data figures (which every part needs), in run order.
@@ -203,7 +204,8 @@ class ServeOptions(BaseModel):
                                                          "the others (default: both share every CPU)")
 
 
-EngineDtype = Literal["torch:fp32", "torch:bf16", "torch:int8", "ct2:fp32", "ct2:int8", "ct2:int8_float32"]
+# engine:dtype, every pair `leanagent.model.engines.ENGINES` runs.
+EngineDtype = Literal[tuple(f"{e.name}:{d}" for e in ENGINES.values() for d in e.dtypes)]  # type: ignore[valid-type]
 
 
 class EnginesOptions(BaseModel):

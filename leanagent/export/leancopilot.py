@@ -76,7 +76,9 @@ def export_leancopilot(index: Path, out: Path, force: bool = False, do_install: 
     model = meta.get("checkpoint") or meta.get("model")
     if not model:
         raise PremiseIndexError(f"{index / INDEX_FILE}: names no checkpoint or model")
-    warnings = check_model(index, meta, Path(model), force=False)
+    # A changed model would pair stale rows with a new encoder in LeanCopilot: refused, whatever --force says.
+    warnings = check_model(index, meta, Path(model), force=False,
+                           advice="Rebuild the index (`leanagent index`), then export it")
     rows = read_embeddings(index, meta, warnings)
     premises = read_jsonl(index / PREMISES_FILE, PremiseLine)
     if len(premises) != rows.shape[0]:

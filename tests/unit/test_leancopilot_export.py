@@ -149,6 +149,23 @@ def test_refusals_are_one_line(exported, tmp_path, capsys) -> None:
     assert code == 1 and "no such index folder" in err and not (tmp_path / "y").exists()
 
 
+def test_an_index_whose_model_changed_is_not_exported(unit_repo, tmp_path, capsys) -> None:
+    """LeanCopilot would pair the index's rows with another encoder: refused, --force or not."""
+    import shutil
+
+    from leanagent.model.presets import write_random_encoder
+
+    model = write_random_encoder(tmp_path / "model", "tiny", seed=0)
+    build_index(model, unit_repo, tmp_path / "index", engine="torch", dtype="fp32")
+    other = write_random_encoder(tmp_path / "other", "tiny", seed=1)
+    shutil.copyfile(other / "model.safetensors", model / "model.safetensors")  # retrained in place
+    code, _, err = in_process(capsys, "export", str(tmp_path / "index"), str(tmp_path / "out"), "--format",
+                              "leancopilot", "--force")
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "embeddings would be stale" in err, err
+    assert err.strip().endswith("Rebuild the index (`leanagent index`), then export it")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_reprovers_byt5_small_exports_from_its_hub_id_in_the_cache(unit_repo, tmp_path) -> None:
     """`model.name_or_path: kaiyuy/leandojo-lean4-retriever-byt5-small` (ReProver's) where the Hugging Face cache
