@@ -20,6 +20,7 @@ import pytest
 
 from leanagent.data.corpus import Corpus
 from leanagent.data.theorems import load_states
+from leanagent.export.leancopilot import export_leancopilot
 from leanagent.export.leancopilot_cache import ENCODER, PREMISES
 from leanagent.index.build import build_index
 from leanagent.index.query import PremiseIndex
@@ -57,9 +58,9 @@ def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 def exported(tiny_model, unit_repo, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("leancopilot")
     build_index(tiny_model, unit_repo, root / "index")
-    done = cli("export", str(root / "index"), str(root / "out"), "--format", "leancopilot")
-    assert done.returncode == 0, done.stderr
-    return {"root": root, "index": root / "index", "out": root / "out", "stdout": done.stdout}
+    done = export_leancopilot(root / "index", root / "out")  # the command itself: the tests below
+    assert done.premises == 38 and done.code_from_corpus == 38 and not done.warnings
+    return {"root": root, "index": root / "index", "out": root / "out"}
 
 
 def test_the_folders_are_leancopilot_s_layout_and_read_back(exported, unit_repo) -> None:
