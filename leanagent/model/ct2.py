@@ -43,6 +43,7 @@ SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2: T5's pad (its decode
 BYTE_OFFSET = len(SPECIAL_TOKENS)
 # LeanCopilot/Models/ByT5.lean's `vocab` differs from chr(byte) at these two bytes only (a fact of that file).
 LEANCOPILOT_BYTE_TOKENS = {8: "\\b", 12: "\\f"}
+META_FILE = "leanagent.json"  # in a conversion: what it was converted from
 
 
 class Ct2Missing(RuntimeError):
@@ -86,7 +87,7 @@ def _array(weight: torch.Tensor) -> np.ndarray:
 
 def build_spec(encoder: Any) -> Any:
     """CTranslate2's specification of a transformers `T5EncoderModel`, its weights in float32."""
-    ct2 = import_ct2()
+    import_ct2()  # one line where it is missing, before its specs are imported
     from ctranslate2.specs import common_spec, transformer_spec
 
     config = encoder.config
@@ -126,7 +127,6 @@ def build_spec(encoder: Any) -> Any:
     spec.register_vocabulary(vocabulary(config.vocab_size))
     spec.config.layer_norm_epsilon = float(config.layer_norm_epsilon)
     spec.config.bos_token, spec.config.eos_token, spec.config.unk_token = SPECIAL_TOKENS
-    del ct2
     return spec
 
 
@@ -162,8 +162,6 @@ def convert(encoder: Any, out: Path, meta: dict[str, Any] | None = None) -> Path
         shutil.rmtree(work, ignore_errors=True)
     return out
 
-
-META_FILE = "leanagent.json"
 
 
 def read_meta(folder: Path) -> dict[str, Any] | None:
