@@ -12,13 +12,16 @@ from leanagent.ground.config import DataConfig
 from leanagent.ground.names import (
     BYT5_SMALL,
     DEFAULT_SPLIT,
-    DTYPES,
     FP32,
     PRESET_NAMES,
     TINY,
+    TORCH_DTYPES,
     DtypeChoice,
     Preset,
+    Split,
+    TorchDtypeChoice,
 )
+from leanagent.model.engines import ENGINES
 
 FisherMethod = Literal["loop", "vectorised"]
 # The parts of `leanagent bench path` after the corpus and data figures (which every part needs), in run order.
@@ -156,8 +159,8 @@ class DtypesOptions(BaseModel):
     states: Path | None = Field(None, description="a LeanDojo split file: its median-length proof state and a "
                                                   "1,024-byte one are encoded (default: generated states)")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the encoder runs")
-    dtypes: tuple[DtypeChoice, ...] = Field(
-        DTYPES, description="the dtypes measured, in this order (int8: CPU only)")
+    dtypes: tuple[TorchDtypeChoice, ...] = Field(
+        TORCH_DTYPES, description="the dtypes measured, in this order (int8: CPU only)")
     repeats: PositiveInt = Field(3, description="passes per state, after a warm-up; the median is kept")
     premises: PositiveInt = Field(64, description="premises of the corpus embedding rate")
     preset: Preset = Field(BYT5_SMALL, description="the random encoder's shape")
@@ -249,3 +252,30 @@ class PrecisionOptions(BaseModel):
     min_seconds: float = Field(0.0, ge=0, description="take turns for at least this long per pass")
     threads: PositiveInt = Field(1, description="torch's threads: 1 is what each rank of a 2-rank CPU job runs "
                                                 "(torchrun's OMP_NUM_THREADS), and holds still on a busy machine")
+
+
+# engine:dtype, every pair `leanagent.model.engines.ENGINES` runs.
+EngineDtype = Literal[tuple(f"{e.name}:{d}" for e in ENGINES.values() for d in e.dtypes)]  # type: ignore[valid-type]
+
+
+class EnginesOptions(BaseModel):
+    """What `leanagent bench engines` measures: the query side per engine and dtype on one index, against torch
+    fp32 (always measured, first)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: Path | None = Field(None, description="an INDEX folder, or a lifelong RUN_DIR (its newest stage): its "
+                                                 "model is measured, on its datasets' test states")
+    dataset: tuple[Path, ...] = Field((), description="without --index: a LeanDojo dataset whose corpus is indexed "
+                                                      "here (torch fp32) and whose test states are ranked")
+    model: str | None = Field(None, description="without --index: the model indexed (an HF folder, checkpoint or "
+                                                "cached hub id; default: a random encoder of --preset's shape)")
+    preset: Preset = Field(BYT5_SMALL, description="the random encoder's shape")
+    states: tuple[Path, ...] = Field((), description="LeanDojo split files whose proof states are timed (default: "
+                                                     "the test states)")
+    max_states: PositiveInt = Field(10, description="states timed, evenly spread over their lengths")
+    engines: tuple[EngineDtype, ...] = Field(("torch:fp32", "torch:bf16", "ct2:fp32", "ct2:int8", "ct2:int8_float32"),
+                                             description="the engines and dtypes measured, in this order")
+    repeats: PositiveInt = Field(3, description="rounds in which the engines take turns on every state")
+    premises: PositiveInt = Field(64, description="premises of the embedding rate")
+    split: Split = Field(DEFAULT_SPLIT, description="the split folder whose test.json is ranked")

@@ -23,6 +23,7 @@ from leanagent.bench.options import (
     BenchOptions,
     CurriculumOptions,
     DtypesOptions,
+    EnginesOptions,
     GradCacheOptions,
     PrecisionOptions,
     ProjectionOptions,
@@ -92,6 +93,21 @@ def _check_batching(options: BatchingOptions) -> None:
         raise CommandError(f"{options.dataset}: no {states.relative_to(options.dataset)} to take proof states from")
 
 
+def _check_engines(options: EnginesOptions) -> None:
+    if (options.index is None) == (not options.dataset):
+        raise CommandError("give --index (an INDEX or RUN_DIR) or --dataset (indexed here), one of them")
+    if options.index is not None and options.model is not None:
+        raise CommandError("--model: the index names its own model; give it with --dataset instead")
+    if options.dataset and len(options.dataset) > 1:
+        raise CommandError("--dataset: one dataset (its corpus is indexed here)")
+    for dataset in options.dataset:
+        if not (dataset / CORPUS_FILE).is_file():
+            raise CommandError(f"--dataset {dataset}: no {CORPUS_FILE}")
+    missing = [str(p) for p in options.states if not p.is_file()]
+    if missing:
+        raise CommandError(f"--states: no such file: {', '.join(missing)}")
+
+
 SECTIONS: tuple[BenchSection, ...] = (
     BenchSection("path", BenchOptions, "the data and model path: corpus load, negatives, embedding, retrieval, the "
                  "training step, the Fisher pass, a job's launch", "run:run_bench", "table:format_table",
@@ -116,6 +132,9 @@ SECTIONS: tuple[BenchSection, ...] = (
                  "(32-true, bf16-mixed) on this CPU, with its flags and what trainer.precision: auto takes here",
                  "precision:bench_precision", "precision:precision_table",
                  check=lambda options: _check_dataset(options.dataset)),
+    BenchSection("engines", EnginesOptions, "the query side per --engine and --dtype (torch fp32, bf16; ct2 fp32, "
+                 "int8, int8_float32) on one index: latency per state, premises/s, and top-10 overlap and R@10 "
+                 "against torch fp32", "engines:bench_engines", "engines:engines_table", check=_check_engines),
     BenchSection("grad-cache", GradCacheOptions, "what model.grad_cache saves and costs: one InfoNCE step's peak "
                  "memory and time, cached and not, each in a process of its own", "grad_cache:bench_grad_cache",
                  "grad_cache:grad_cache_table", check=_check_file("states")),
@@ -133,7 +152,7 @@ SECTIONS: tuple[BenchSection, ...] = (
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure where the time goes: the data and model path, a curriculum, a "
-                                     "projection at LeanAgent's scale, the server, the dtypes",
+                                     "projection at LeanAgent's scale, the server, the dtypes, the query engines",
                        description="Benchmarks, one section at a time; each prints a table and can write its "
                                    "figures as JSON. Compare figures as ratios within one run.")
     sections = p.add_subparsers(dest="section", required=True, metavar="SECTION")

@@ -25,7 +25,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from leanagent.ground.config import format_validation_error
-from leanagent.ground.names import AUTO, DTYPE_CHOICES
+from leanagent.ground.names import AUTO, DTYPE_CHOICES, ENGINE_CHOICES
+from leanagent.model.engines import ENGINES
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2  # argparse's own
@@ -58,11 +59,17 @@ def check_device(device: str) -> None:
 
 
 def add_dtype_argument(p: argparse.ArgumentParser) -> None:
-    """`--dtype`, one meaning for `index`, `retrieve` and `serve` (`leanagent.model.dtypes`)."""
+    """`--engine` and `--dtype`, one meaning for `index`, `retrieve` and `serve` (`leanagent.model.engines`)."""
+    p.add_argument("--engine", default=AUTO, choices=ENGINE_CHOICES,
+                   help="what runs the encoder: " + "; ".join(f"{e.name}: {e.help}" for e in ENGINES.values())
+                        + " (default auto: ct2 fp32 on a CPU where CTranslate2 is installed, the fastest that "
+                          "agrees with torch fp32 exactly; else torch)")
     p.add_argument("--dtype", default=AUTO, choices=DTYPE_CHOICES,
-                   help="the encoder's precision (default auto: bf16 on a GPU or mps, and on a CPU with bf16 "
-                        "matmuls, where it agreed with fp32; fp32 on other CPUs; int8: dynamic quantization, CPU "
-                        "only); an index serves at any dtype")
+                   help="the encoder's precision: " + "; ".join(f"{e.name} runs {', '.join(e.dtypes)}"
+                                                                for e in ENGINES.values())
+                        + " (default auto: ct2's fp32; torch's bf16 on a GPU or mps and on a CPU with bf16 matmuls, "
+                          "fp32 on other CPUs; int8 and int8_float32 only when asked: they cost recall, see "
+                          "docs/serving.md); an index serves at any engine and dtype")
 
 
 def add_model_check_arguments(p: argparse.ArgumentParser) -> None:

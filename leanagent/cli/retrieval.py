@@ -59,11 +59,11 @@ def cmd_index(args: argparse.Namespace) -> int:
     try:
         meta = build_index(Path(args.checkpoint or args.model), Path(args.dataset), Path(args.out),
                            device=args.device, batch_tokens=args.batch_tokens, force=args.force, dtype=args.dtype,
-                           base_model=args.base_model)
+                           engine=args.engine, base_model=args.base_model)
     except (PremiseIndexError, ModelSourceError, BadFileError, DatasetError, FileNotFoundError) as exc:
         raise CommandError(str(exc)) from None
     print(f"indexed {meta['num_premises']} premises of {meta['num_files']} files ({meta['embedding_dim']} wide) "
-          f"in {meta['embed_seconds']:.1f}s: {args.out}")
+          f"in {meta['embed_seconds']:.1f}s ({meta['engine']} {meta['embedded_at']}): {args.out}")
     return 0
 
 
@@ -85,7 +85,8 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
     try:
         loading = time.perf_counter()
         folder, stage = resolve_source(Path(args.index))
-        index = PremiseIndex.load(folder, device=args.device, model=args.model, force=args.force, dtype=args.dtype)
+        index = PremiseIndex.load(folder, device=args.device, model=args.model, force=args.force, dtype=args.dtype,
+                                  engine=args.engine)
         for warning in index.warnings:
             print(f"warning: {warning}", file=sys.stderr)
         start = time.perf_counter()
@@ -95,6 +96,7 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from None
     if args.json:
         print(json.dumps({"index": str(folder), **(stage or {}), "file": args.file, "line": args.line, "k": args.k,
+                          "engine": index.engine, "dtype": index.dtype, "scoring": index.scoring,
                           "seconds": round(seconds, 6), "premises": [h.to_json() for h in hits]}, ensure_ascii=False,
                          allow_nan=False))
         return 0
@@ -105,5 +107,6 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
     if not hits:
         print("no accessible premise", file=sys.stderr)
     # A prover keeps the index loaded (`leanagent.PremiseIndex`); this process paid for imports and loading once.
-    print(f"answered in {1000 * seconds:.1f} ms (index and model loaded in {start - loading:.1f} s)", file=sys.stderr)
+    print(f"answered in {1000 * seconds:.1f} ms by {index.describe_engine()} (index and model loaded in "
+          f"{start - loading:.1f} s)", file=sys.stderr)
     return 0

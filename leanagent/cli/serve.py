@@ -95,7 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         return serve(Path(args.source), args.host, args.port, device=args.device, model=args.model, force=args.force,
-                     limits=limits, access_log=args.access_log, dtype=args.dtype, token=token,
+                     limits=limits, access_log=args.access_log, dtype=args.dtype, engine=args.engine, token=token,
                      follow_s=args.follow_s, openapi=args.openapi, token_source=token_source,
                      insecure_no_token=args.insecure_no_token)
     except ServeError as exc:

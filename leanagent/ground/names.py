@@ -45,13 +45,25 @@ Preset = Literal["tiny", "byt5-small"]
 PRESET_NAMES: tuple[str, ...] = get_args(Preset)
 TINY, BYT5_SMALL = PRESET_NAMES
 
-# The precision a served or indexing encoder runs at (`leanagent.model.dtypes`); `auto` picks one per device.
-Dtype = Literal["fp32", "bf16", "int8"]
-DtypeChoice = Literal["auto", Dtype]
+# What runs a query side's encoder (`--engine`: `leanagent.model.engines.ENGINES`, keyed by these names), and the
+# precision it runs at (`--dtype`): torch runs fp32, bf16 and int8 (`leanagent.model.dtypes`), CTranslate2 fp32,
+# int8 and int8_float32 (int8 weights, float32 elsewhere). `auto` picks one of each per device.
+Engine = Literal["torch", "ct2"]
+ENGINE_NAMES: tuple[str, ...] = get_args(Engine)
+TORCH, CT2 = ENGINE_NAMES
+TorchDtype = Literal["fp32", "bf16", "int8"]
+TORCH_DTYPES: tuple[str, ...] = get_args(TorchDtype)
+FP32, BF16, INT8 = TORCH_DTYPES
+Dtype = Literal[TorchDtype, "int8_float32"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
-FP32, BF16, INT8 = DTYPES
+INT8_FLOAT32 = DTYPES[-1]
+DtypeChoice = Literal["auto", Dtype]
 DTYPE_CHOICES: tuple[str, ...] = get_args(DtypeChoice)
 AUTO = DTYPE_CHOICES[0]
+TorchDtypeChoice = Literal["auto", TorchDtype]
+TORCH_DTYPE_CHOICES: tuple[str, ...] = get_args(TorchDtypeChoice)
+EngineChoice = Literal["auto", Engine]
+ENGINE_CHOICES: tuple[str, ...] = get_args(EngineChoice)
 
 # `lifelong.fisher_estimator`: the estimators of `leanagent.model.fisher.registry`, by name.
 FisherEstimatorName = Literal["per_example", "reference"]

@@ -100,6 +100,8 @@ class JobClock:
         # The premises of the corpora its evaluations ranked against, one count per evaluation: what embedding each
         # evaluation's whole corpus (LeanAgent's re-index) would have embedded for the same work.
         self.premises_in_corpora = 0
+        # The paths its retrievals' products took (`leanagent.model.topk.SCORING`): result.json's `scoring`.
+        self.scoring: set[str] = set()
 
     def _charge(self) -> None:
         if self.sync is not None:

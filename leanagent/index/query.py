@@ -1,6 +1,12 @@
 """A loaded INDEX and its encoder: load once (`PremiseIndex.load`, every file verified by `leanagent.index.read`),
 then query many times, each query one encoder pass ranked by `top_k_accessible`, restricted to the premises
-accessible at a file and line when given."""
+accessible at a file and line when given.
+
+The encoder is the query side's (`leanagent.index.encoders`: `--engine` torch or ct2, at a `--dtype`); the stored
+rows stay what evaluation embedded, bf16 in memory as on disk. Scores are products of those rows in fp32 on a CPU
+(upcast a chunk at a time: `leanagent.model.topk`, path `fp32-chunks`, no fp32 copy of the whole index), as
+LeanCopilot takes them in float64, and in bf16 on a GPU; `scoring` says which.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import torch
 
 from leanagent.data.dataset import tokenize_texts
 from leanagent.data.theorems import strip_goal_count
+from leanagent.index.encoders import EncoderSource, QueryEncoder, build_encoder
 from leanagent.index.files import (
     CONTEXT_MAX_LEN,
     EMBEDDINGS_FILE,
@@ -32,11 +39,9 @@ from leanagent.index.read import (
     read_embeddings,
     read_jsonl,
     read_meta,
-    set_dtype,
 )
-from leanagent.model.dtypes import precision, resolve
-from leanagent.model.loading import ModelSourceError, load_model
-from leanagent.model.topk import top_k_accessible
+from leanagent.model.engines import EngineError, choose
+from leanagent.model.topk import score_matrix, scoring_path, top_k_accessible
 
 PROBE_PREMISES = 4  # re-embedded at load: the model must give what the index holds
 PROBE_MIN_COSINE = 0.95
@@ -65,18 +70,20 @@ class PremiseIndex:
     """A loaded index and its encoder: load once, query many times (each query is one encoder pass)."""
 
     def __init__(self, folder: Path, meta: dict[str, Any], embeddings: torch.Tensor, premises: list[dict[str, Any]],
-                 files: dict[str, FileInfo], retriever: Any, warnings: list[str] | None = None) -> None:
+                 files: dict[str, FileInfo], encoder: QueryEncoder, warnings: list[str] | None = None) -> None:
         self.folder = folder
         self.meta = meta
         self.embeddings = embeddings
         self.premises = premises
         self.files = files
-        self.retriever = retriever
-        self.device = retriever.device
+        self.encoder = encoder
+        self.engine, self.dtype = encoder.engine, encoder.dtype
+        self.device = encoder.device
         self.corpus = accessibility_corpus(premises, files)
         # What `load` let through with `force` (a changed model) or could not check: for the caller to show.
         self.warnings: list[str] = list(warnings or [])
-        self.dtype = resolve("auto", self.device)  # what `load` then resolves `--dtype` to
+        # How a query's product with the rows runs (`leanagent.model.topk.SCORING`): exact products of the rows.
+        self.scoring = scoring_path(embeddings, exact=True)
         # Where states and premise texts are cut, as the corpus was embedded (a state as evaluation cuts contexts).
         self.state_max_len = int(meta.get("context_max_len") or CONTEXT_MAX_LEN)
         self.premise_max_len = int(meta["max_seq_len"])
@@ -85,14 +92,19 @@ class PremiseIndex:
 
     @classmethod
     def load(cls, folder: str | Path, device: str = "cpu", model: str | Path | None = None,
-             force: bool = False, dtype: str = "auto") -> PremiseIndex:
+             force: bool = False, dtype: str = "auto", engine: str = "auto") -> PremiseIndex:
         """Load an index and its encoder. `model` (a checkpoint or HF folder) replaces the one index.json names,
         e.g. after moving both to another machine. Either way the model must hold the weights the corpus was
         embedded with; otherwise this refuses in one line naming both, unless `force` (then `warnings` says so).
-        `dtype`: the precision states and new premises are encoded at (`leanagent.model.dtypes`), whatever the
-        index was embedded at. Every file is checked as it is read (module docstring); a problem is one line."""
+        `engine` and `dtype`: how states and new premises are encoded (`leanagent.model.engines.choose`: `auto` is
+        ct2 fp32 on a CPU where CTranslate2 is installed), whatever the index was embedded with. Every file is
+        checked as it is read (module docstring); a problem is one line."""
         folder = Path(folder)
         meta = read_meta(folder)
+        try:
+            engine, dtype = choose(engine, dtype, torch.device(device).type)
+        except EngineError as exc:
+            raise PremiseIndexError(str(exc)) from None
         named = meta.get("checkpoint") or meta.get("model")
         if not named and model is None:
             raise PremiseIndexError(f"{folder / INDEX_FILE}: names no checkpoint or model")
@@ -107,28 +119,23 @@ class PremiseIndex:
         if embeddings.shape[0] != len(premises) or len(premises) != meta.get("num_premises"):
             raise PremiseIndexError(f"{folder}: {embeddings.shape[0]} embeddings, {len(premises)} premises and "
                                     f"num_premises {meta.get('num_premises')} disagree; rebuild the index")
-        try:
-            loaded = load_model(model, device, base_model=meta.get("base_model"))
-        except (ModelSourceError, FileNotFoundError, ValueError) as exc:
-            raise PremiseIndexError(f"{folder / INDEX_FILE}: its model cannot be loaded: {exc}") from None
-        width = loaded.retriever.encoder.config.d_model
-        if width != embeddings.shape[1]:
+        source = EncoderSource(folder, meta, model, device, matches=not warnings)
+        encoder = build_encoder(engine, source, dtype)
+        warnings += source.warnings
+        if encoder.width != embeddings.shape[1]:
             raise PremiseIndexError(f"{folder}: embeddings are {embeddings.shape[1]} wide, the model {model} gives "
-                                    f"{width}; rebuild the index")
-        # bf16 on disk; on a GPU the product runs in bf16, on a CPU in float32 (exact products of the stored
-        # values; one state against 76k premises took 32 ms there against 12.8 ms in bf16 on an AVX-512-BF16 CPU).
-        embeddings = embeddings.to(loaded.retriever.device,
-                                   torch.bfloat16 if loaded.retriever.device.type == "cuda" else torch.float32)
-        index = cls(folder, meta, embeddings, premises, files, loaded.retriever, warnings)
-        if not force:  # before --dtype changes the model (int8 quantizes it): the weights as they embedded
+                                    f"{encoder.width}; rebuild the index")
+        # bf16 as stored, on the encoder's device: a CPU multiplies them in fp32 a chunk at a time, a GPU in bf16.
+        index = cls(folder, meta, embeddings.to(encoder.device), premises, files, encoder, warnings)
+        if not force:
             index.check_probe()
-        index.dtype = set_dtype(loaded.retriever, dtype)
         index.names = read_names(folder)
         return index
 
     def check_probe(self, count: int = PROBE_PREMISES) -> None:
-        """Re-embed the index's `count` shortest premises and a state with its model: finite, and the premises close
-        to their stored rows, or the index's embeddings are not this model's (another model's, a corrupt model)."""
+        """Re-embed the index's `count` shortest premises and a state with its encoder: finite, and the premises
+        close to their stored rows, or the index's embeddings are not this model's (another model's, a corrupt model
+        or conversion). Any engine and dtype passes (int8's cosine with fp32 is about 0.998, far above the bar)."""
         state = self.encode_state("⊢ True")
         if not torch.isfinite(state).all():
             raise PremiseIndexError(f"{self.folder}: its model gives a non-finite embedding; its weights are "
@@ -172,10 +179,8 @@ class PremiseIndex:
     @torch.inference_mode()
     def encode_state(self, state: str) -> torch.Tensor:
         """A proof state's embedding, the state formatted as training and evaluation format it."""
-
-        ids, mask = tokenize_texts(self.retriever.tokenizer, [strip_goal_count(state)], self.state_max_len)
-        with precision(self.dtype, self.device):
-            return self.retriever.encode(ids.to(self.device), mask.to(self.device))
+        ids, mask = tokenize_texts(self.encoder.tokenizer, [strip_goal_count(state)], self.state_max_len)
+        return self.encoder.encode(ids, mask)
 
     @torch.inference_mode()
     def encode_premises(self, texts: list[str], batch_size: int = 32) -> torch.Tensor:
@@ -186,10 +191,8 @@ class PremiseIndex:
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         for lo in range(0, len(order), batch_size):
             rows = order[lo:lo + batch_size]
-            ids, mask = tokenize_texts(self.retriever.tokenizer, [texts[i] for i in rows], self.premise_max_len)
-            with precision(self.dtype, self.device):
-                emb = self.retriever.encode(ids.to(self.device), mask.to(self.device))
-            out[torch.tensor(rows, device=self.device)] = self._as_stored(emb)
+            ids, mask = tokenize_texts(self.encoder.tokenizer, [texts[i] for i in rows], self.premise_max_len)
+            out[torch.tensor(rows, device=self.device)] = self._as_stored(self.encoder.encode(ids, mask))
         return out
 
     @torch.inference_mode()
@@ -198,21 +201,27 @@ class PremiseIndex:
         rounds them) in one encoder pass: sorted by length into token-budget sub-batches, each padded to its own
         longest, so 32 states cost about one pass of their total length, not 32 passes. Padding is masked: each
         row is its own pass's up to float rounding."""
-        tokenizer = self.retriever.tokenizer
+        tokenizer = self.encoder.tokenizer
         parts = [tokenize_texts(tokenizer, [strip_goal_count(s) for s in states], self.state_max_len)]
         if texts:
             parts.append(tokenize_texts(tokenizer, texts, self.premise_max_len))
         width = max(ids.shape[1] for ids, _ in parts)
         ids = torch.cat([torch.nn.functional.pad(i, (0, width - i.shape[1])) for i, _ in parts])
         mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for _, m in parts])
-        with precision(self.dtype, self.device):
-            emb, _ = self.retriever.encode_pool(ids.to(self.device), mask.to(self.device),
-                                                mask.sum(dim=1).tolist(), sort=True)
+        emb = self.encoder.encode_many(ids, mask, mask.sum(dim=1).tolist())
         return emb[:len(states)], self._as_stored(emb[len(states):])
 
     def _as_stored(self, emb: torch.Tensor) -> torch.Tensor:
         """New premises' embeddings rounded to bf16 as the stored rows were, in the rows' dtype: ranked with them."""
         return emb.to(torch.bfloat16).to(self.embeddings.dtype)
+
+    def score(self, states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """States' scores against rows of this index's kind (stored, or `encode_premises`'), as `retrieve` scores."""
+        return score_matrix(states, rows, scoring_path(rows, exact=True), exact=True)
+
+    def describe_engine(self) -> str:
+        """What answers a query here, for a log line: the engine, its dtype and the scoring path (`SCORING`)."""
+        return f"{self.engine} {self.dtype}, scoring {self.scoring}"
 
     def retrieve(self, state: str, k: int = 10, file: str | None = None, line: int | None = None,
                  column: int = 0) -> list[Hit]:
@@ -226,7 +235,8 @@ class PremiseIndex:
             mask = self.accessible_mask(file, int(line), column)  # type: ignore[arg-type]
         else:
             mask = torch.ones(len(self.premises), dtype=torch.bool)
-        scores, rows = top_k_accessible(self.encode_state(state), self.embeddings, mask[None], k)
+        scores, rows = top_k_accessible(self.encode_state(state), self.embeddings, mask[None], k, exact=True,
+                                        path=self.scoring)
         hits = []
         for score, row in zip(scores[0].tolist(), rows[0].tolist(), strict=True):
             if score == float("-inf"):

@@ -30,7 +30,6 @@ from leanagent.index.files import (
     READABLE_FORMATS,
     PremiseIndexError,
 )
-from leanagent.model.dtypes import DtypeError, apply_dtype
 
 
 @dataclass(frozen=True)
@@ -40,15 +39,13 @@ class FileInfo:
     last_line: int | None
 
 
-def set_dtype(retriever: Any, dtype: str) -> str:
-    try:
-        return apply_dtype(retriever, dtype)
-    except DtypeError as exc:
-        raise PremiseIndexError(str(exc)) from None
+STALE_ADVICE = "Rebuild it with `leanagent index`, or pass --force to use it anyway"
 
 
-def check_model(folder: Path, meta: dict[str, Any], model: Path, force: bool) -> list[str]:
-    """Refuse (or, with `force`, warn about) a model that is not the one the corpus was embedded with."""
+def check_model(folder: Path, meta: dict[str, Any], model: Path, force: bool, advice: str = STALE_ADVICE
+                ) -> list[str]:
+    """Refuse (or, with `force`, warn about) a model that is not the one the corpus was embedded with; `advice`
+    ends the refusal (what the command can do about it)."""
     recorded = meta.get("model_identity")
     if not isinstance(recorded, dict):
         return [f"{folder / INDEX_FILE}: records no model identity (built before leanagent recorded one), so a "
@@ -59,7 +56,7 @@ def check_model(folder: Path, meta: dict[str, Any], model: Path, force: bool) ->
     problem = (f"{folder}: its corpus was embedded with {model_identity.describe(recorded)}, but the model is now "
                f"{now}; its embeddings would be stale")
     if not force:
-        raise PremiseIndexError(f"{problem}. Rebuild it with `leanagent index`, or pass --force to use it anyway")
+        raise PremiseIndexError(f"{problem}. {advice}")
     return [f"{problem}; used anyway (--force)"]
 
 

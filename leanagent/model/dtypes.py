@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from leanagent.ground.names import AUTO, DTYPE_CHOICES
+from leanagent.ground.names import AUTO, TORCH_DTYPE_CHOICES
 
-DTYPES = DTYPE_CHOICES  # `--dtype`: leanagent.ground.names
+DTYPES = TORCH_DTYPE_CHOICES  # torch's `--dtype` values: leanagent.ground.names (`leanagent.model.engines` checks them)
 # The CPU's choice, keyed by whether it has bf16 matmuls: the fastest dtype whose agreement is recorded in the module
 # docstring (speed: `leanagent bench dtypes`; agreement: the trained-model test named there).
 AUTO_CPU = {True: "bf16", False: "fp32"}

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from leanagent.data.dataset import tokenize_premises
 from leanagent.data.premise_table import PremiseTable
 from leanagent.model.metrics import ContextScore, aggregate, score_context
-from leanagent.model.topk import top_k_accessible
+from leanagent.model.topk import scoring_path, top_k_accessible
 
 
 def premise_token_lengths(source, max_len: int) -> np.ndarray:
@@ -142,14 +142,17 @@ class CorpusEmbedding:
             self._to_corpus = torch.from_numpy(self.table.corpus_index(self.corpus).copy()).to(self.emb.device)
         return self._to_corpus
 
-    def top_k(self, context_emb: torch.Tensor, accessible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def top_k(self, context_emb: torch.Tensor, accessible: torch.Tensor, k: int, path: str | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores, corpus indices) of the k best accessible premises per context, best first (`top_k_accessible`);
-        `accessible` is a (contexts x this corpus's premises) mask. Rows with fewer than k end in -inf scores."""
+        `accessible` is a (contexts x this corpus's premises) mask. Rows with fewer than k end in -inf scores.
+        `path`: how the product runs (default `scoring_path`'s: on a CPU without bf16 matmuls, bf16 rows are
+        multiplied in fp32 a chunk at a time, with the bf16 product's top k)."""
         to_corpus = self.to_corpus()
         held = to_corpus >= 0
         allowed = accessible.to(self.emb.device)[:, to_corpus.clamp(min=0)] & held
         # Equal scores in corpus order, wherever the rows are: the ranking of one corpus embedded alone.
-        scores, rows = top_k_accessible(context_emb, self.emb, allowed, k, tie_key=to_corpus)
+        scores, rows = top_k_accessible(context_emb, self.emb, allowed, k, tie_key=to_corpus, path=path)
         return scores, to_corpus[rows]
 
 
@@ -274,7 +277,10 @@ class RetrievalEvaluation:
     def step(self, model, batch: dict[str, Any]) -> None:
         assert self.embedding is not None
         context_emb, _ = model.encode_pool(batch["context_ids"], batch["context_mask"], batch.get("context_lengths"))
-        top_scores, top_idx = self.embedding.top_k(context_emb, batch["accessible_mask"], model.options.num_retrieved)
+        path = scoring_path(self.embedding.emb)
+        model.clock.scoring.add(path)  # result.json says which product ran (`leanagent.model.topk.SCORING`)
+        top_scores, top_idx = self.embedding.top_k(context_emb, batch["accessible_mask"], model.options.num_retrieved,
+                                                   path)
         for row, index in enumerate(batch["index"].tolist()):
             # Fewer accessible premises than k is normal (first file of a repo): keep only real hits.
             retrieved = top_idx[row][torch.isfinite(top_scores[row])].tolist()

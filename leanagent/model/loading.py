@@ -16,6 +16,7 @@ only the epoch count carries over (`epochs_completed`), as LeanAgent's max_epoch
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ from leanagent.model.retriever import PremiseRetriever
 
 # Written by `leanagent export` beside config.json: what a plain HF folder cannot say about the retriever.
 RETRIEVER_FILE = "retriever.json"
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # owner/name, as the Hugging Face hub spells ids
 
 
 class ModelSourceError(ValueError):
@@ -160,12 +162,32 @@ def reference_encoder_config(path: Path, checkpoint: Mapping[str, Any], name_or_
     return config.to_dict()
 
 
+def model_path(source: str | Path) -> Path:
+    """The file or folder `source` names: itself when it exists; a hub id (`owner/name`, e.g. ReProver's
+    kaiyuy/leandojo-lean4-retriever-byt5-small) as its snapshot in the Hugging Face cache, never downloaded (the
+    snapshot's path is what index.json then records, and its files' digests). Anything else as it is, for the
+    caller to refuse."""
+    path = Path(source)
+    if path.exists() or not HUB_ID.fullmatch(str(source)):
+        return path
+    from huggingface_hub import snapshot_download  # transformers' own dependency; imported only for a hub id
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(source), local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        raise ModelSourceError(f"{source}: no such file or folder, and no snapshot of that Hugging Face model in "
+                               f"this machine's cache (nothing is downloaded: fetch it where there is network, "
+                               f"`huggingface-cli download {source}`, or give its folder)") from None
+
+
 def load_model(path: str | Path, device: str = "cpu", base_model: str | None = None) -> LoadedModel:
-    """A checkpoint file or an HF model folder, loaded once, in eval mode (dropout off) on `device`.
+    """A checkpoint file, an HF model folder or a cached hub id (`model_path`), loaded once, in eval mode (dropout
+    off) on `device`.
 
     `base_model` (a local folder or cached hub id) gives the architecture of a LeanAgent/ReProver
     checkpoint, which does not store it; default: its `model_name`, else byt5-small's shape."""
-    path = Path(path)
+    path = model_path(path)
     if path.is_dir() and (path / "config.json").is_file():
         loaded = _from_folder(path)
     elif path.exists():

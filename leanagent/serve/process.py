@@ -26,6 +26,7 @@ from typing import Any
 
 import uvicorn
 
+from leanagent.ground.names import AUTO
 from leanagent.ground.supervision import Interrupted, interrupt_on_signals
 from leanagent.index.files import PremiseIndexError
 from leanagent.index.query import PremiseIndex
@@ -129,14 +130,15 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
           model: str | None = None, force: bool = False, limits: ServeLimits | None = None, access_log: bool = False,
           log: Callable[[str], None] = _to_stderr, dtype: str = "auto", token: str | None = None,
           follow_s: float = DEFAULT_FOLLOW_S, openapi: bool = False, token_source: str = "the token",
-          insecure_no_token: bool = False) -> int:
+          insecure_no_token: bool = False, engine: str = AUTO) -> int:
     """Serve an INDEX folder, or a RUN_DIR's newest stage (followed every `follow_s` seconds), until a signal stops
     it; the exit code: 0 when told to stop, 128 + N after signal N.
 
-    `model`, `force` and `dtype` are `PremiseIndex.load`'s (another path to the same weights; a changed model,
-    warned about). `token_source` says where the token is read (the banner shows it, never the token);
-    `insecure_no_token`: serve beyond this machine without one. Raises ServeError, before anything is loaded or
-    listens, for a source or an address that cannot be used."""
+    `model`, `force`, `dtype` and `engine` are `PremiseIndex.load`'s (another path to the same weights; a changed
+    model, warned about; ct2: each stage's model converted once, cached next to its index, converted on the
+    follower's thread at a swap, as the index is loaded). `token_source` says where the token is read (the banner
+    shows it, never the token); `insecure_no_token`: serve beyond this machine without one. Raises ServeError,
+    before anything is loaded or listens, for a source or an address that cannot be used."""
     limits = limits or ServeLimits()
     source = Path(source)
     try:
@@ -147,7 +149,7 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
     follows = is_run_dir(source)
 
     def load(folder: Path, stage: Stage | None) -> PremiseServer:
-        index = PremiseIndex.load(folder, device=device, model=model, force=force, dtype=dtype)
+        index = PremiseIndex.load(folder, device=device, model=model, force=force, dtype=dtype, engine=engine)
         for warning in index.warnings:
             log(f"warning: {warning}")
         return PremiseServer(index, limits, StageInfo(stage.name, stage.position) if stage else None)
@@ -171,7 +173,7 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     follower = StageFollower(source, holder, stage, lambda s: load(s.index, s), log, follow_s) if stage else None
     # Read now, not kept: a reference held here would keep this stage's model and embeddings after a swap.
-    count, dtype = len(holder.current.premise_names), holder.current.index.dtype
+    count, engine_line = len(holder.current.premise_names), holder.current.index.describe_engine()
     what = (f"stage {stage.name} (#{stage.position + 1}) of {source}, followed every {follow_s:g} s" if stage
             else str(source))
     code, reason = 0, "shutdown"
@@ -181,7 +183,7 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
         with interrupt_on_signals(), _quiet_logs(token):
             _warn_beyond_loopback(bound_host, bound_port, token, log)
             where = f" ({REDACTED}: {token_source})" if token else ""
-            log(f"serving {count} premises of {what} ({dtype}) at {url}; in Lean: "
+            log(f"serving {count} premises of {what} ({engine_line}) at {url}; in Lean: "
                 f"set_option premiseSelection.apiBaseUrl \"{url}\"{where}  (Ctrl-C stops)")
             if follower is not None:
                 follower.start()

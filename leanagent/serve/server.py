@@ -138,10 +138,10 @@ class PremiseServer:
                 state = self.index.encode_state(request.state)
                 new_rows = self._embed(texts)
                 [indexed] = self._top_indexed(state, [(mask, k)])
-                new_scores = _scores(state, new_rows) if uploaded else []
+                new_scores = self._scores(state, new_rows) if uploaded else []
         else:
             def finish(state: torch.Tensor, rows: list[torch.Tensor], top: list) -> tuple[list, list[float]]:
-                return top, _scores(state, torch.stack(rows)) if rows else []
+                return top, self._scores(state, torch.stack(rows)) if rows else []
 
             indexed, new_scores = self.batcher.encode(request.state, texts, (mask, k), finish, arrival)
         ranked = indexed + [(score, p.name) for score, p in zip(new_scores, uploaded, strict=True)]
@@ -190,7 +190,8 @@ class PremiseServer:
         everything = np.ones(n, dtype=bool)
         accessible = torch.from_numpy(np.stack([everything if mask is None else mask for mask, _ in queries]))
         most = max(k for _, k in queries)
-        scores, rows = top_k_accessible(states, self.index.embeddings, accessible, min(n, most + self._duplicates))
+        scores, rows = top_k_accessible(states, self.index.embeddings, accessible, min(n, most + self._duplicates),
+                                        exact=True, path=self.index.scoring)
         return [self._names_of(s, r, k) for s, r, (_, k) in zip(scores.tolist(), rows.tolist(), queries, strict=True)]
 
     def _names_of(self, scores: list[float], rows: list[int], k: int) -> list[tuple[float, str]]:
@@ -205,6 +206,10 @@ class PremiseServer:
                 out.append((float(score), name))
         return out
 
+    def _scores(self, state: torch.Tensor, rows: torch.Tensor) -> list[float]:
+        """A state's score against each new premise's embedding row, as the indexed rows are scored."""
+        return self.index.score(state, rows)[0].tolist()
+
     def health(self) -> dict[str, Any]:
         """What GET /health says: the stage and model served, sizes and counts; no path of this machine's."""
         model = model_identity.digest(self.index.meta.get("model_identity"))
@@ -214,17 +219,13 @@ class PremiseServer:
                 "max_new_premises": self.limits.max_new_premises, "requests": self.requests,
                 "cached_new_premises": len(self._cache), "batching": self.batcher is not None,
                 "encoder_passes": self.batcher.passes if self.batcher else None,
+                "engine": self.index.engine, "dtype": self.index.dtype, "scoring": self.index.scoring,
                 "warnings": len(self.index.warnings)}
 
     def close(self) -> None:
         """Stop the encoder's thread; what holds the index (the model, the embeddings) goes with this server."""
         if self.batcher is not None:
             self.batcher.close()
-
-
-def _scores(state: torch.Tensor, rows: torch.Tensor) -> list[float]:
-    """A state's score against each new premise's embedding row (in the rows' dtype, as the indexed rows are)."""
-    return (state.to(rows.dtype) @ rows.t())[0].tolist()
 
 
 def _positions(values: list[int | str], count: int, position_of: Callable[[str], int | None], field_name: str,

@@ -280,7 +280,8 @@ def job_account(clock: JobClock) -> dict:
         dist.all_gather_object(gathered, peaks[0])
         peaks = [float(p) for p in gathered if p is not None]
     return {"timings": clock.timings(), "premises_embedded": clock.premises_embedded,
-            "premises_in_corpora": clock.premises_in_corpora, "peak_rss_mb": round(max(peaks), 1)}
+            "premises_in_corpora": clock.premises_in_corpora, "peak_rss_mb": round(max(peaks), 1),
+            **({"scoring": sorted(clock.scoring)} if clock.scoring else {})}
 
 
 def main(argv: list[str] | None = None) -> None:

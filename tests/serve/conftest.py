@@ -87,14 +87,14 @@ def expected(index: PremiseIndex, state: str, rows: list[int] | None, new: list[
     """The answer from first principles: every accessible indexed premise not replaced by a new one, and the new
     ones, scored by a dot product with the state's embedding, sorted."""
     query = index.encode_state(state)
-    scores = (query @ index.embeddings.t())[0].tolist()
+    scores = (query @ index.embeddings.float().t())[0].tolist()  # the stored bf16 rows' exact products
     names = [p["full_name"] for p in index.premises]
     new_names = {name for name, _ in new}
     candidates = [(scores[r], names[r]) for r in (range(len(names)) if rows is None else rows)
                   if names[r] not in new_names]
     if new:
         rows_new = index.encode_premises([serialize_premise(name, decl) for name, decl in new])
-        candidates += list(zip((query @ rows_new.t())[0].tolist(), [name for name, _ in new], strict=True))
+        candidates += list(zip((query @ rows_new.float().t())[0].tolist(), [name for name, _ in new], strict=True))
     candidates.sort(key=lambda c: -c[0])
     return [{"name": name, "score": score} for score, name in candidates[:k]]
 

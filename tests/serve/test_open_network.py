@@ -128,7 +128,7 @@ def test_a_large_body_and_too_many_positions_are_refused_as_they_are_read(built)
 
 def test_the_new_premise_cache_is_bounded_in_bytes(built) -> None:
     index = built["index"]
-    capacity = 20 * (64 * 4 + 200)  # 20 rows of this index's width
+    capacity = 20 * (64 * index.embeddings.element_size() + 200)  # 20 rows of this index's width, as stored
     server = PremiseServer(index, ServeLimits(cache_mb=capacity / 2**20, batching=False))
     for r in range(4):  # 4 requests of 10 distinct declarations of 99,000 characters each
         new = [{"name": f"RepoA.big{r}_{i}", "decl": f"theorem big{r}_{i} : " + "x" * 99_000} for i in range(10)]

@@ -19,8 +19,9 @@ def test_new_premises_are_ranked_with_indexed_ones_and_cached(built) -> None:
     twin = source["text"]  # already tagged with its own name, so the new name leaves it as it is
     # Unbatched: a twin ties with its source exactly only when embedded in a pass of its own, as `expected` does
     # (in a shared pass its row moves by float rounding; test_batching.py compares the two paths).
-    # Room for two rows of this index (64 floats each, and an entry's overhead): the cache is bounded in bytes.
-    server = PremiseServer(index, ServeLimits(cache_mb=2.5 * (64 * 4 + ENTRY_OVERHEAD) / 2**20, batching=False))
+    # Room for two rows of this index (64 values each, as stored, and an entry's overhead): bounded in bytes.
+    row_bytes = 64 * index.embeddings.element_size()
+    server = PremiseServer(index, ServeLimits(cache_mb=2.5 * (row_bytes + ENTRY_OVERHEAD) / 2**20, batching=False))
     request = RetrieveRequest(state=STATE, k=100, new_premises=[{"name": "RepoA.twin", "decl": twin}])
     answer = server.retrieve(request)
     assert_same(answer, expected(index, STATE, None, [("RepoA.twin", twin)], 100))

@@ -261,6 +261,25 @@ def test_the_batching_section_refuses_a_folder_without_an_index(tmp_path, capsys
     assert "no index.json" in capsys.readouterr().err
 
 
+def test_the_engines_section_measures_each_engine_against_torch_fp32(tmp_path, tiny_model):
+    repo = write_demo_repos(tmp_path / "data", 1, seed=3)[0]
+    figures = _bench(["engines", "--dataset", str(repo), "--model", str(tiny_model), "--repeats", "1",
+                      "--max-states", "3", "--premises", "8", "--engines", "ct2:fp32", "ct2:int8_float32"],
+                     tmp_path / "engines.json")
+    assert figures["timed_states"] == 3 and figures["test_states"] >= 10 and figures["flags"]
+    for key in ("torch_fp32", "ct2_fp32", "ct2_int8_float32"):  # the reference is always measured, first
+        assert figures[f"{key}_state_s"] > 0 and figures[f"{key}_premises_per_s"] > 0, key
+    assert figures["torch_fp32_overlap"] == 1.0 and figures["torch_fp32_recall10_change"] == 0.0
+    assert figures["ct2_fp32_overlap"] == 1.0 and figures["ct2_fp32_recall10_change"] == 0.0  # exact: the same top 10
+    assert figures["ct2_fp32_cosine_min"] >= 0.9999 and 0.9 < figures["ct2_int8_float32_cosine_min"] < 1.0
+
+
+def test_the_engines_section_takes_an_index_or_a_dataset(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["bench", "engines"])
+    assert stop.value.code == 1 and "give --index" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_the_serve_section_measures_real_servers(tmp_path):
     figures = _bench(["serve", str(tmp_path / "work"), "--no-mathlib", "--modes", "batched", "--bodies", "new client",

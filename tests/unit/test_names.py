@@ -30,12 +30,15 @@ def test_a_name_is_spelled_out_once(name: str) -> None:
 def test_the_tables_hold_the_names_of_their_home() -> None:
     from leanagent.ground.config import LifelongConfig
     from leanagent.model.dtypes import DTYPES
+    from leanagent.model.engines import ENGINES
     from leanagent.model.fisher.registry import ESTIMATORS
     from leanagent.model.presets import PRESETS
 
     assert tuple(ESTIMATORS) == names.FISHER_ESTIMATORS
     assert tuple(PRESETS) == names.PRESET_NAMES
-    assert DTYPES == names.DTYPE_CHOICES
+    assert DTYPES == names.TORCH_DTYPE_CHOICES == (names.AUTO, *ENGINES[names.TORCH].dtypes)
+    assert tuple(ENGINES) == names.ENGINE_NAMES
+    assert set(names.DTYPES) == {d for e in ENGINES.values() for d in e.dtypes}
     schema = LifelongConfig.model_json_schema()["properties"]["fisher_estimator"]
     assert tuple(schema["enum"]) == names.FISHER_ESTIMATORS  # the Prefect form's choices
 
