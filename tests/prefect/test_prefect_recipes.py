@@ -63,6 +63,6 @@ def test_report_prints_it_beside_the_mse_run(infonce_run, lifelong_run3: Finishe
     for row in ("final R@1", "final R@10", "final MRR"):
         assert len(next(line for line in proc.stdout.splitlines() if line.startswith(row)).split()) == 4, row
     mse, infonce = json.loads(out.read_text())["runs"]
-    assert "infonce" not in mse["setup"] and infonce["setup"].endswith("infonce + mined negatives")
+    assert "infonce" not in mse["setup"] and "infonce + mined negatives, precision " in infonce["setup"]
     assert infonce["repositories"] == 2 and mse["repositories"] == 3
     assert infonce["avg"] == pytest.approx(summary["lifelong"]["avg"])

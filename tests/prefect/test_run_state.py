@@ -208,7 +208,7 @@ def test_a_run_under_auto_keeps_the_precision_its_first_job_ran_on_any_machine(t
     state = _started(cfg)
     assert state.data["config"]["trainer"]["precision"] == "auto"  # nothing has run yet
     assert state.decided(cfg) is cfg
-    state.record("00-a/eval-untrained", {"metrics": {}, "precision": "32-true"})
+    state.record("00-a/eval-untrained", {"metrics": {"Recall@10": 50.0}, "precision": "32-true"})
     state.record("00-a/train", {"checkpoint": "a.ckpt", "precision": "32-true"})
     on_disk = json.loads(state.path.read_text())
     assert on_disk["config"]["trainer"]["precision"] == "32-true"

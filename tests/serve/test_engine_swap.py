@@ -18,20 +18,20 @@ import time
 import httpx
 
 from leanagent.ground import model_identity
+from leanagent.ground.names import FP32, TINY, TORCH
 from leanagent.index.build import build_index
 from leanagent.model.presets import write_random_encoder
 
 from .conftest import OLD_CLIENT, REPO_ROOT
-from .test_follow import _manifest
+from .test_follow import _manifest, _stage_index
 
 
 def test_serve_with_ct2_swaps_stages_without_a_failed_request(built, tmp_path) -> None:
-    first = built["root"] / "index"
-    second_model = write_random_encoder(tmp_path / "model-b", "tiny", seed=1)
-    second = tmp_path / "index-b"
-    build_index(second_model, built["repo"], second, engine="torch", dtype="fp32")
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    first = _stage_index(built, run_dir, "00-a")
+    second_model = write_random_encoder(tmp_path / "model-b", TINY, seed=1)
+    second = run_dir / "index" / "01-b"  # where a run writes a stage's index: a server serves no other
+    build_index(second_model, built["repo"], second, engine=TORCH, dtype=FP32)
     _manifest(run_dir, [("a", first)])
     proc = subprocess.Popen([sys.executable, "-m", "leanagent.cli", "serve", str(run_dir), "--port", "0", "--engine",
                              "ct2", "--follow-s", "0.2"], stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,

@@ -26,7 +26,7 @@ from tests.ddp.conftest import fault_env
 from tests.slurm.cluster import Cluster
 from tests.waiting import wait_for
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.ddp]  # its jobs are real torchrun jobs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO_ROOT / "tests" / "ddp_scripts"
