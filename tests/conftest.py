@@ -41,8 +41,12 @@ def prefect_harness() -> Iterator[None]:
     """A temporary Prefect server and database for the session; request it (usefixtures) where flows run."""
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+    with pytest.MonkeyPatch.context() as env:
+        # A deployment run held back by its concurrency limit is retried after this wait (Prefect's default 30 s,
+        # read by the server as it starts): the scheduled-deployment test waits for one such retry.
+        env.setenv("PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS", "2")
+        with prefect_test_harness(server_startup_timeout=120):
+            yield
 
 
 # The dependency every test repository carries, as LeanAgent's carry Mathlib (the same files in every corpus, of
