@@ -65,12 +65,15 @@ class EncoderBatcher:
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> None:
         """End the encoder's thread once the requests it holds are answered (a server swapped out lets go of its
-        index this way: the thread holds it)."""
+        index this way: the thread holds it); `wait_s`: how long to wait for that end."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            thread = self._thread
+        if wait_s and thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=wait_s)
 
     @contextmanager
     def arriving(self) -> Iterator[Arrival]:

@@ -72,12 +72,14 @@ class ServerHolder:
 
     def __init__(self, server: PremiseServer) -> None:
         self._lock = threading.Lock()
-        self._current = server
+        self._current: PremiseServer | None = server
         self._users: dict[int, int] = {}
         self.requests = 0  # retrievals answered, by whichever server (`answered`)
 
     @property
     def current(self) -> PremiseServer:
+        if self._current is None:
+            raise RuntimeError("the server has been released")
         return self._current
 
     def answered(self) -> None:
@@ -88,7 +90,7 @@ class ServerHolder:
     def using(self) -> Iterator[PremiseServer]:
         """The current server for the length of one request, however many swaps happen meanwhile."""
         with self._lock:
-            server = self._current
+            server = self.current
             self._users[id(server)] = self._users.get(id(server), 0) + 1
         try:
             yield server
@@ -100,6 +102,16 @@ class ServerHolder:
                     del self._users[id(server)]
             if done:
                 server.close()
+
+    def release(self, wait_s: float) -> None:
+        """Let go of the served stage when the server has stopped, its threads ended (up to `wait_s` each): its
+        model is then freed here and now. Left to the interpreter's exit, a CTranslate2 encoder is never freed, and
+        the process can abort as it exits ("terminate called without an active exception", seen after a swap)."""
+        with self._lock:
+            server, self._current = self._current, None
+        if server is not None:
+            server.close(wait_s)
+        gc.collect()
 
     def swap(self, server: PremiseServer) -> PremiseServer:
         """Serve `server` from the next request on; the old one is closed once its requests are answered."""
@@ -141,8 +153,11 @@ class StageFollower(threading.Thread):
         # Servers swapped out and not yet freed (their last request may still run): memory is given back when they go.
         self._retired: list[weakref.ref[PremiseServer]] = []
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 0.0) -> None:
+        """Stop following; `wait_s`: how long to wait for a stage being loaded (the thread ends after it)."""
         self._stopping.set()
+        if wait_s and self.is_alive():
+            self.join(timeout=wait_s)
 
     def check(self) -> Stage | None:
         """Take the newest stage if it is newer than the one served and loads; the stage now served, if it moved."""

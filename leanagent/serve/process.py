@@ -49,6 +49,8 @@ from leanagent.serve.server import PremiseServer, StageInfo
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 23337
 GRACEFUL_SHUTDOWN_S = 10
+# At the stop, at most this long for a stage being loaded and for the encoder's thread, before the model is freed.
+RELEASE_WAIT_S = 10.0
 SPARE_DESCRIPTORS = 64  # beside the connections: the index's files, logs, the model's threads
 
 
@@ -102,9 +104,22 @@ def descriptor_room(wanted: int, log: Callable[[str], None]) -> int:
 
 
 class _Server(uvicorn.Server):
+    """uvicorn's server, with `ready` called once it answers: the banner says "serving" only then. Before it, a
+    signal meets ours (`interrupt_on_signals`, an exception wherever the main thread is, uvicorn's imports
+    included); after it, uvicorn's own handlers, which stop it gracefully."""
+
+    def __init__(self, config: uvicorn.Config, ready: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._ready = ready
+
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         quiet_accept_errors(asyncio.get_running_loop())
         await super().serve(sockets=sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and not self.should_exit:
+            self._ready()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -183,17 +198,22 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
         with interrupt_on_signals(), _quiet_logs(token):
             _warn_beyond_loopback(bound_host, bound_port, token, log)
             where = f" ({REDACTED}: {token_source})" if token else ""
-            log(f"serving {count} premises of {what} ({engine_line}) at {url}; in Lean: "
-                f"set_option premiseSelection.apiBaseUrl \"{url}\"{where}  (Ctrl-C stops)")
-            if follower is not None:
-                follower.start()
-            _Server(config).run(sockets=[sock])
+            banner = (f"serving {count} premises of {what} ({engine_line}) at {url}; in Lean: "
+                      f"set_option premiseSelection.apiBaseUrl \"{url}\"{where}  (Ctrl-C stops)")
+
+            def ready() -> None:  # the banner, then the follower: a swap is never reported before it
+                log(banner)
+                if follower is not None:
+                    follower.start()
+
+            _Server(config, ready).run(sockets=[sock])
     except Interrupted as exc:
         code, reason = exc.exit_code, str(exc)
     finally:
         if follower is not None:
-            follower.stop()
+            follower.stop(RELEASE_WAIT_S)
         sock.close()
+        holder.release(RELEASE_WAIT_S)
     log(f"stopped ({reason}) after {holder.requests} retrieval(s)")
     return code
 

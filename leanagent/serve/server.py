@@ -222,10 +222,11 @@ class PremiseServer:
                 "engine": self.index.engine, "dtype": self.index.dtype, "scoring": self.index.scoring,
                 "warnings": len(self.index.warnings)}
 
-    def close(self) -> None:
-        """Stop the encoder's thread; what holds the index (the model, the embeddings) goes with this server."""
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop the encoder's thread (waiting up to `wait_s` for it); what holds the index (the model, the
+        embeddings) goes with this server."""
         if self.batcher is not None:
-            self.batcher.close()
+            self.batcher.close(wait_s)
 
 
 def _positions(values: list[int | str], count: int, position_of: Callable[[str], int | None], field_name: str,

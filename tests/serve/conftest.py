@@ -118,7 +118,9 @@ LONG = 60  # seconds a test waits at most for what a server does at once: genero
 @contextmanager
 def serving(source: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """`leanagent serve SOURCE ARGS --port 0` as a user runs it; (its URL, the process), stopped with SIGINT."""
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    # PYTHONFAULTHANDLER: a server that does not stop is sent SIGABRT, which then prints every thread's stack.
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT), "PYTHONFAULTHANDLER": "1",
+                **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "leanagent.cli", "serve", str(source), "--port", "0", *args],
                             stderr=subprocess.PIPE, text=True, env=full_env, cwd=REPO_ROOT,
                             stdout=subprocess.PIPE if "--access-log" in args else None)  # uvicorn's access log
@@ -135,7 +137,13 @@ def serving(source: Path, *args: str, env: dict[str, str] | None = None) -> Iter
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=LONG)
+            try:
+                proc.wait(timeout=LONG)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)  # the stacks of a server that did not stop, for the failure
+                said = proc.stderr.read() if proc.wait(timeout=LONG) is not None else ""
+                pytest.fail(f"`leanagent serve` still ran {LONG} s after SIGINT; its stderr after the banner, "
+                            f"with every thread's stack:\n{said[-6000:]}")
 
 
 def stall(port: int) -> socket.socket:
