@@ -185,7 +185,11 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
     health = min(limits.health_connections, connections // 2)
     config = uvicorn.Config(app, http=bounded_protocol(limits.request_timeout_s, connections - health, health),
                             log_level="info" if access_log else "warning", access_log=access_log,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            # The app has no start-up or shut-down handlers. uvicorn's lifespan task catches every
+                            # BaseException: a Ctrl-C landing in it during start-up was swallowed, and that server
+                            # went on serving (seen once, found idle in its event loop hours later).
+                            lifespan="off")
     follower = StageFollower(source, holder, stage, lambda s: load(s.index, s), log, follow_s) if stage else None
     # Read now, not kept: a reference held here would keep this stage's model and embeddings after a swap.
     count, engine_line = len(holder.current.premise_names), holder.current.index.describe_engine()
