@@ -141,7 +141,8 @@ def serving(source: Path, *args: str, env: dict[str, str] | None = None) -> Iter
                 proc.wait(timeout=LONG)
             except subprocess.TimeoutExpired:
                 proc.send_signal(signal.SIGABRT)  # the stacks of a server that did not stop, for the failure
-                said = proc.stderr.read() if proc.wait(timeout=LONG) is not None else ""
+                proc.wait(timeout=LONG)
+                said = proc.stderr.read()
                 pytest.fail(f"`leanagent serve` still ran {LONG} s after SIGINT; its stderr after the banner, "
                             f"with every thread's stack:\n{said[-6000:]}")
 
