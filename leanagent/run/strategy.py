@@ -22,9 +22,10 @@ from typing import Any
 from leanagent.data.errors import DatasetError
 from leanagent.data.merge import MERGE_FILE, dataset_files, digests, merge_datasets
 from leanagent.data.validate import validate_dataset
-from leanagent.ground.atomic import read_json
+from leanagent.ground.atomic import format_bytes
 from leanagent.ground.config import PipelineConfig
-from leanagent.preflight.checks import PreflightError, format_bytes, free_space
+from leanagent.ground.json_files import MIB, read_json_file
+from leanagent.preflight.checks import PreflightError, free_space
 from leanagent.run.manifest import MERGE, ManifestMismatchError, repo_key, stage_name
 from leanagent.run.state import RunState
 
@@ -60,7 +61,8 @@ def training_datasets(cfg: PipelineConfig, names: Sequence[str], paths: Sequence
     kept = [Path(d["dataset"]) if d is not None else out if out.exists() else None
             for d, out in zip(done, outs, strict=True)]
     written = [digests(k, split) if k is not None else None for k in kept]
-    found = [read_json(k / MERGE_FILE) if d is None and k is not None and (k / MERGE_FILE).is_file() else None
+    found = [read_json_file(k / MERGE_FILE, MIB, "merge record", PreflightError)
+             if d is None and k is not None and (k / MERGE_FILE).is_file() else None
              for d, k in zip(done, kept, strict=True)]
     for i, (d, k) in enumerate(zip(done, kept, strict=True)):
         if d is not None:  # recorded: reused only if what it read and what it wrote are as they were
