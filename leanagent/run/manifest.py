@@ -15,6 +15,7 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
+from leanagent.data.strategies import merges
 from leanagent.ground.json_files import MIB, read_json_file, validate_as
 from leanagent.ground.results import JobResult
 
@@ -85,6 +86,7 @@ class LifelongRecord(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     dataset_strategy: StrictStr | None = None
+    replay_fraction: float | None = Field(None, gt=0, le=1, strict=True)
     curriculum: StrictBool | None = None
     ewc_lambda: float | None = Field(None, ge=0, allow_inf_nan=False, strict=True)
 
@@ -194,7 +196,7 @@ def given_before(manifest: dict[str, Any]) -> list[str]:
 def waiting_repositories(manifest: dict[str, Any]) -> list[str]:
     """The repositories of a manifest's sequence with a stage still to run (not finished, failed or interrupted)."""
     names = list(manifest.get("order") or [])
-    merged = manifest.get("config", {}).get("lifelong", {}).get("dataset_strategy") == "merge_all"
+    merged = merges(manifest.get("config", {}).get("lifelong", {}).get("dataset_strategy"))
     return [names[i] for i in range(len(names))
             if any(finished_result(stage_entry(manifest, stage)) is None for stage in repo_stages(i, names, merged))]
 
