@@ -196,7 +196,7 @@ def given_before(manifest: dict[str, Any]) -> list[str]:
 def waiting_repositories(manifest: dict[str, Any]) -> list[str]:
     """The repositories of a manifest's sequence with a stage still to run (not finished, failed or interrupted)."""
     names = list(manifest.get("order") or [])
-    merged = merges(manifest.get("config", {}).get("lifelong", {}).get("dataset_strategy"))
+    merged = merges(((manifest.get("config") or {}).get("lifelong") or {}).get("dataset_strategy"))
     return [names[i] for i in range(len(names))
             if any(finished_result(stage_entry(manifest, stage)) is None for stage in repo_stages(i, names, merged))]
 
