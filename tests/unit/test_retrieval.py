@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leanagent.model.evaluation import corpus_embedding_dtype
-from leanagent.model.topk import select_top_k, top_k_accessible
+from leanagent.model.topk import _masked, select_top_k, top_k_accessible
 
 PROPERTY = settings(max_examples=400, deadline=None, derandomize=True)
 
@@ -132,7 +132,7 @@ def selections(draw):
         held = torch.rand(n, generator=g) < 0.7
         tie_key = torch.where(held, torch.randperm(n, generator=g), -1)
         accessible &= held
-    dtype = draw(st.sampled_from([torch.bfloat16, torch.float32]))
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64]))
     return scores.to(dtype), accessible, draw(st.integers(1, n + 2)), draw(st.integers(1, 4)), tie_key
 
 
@@ -169,3 +169,12 @@ def test_a_row_with_fewer_than_k_accessible_ends_as_the_full_sort_ends_it():
     assert got.indices[0, 2:].tolist() == [0, 1, 2] and torch.isinf(got.scores[:2, 2:]).all()
     want = reference_select(scores, accessible, 5, 2)
     assert torch.equal(got.scores, want[0]) and torch.equal(got.indices, want[1])
+
+
+def test_the_mask_on_the_floats_bits_is_where_bit_for_bit():
+    special = torch.tensor([0.0, -0.0, 1.5, -2.25, float("inf"), float("-inf"), float("nan"), 1e-40, -3e38])
+    accessible = torch.tensor([True, False] * 9).reshape(2, 9)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        scores = torch.stack([special, special.flip(0)]).to(dtype)
+        got, want = _masked(scores, accessible), torch.where(accessible, scores, float("-inf"))
+        assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), dtype
