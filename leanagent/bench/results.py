@@ -81,7 +81,7 @@ class RetrievalFigures(Section):
     retrieval_leanagent_style_ms_per_context: float
     retrieval_speedup: float
     retrieval_same_as_leanagent_style: bool
-    # The parts alone, and the rows each path of the selection took (`leanagent.model.topk.ROW_PATHS`).
+    # The parts alone, and the rows each path of the selection took (`leanagent.model.topk.Selection`).
     retrieval_scoring_path: str | None = None
     retrieval_mask_ms_per_context: float | None = None
     retrieval_product_ms_per_context: float | None = None

@@ -67,7 +67,7 @@ def bench_retrieval(corpus: Corpus, evals: list, width: int, device: torch.devic
                     ) -> RetrievalFigures | None:
     """ms per context of the top-k accessible premises, the accessibility masks included (as evaluation does),
     against LeanAgent's search on the first batch; each part alone (the masks, the product, the selection); and the
-    rows each path of the selection took (`leanagent.model.topk.ROW_PATHS`): a selection that outgrows the product,
+    rows each path of the selection took (`leanagent.model.topk.Selection`): a selection that outgrows the product,
     or rows that leave the candidates, show in the table. The five passes take turns (`best_of_rounds`), so that
     their ratios hold on a busy machine. None without evaluation examples."""
     if not evals:

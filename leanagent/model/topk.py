@@ -86,13 +86,10 @@ class Selection(NamedTuple):
 
     scores: torch.Tensor  # (rows, k); a row with fewer than k accessible premises ends in -inf
     indices: torch.Tensor  # (rows, k) premise columns
-    tied_rows: int  # rows whose k-th score tied past the candidates (fewer than k accessible among them)
-
-
-# How a row is decided (`leanagent bench path` counts the rows of each): the key is the bench's.
-ROW_PATHS = {"candidates": "among the slack * k best accessible (masked topk)",
-             "ties": "a tie at the k-th score past the candidates (or fewer than k accessible): the tied premises of "
-                     "the whole row taken by key"}
+    # Rows whose k-th score tied with the last candidate (among them every row with fewer than k accessible
+    # premises), which took the tied premises from the whole row; the others were decided among the candidates.
+    # `leanagent bench path` counts both: many tied rows, or a selection slower than the product, is a slow path.
+    tied_rows: int
 
 
 def _ordered(scores: torch.Tensor, keys: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,14 +107,14 @@ _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32:
 
 
 def _masked(scores: torch.Tensor, accessible: torch.Tensor) -> torch.Tensor:
-    """`torch.where(accessible, scores, -inf)`, bit for bit, in three bitwise passes over the scores' bits: on a
-    CPU `where` with a boolean mask is not vectorised (torch 2.13), and took 5x the time of this and as long as the
-    product at width 64 (76k premises)."""
+    """`torch.where(accessible, scores, -inf)`, bit for bit, in bitwise passes over the scores' bits: on a CPU
+    `where` with a boolean mask is not vectorised (torch 2.13) and took about 5x the time of this, half the product's
+    at width 64 (76k premises, one thread)."""
     bits = _BITS.get(scores.dtype)
     if bits is None:
         return torch.where(accessible, scores, float("-inf"))
     neg_inf = int(torch.tensor(float("-inf"), dtype=scores.dtype).view(bits))
-    out = scores.view(bits) ^ neg_inf  # x ^ c & all-ones ^ c == x; x ^ c & 0 ^ c == c
+    out = scores.view(bits) ^ neg_inf  # ((x ^ c) & all ones) ^ c == x; ((x ^ c) & 0) ^ c == c
     out &= accessible.to(bits).neg_()  # all ones where accessible, zero elsewhere
     out ^= neg_inf
     return out.view(scores.dtype)
