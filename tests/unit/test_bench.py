@@ -39,6 +39,9 @@ JSON_KEYS = {"corpus_load_s", "corpus_order_padding_fraction", "corpus_rss_mb", 
              "fisher_s_per_example", "model", "num_files", "num_premises", "num_train_examples", "params",
              "retrieval_leanagent_style_ms_per_context", "retrieval_ms_per_context",
              "retrieval_same_as_leanagent_style", "retrieval_speedup", "retrieval_width", "threads",
+             "retrieval_scoring_path", "retrieval_mask_ms_per_context", "retrieval_product_ms_per_context",
+             "retrieval_selection_ms_per_context", "retrieval_rows", "retrieval_rows_candidates",
+             "retrieval_rows_ties", "cpu", "cpu_flags",
              "tokenize_premises_per_s", "torch", "train_examples_per_s", "train_max_len", "train_model",
              "train_s_per_example", "train_step_batches", "train_step_examples", "train_step_layers",
              "train_step_loss_rel_diff", "train_step_max_len", "train_step_padded_examples_per_s",
@@ -65,6 +68,10 @@ def test_bench_writes_every_figure(tmp_path, capsys):
         assert isinstance(results[key], float) and math.isfinite(results[key]) and results[key] >= 0, key
     assert results["num_premises"] > 0 and results["device"] == "cpu"
     assert results["retrieval_same_as_leanagent_style"] is True
+    assert results["retrieval_rows_candidates"] + results["retrieval_rows_ties"] == results["retrieval_rows"] > 0
+    for part in ("mask", "product", "selection"):
+        assert results[f"retrieval_{part}_ms_per_context"] > 0, part
+    assert results["cpu"] and results["cpu_flags"]
     assert results["train_max_len"] == results["train_step_max_len"] == 1024  # LeanAgent's data.max_seq_len
     # Sorting processes fewer padding tokens and computes the same loss (fp32, dropout off).
     assert results["train_token_efficiency_sorted"] > results["train_token_efficiency_padded"]
@@ -72,6 +79,7 @@ def test_bench_writes_every_figure(tmp_path, capsys):
     assert "compile_s" not in results and "train_step_compiled_examples_per_s" not in results
     out = capsys.readouterr().out
     assert "negatives + collate" in out and "retrieval scores equal LeanAgent's search" in out
+    assert "its selection alone" in out and "rows with a tie past the candidates" in out
     assert "sorted + one mask" in out and "token eff." in out
 
 
