@@ -284,6 +284,7 @@ def check_export(folder: Path, matrix: np.ndarray, premises: list[PremiseLine], 
         raise PremiseIndexError(f"{exc}; nothing was exported") from None
     if back.shape != matrix.shape or not np.array_equal(back, matrix):
         raise PremiseIndexError(f"{npy}: does not read back as written; nothing was exported")
+    del back  # LeanCopilot's own reading, next, holds its float32 copy
     leancopilot = LeanCopilotRetrieval(folder)
     best = len(matrix)
     for state in states:

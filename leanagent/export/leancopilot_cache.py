@@ -128,10 +128,11 @@ def install(out: Path, root: Path | None = None) -> tuple[list[Path], list[Path]
     for target in targets:
         target.parent.mkdir(parents=True, exist_ok=True)
         moved += _recover(target, stamp)
-    new_id = export_id(Path(out) / ENCODER.folder)
+    # An export written before exports had an id gets one now: a journal must name what it swaps in.
+    new_id = export_id(Path(out) / ENCODER.folder) or write_export_id(out)
     staged = []
     for folder, target in zip(LEANCOPILOT_FOLDERS, targets, strict=True):
-        if new_id is not None and export_id(target) == new_id:
+        if export_id(target) == new_id:
             continue  # already this export: a retry after a kill
         incoming = _beside(target, INCOMING)
         shutil.copytree(Path(out) / folder.folder, incoming, symlinks=True, copy_function=_copy_file)
@@ -172,6 +173,7 @@ def _recover(target: Path, stamp: str) -> list[Path]:
         else:
             shutil.rmtree(ready)  # a whole copy, never swapped in
     journal.unlink(missing_ok=True)
+    journal.with_name(f"{journal.name}.tmp").unlink(missing_ok=True)  # a journal killed while being written
     return moved
 
 
@@ -187,7 +189,7 @@ def _aside(target: Path, stamp: str) -> Path:
     return aside
 
 
-def _write_journal(target: Path, new_id: str | None) -> None:
+def _write_journal(target: Path, new_id: str) -> None:
     journal = _beside(target, JOURNAL)
     tmp = journal.with_name(f"{journal.name}.tmp")
     tmp.write_text(json.dumps({"export_id": new_id}), encoding="utf-8")
