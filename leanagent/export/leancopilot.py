@@ -14,14 +14,13 @@ LeanCopilot (lean-dojo/LeanCopilot) reads, from its model cache (`leanagent.expo
 it returns (live in its build): whenever row 0 is among them, the Lean process aborts
 (`leanagent.export.leancopilot_native`). No fixed vector scores below the k-th best for every query (whatever row 0
 holds, some query scores it highest), and a NaN or infinite row gives NaN scores for queries of mixed sign, which
-break `std::partial_sort`'s order instead of ranking last. So row 0 is half the centroid of the premises' rows
-(`PLACEHOLDER_SCALE`): for any query it scores half the premises' mean score. The premises' centroid alone (their
-mean score) reaches the top k only if fewer than k premises score above their mean; halving it lowers it further
-whenever that mean is positive, as it is for nearly every state (a retriever's embeddings, trained or random, share
-a direction), which matters for small corpora, where the centroid is often within a few premises of the top 16
-(figures: docs/measurements.md). Where the mean is negative, half of it is higher than the mean: the check
-below covers that case too. Its dictionary entry names no premise (`PLACEHOLDER`). An index of no more premises
-than LeanCopilot's default k is refused: the placeholder would be among the k, or the k run past the rows.
+break `std::partial_sort`'s order instead of ranking last. So row 0 is the centroid of the premises' rows: for any
+query it scores the premises' mean score, so it reaches the top k only if fewer than k premises score above their
+own mean (and it ranks first only if all score the same). Shrinking it toward zero would rank it lower for queries
+whose premises score positive on average, but higher for the others, which are half of all states on some trained
+models (figures: docs/measurements.md); the centroid's bound holds whatever that sign. Its dictionary entry names no
+premise (`PLACEHOLDER`). An index of no more premises than LeanCopilot's default k is refused: the placeholder
+would be among the k, or the k would run past the rows.
 
 `code` is the premise's source as its corpus holds it (LeanCopilot shows it for a premise the file does not
 import), read from the datasets index.json names and checked against the text the index embedded
@@ -76,11 +75,10 @@ from leanagent.model.ct2 import META_FILE, Ct2Encoder, leancopilot_tokens
 MODEL_FILES = ("model.bin", "config.json", "vocabulary.json")
 PROBE_PREMISES = 4
 PROBE_MIN_COSINE = 0.95  # as the index's own probe: another model, or a broken conversion, gives far less
-PLACEHOLDER_SCALE = 0.5  # row 0 = this times the premises' centroid (module docstring)
 # Row 0's dictionary entry: no Lean name (spaces, parentheses), no module; LeanCopilot never returns the row.
 PLACEHOLDER = {"full_name": "(no premise: row 0 is a placeholder that LeanCopilot never returns)", "path": "(none)",
                "code": "-- leanagent's export: LeanCopilot's retrieve asserts 0 < idx, so row 0 holds no premise, "
-                       "only half the mean of the premises' rows"}
+                       "only the mean of the premises' rows"}
 # The states LeanCopilot's retrieval is checked on besides the datasets' tests: `LeanCopilot/Tactics.lean`'s
 # `ppTacticState` prints these shapes (two goals joined by a blank line; `no goals`).
 FIXED_STATES = (
@@ -168,11 +166,10 @@ def export_leancopilot(index: Path, out: Path, force: bool = False, do_install: 
 
 
 def leancopilot_rows(rows: torch.Tensor) -> np.ndarray:
-    """embeddings.npy's matrix: the placeholder row 0 (half the centroid of the rows, module docstring), then the
-    index's rows, float64, C order."""
+    """embeddings.npy's matrix: the placeholder row 0 (the centroid of the rows, module docstring), then the index's
+    rows, float64, C order."""
     values = rows.to(torch.float64).numpy()
-    placeholder = PLACEHOLDER_SCALE * values.mean(axis=0, keepdims=True)
-    return np.ascontiguousarray(np.concatenate([placeholder, values]))
+    return np.ascontiguousarray(np.concatenate([values.mean(axis=0, keepdims=True), values]))
 
 
 def probe_states(meta: dict[str, Any]) -> list[str]:
@@ -294,7 +291,7 @@ def check_export(folder: Path, matrix: np.ndarray, premises: list[PremiseLine], 
             raise PremiseIndexError(
                 f"LeanCopilot would abort Lean on the state {state!r}: the placeholder row 0 ranks {rank} of "
                 f"{len(matrix)} there, among the {DEFAULT_K} it returns (fewer than {DEFAULT_K} premises score above "
-                f"half their mean), and its C++ asserts the index is above 0; nothing was exported")
+                f"their mean), and its C++ asserts the index is above 0; nothing was exported")
         try:
             leancopilot.answer(scores, DEFAULT_K, state)
         except LeanCopilotCrash as exc:

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from leanagent.data.corpus import Corpus
+from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.theorems import load_states
 from leanagent.export.leancopilot import FIXED_STATES, PLACEHOLDER, export_leancopilot
 from leanagent.export.leancopilot_cache import ENCODER, PREMISES
@@ -62,7 +63,7 @@ def test_the_folders_are_leancopilot_s_layout_and_read_back(exported, unit_repo)
     embeddings = read_npy_double(out / PREMISES.folder / "embeddings.npy")  # as LeanCopilot reads it, or fails
     assert embeddings.shape == (len(index) + 1, index.embeddings.shape[1])
     assert np.array_equal(embeddings[1:], index.embeddings.double().numpy())  # the index's rows, exactly, from row 1
-    assert np.allclose(embeddings[0], embeddings[1:].mean(axis=0) / 2, rtol=0, atol=1e-12)  # row 0: half their centroid
+    assert np.allclose(embeddings[0], embeddings[1:].mean(axis=0), rtol=0, atol=1e-12)  # row 0: their centroid
     dictionary = json.loads((out / PREMISES.folder / "dictionary.json").read_text(encoding="utf-8"))
     assert list(dictionary) == [str(i) for i in range(len(index) + 1)]
     assert dictionary["0"] == PLACEHOLDER and " " in PLACEHOLDER["full_name"]  # no Lean name has a space
@@ -211,18 +212,16 @@ def in_process(capsys, *argv: str) -> tuple[int, str, str]:
     return int(exit_info.value.code), captured.out, captured.err
 
 
-def test_install_moves_what_is_there_aside_and_never_deletes(exported, tiny_model, unit_repo, tmp_path, monkeypatch,
+def test_install_moves_what_is_there_aside_and_never_deletes(exported, tiny_model, tmp_path, monkeypatch,
                                                              capsys) -> None:
     """LeanCopilot's folder and an earlier export are moved aside; the same export installed again moves nothing."""
-    from leanagent.model.presets import write_random_encoder
-
     cache = tmp_path / "cache"
     theirs = cache / "huggingface.co" / "kaiyuy" / PREMISES.folder
     theirs.mkdir(parents=True)
     (theirs / "embeddings.npy").write_bytes(b"LeanCopilot's own")
     monkeypatch.setenv("LEAN_COPILOT_CACHE_DIR", str(cache))
-    other = write_random_encoder(tmp_path / "other-model", "tiny", seed=1)
-    build_index(other, unit_repo, tmp_path / "other-index")
+    other = write_demo_repos(tmp_path / "other-data", 1, seed=6, scale=2)[0]  # 64 premises
+    build_index(tiny_model, other, tmp_path / "other-index")
     for source, out, moved in ((exported["index"], "out1", 1), (tmp_path / "other-index", "out2", 2),
                                (tmp_path / "other-index", "out3", 0)):  # the last: the same export again
         code, stdout, stderr = in_process(capsys, "export", str(source), str(tmp_path / out), "--format",
