@@ -386,7 +386,7 @@ def test_reprovers_byt5_small_exports_from_its_hub_id_in_the_cache(unit_repo, tm
     leancopilot = LeanCopilot(tmp_path / "out")
     index = PremiseIndex.load(tmp_path / "index", engine="torch", dtype="fp32")
     state = load_states([unit_repo / "random" / "test.json"])[0]
-    assert leancopilot.retrieve(state) == [h.full_name for h in index.retrieve(state, k=10)]
+    assert leancopilot.names(state, 10) == [h.full_name for h in index.retrieve(state, k=10)]
     uncached = cli("index", "--model", "kaiyuy/not-here", "--dataset", str(unit_repo), "--out",
                    str(tmp_path / "i2"), env=env)
     assert uncached.returncode == 1 and "no snapshot of that Hugging Face model" in uncached.stderr
