@@ -41,7 +41,7 @@ from leanagent.export.leancopilot_cache import (
     make_git_ready,
     readme,
 )
-from leanagent.ground.atomic import refuse_non_empty
+from leanagent.ground.atomic import out_folder_problem, refuse_non_empty
 from leanagent.ground.names import CORPUS_FILE
 from leanagent.index.encoders import EncoderSource, ct2_conversion
 from leanagent.index.files import INDEX_FILE, PREMISES_FILE, PremiseIndexError
@@ -112,8 +112,9 @@ def export_leancopilot(index: Path, out: Path, force: bool = False, do_install: 
 
 
 def _check_out(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} exists and is not a folder; nothing was overwritten")
+    problem = out_folder_problem(out)
+    if problem is not None:
+        raise FileExistsError(problem)
     if not force:
         try:
             refuse_non_empty(out)
