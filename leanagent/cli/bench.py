@@ -30,7 +30,14 @@ from leanagent.bench.options import (
     ServeOptions,
     SwapOptions,
 )
-from leanagent.cli.common import CommandError, add_model_options, check_device, model_from_args
+from leanagent.cli.common import (
+    CommandError,
+    add_model_options,
+    check_device,
+    check_out_file,
+    check_out_folder,
+    model_from_args,
+)
 from leanagent.ground.names import CORPUS_FILE, DEFAULT_SPLIT, TEST_PART, TRAIN_PART, part_file
 
 
@@ -59,8 +66,12 @@ def _check_path(options: BenchOptions) -> None:
 
 
 def _check_empty_work(options: CurriculumOptions | SwapOptions | AbuseOptions) -> None:
-    if options.work is not None and options.work.exists() and any(options.work.iterdir()):
-        raise CommandError(f"--work {options.work}: not empty; give a new folder (nothing was overwritten)")
+    check_out_folder("--work", options.work, new_or_empty=True)
+
+
+def _check_serve(options: ServeOptions) -> None:
+    check_out_folder("WORK", options.work)  # reused when present, so it may hold the last run's files
+    check_device(options.device)
 
 
 def _check_linux(options: SwapOptions) -> None:
@@ -143,7 +154,7 @@ SECTIONS: tuple[BenchSection, ...] = (
                  "batching:batching_table", positional=("index", "dataset"), check=_check_batching),
     BenchSection("serve", ServeOptions, "real `leanagent serve` processes, batched and not: latency and requests/s "
                  "at 1, 8 and 32 clients, cold starts", "serving:bench_serve", "serving:serve_table",
-                 positional=("work",), check=lambda options: check_device(options.device)),
+                 positional=("work",), check=_check_serve),
     BenchSection("abuse", AbuseOptions, "issue 38's attacks on real `leanagent serve` processes: per attack the "
                  "answers, the server's CPU seconds, its peak memory and /health's worst latency (Linux)",
                  "abuse:bench_abuse", "abuse:abuse_table", check=_check_empty_work),
@@ -166,6 +177,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     section: BenchSection = args.bench_section
     options = model_from_args(section.options, args)
+    check_out_file("--json", args.json)  # before minutes of measuring, not after
     if section.check is not None:
         section.check(options)
     measure, table = _named(section.measure), _named(section.table)

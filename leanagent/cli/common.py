@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
+from leanagent.ground.atomic import out_file_problem, out_folder_problem
 from leanagent.ground.config import format_validation_error
 from leanagent.ground.names import AUTO, DTYPE_CHOICES, ENGINE_CHOICES
 from leanagent.model.engines import ENGINES
@@ -42,6 +43,21 @@ class CommandError(Exception):
 def option_error(exc: ValidationError) -> CommandError:
     """Options validated by a pydantic model whose fields are the command's flags: named as the flags are."""
     return CommandError("--" + format_validation_error(exc).replace("_", "-").replace("; ", "; --"))
+
+
+def check_out_file(flag: str, path: str | Path | None) -> None:
+    """`--json OUT` and the like, refused in one line before the work whose figures the file is to hold: a folder
+    there, or a folder for it that cannot be made or written."""
+    problem = None if path is None else out_file_problem(Path(path))
+    if problem is not None:
+        raise CommandError(f"{flag} {problem}")
+
+
+def check_out_folder(flag: str, folder: str | Path | None, new_or_empty: bool = False) -> None:
+    """`--work DIR` and the like: `out_folder_problem`'s line, naming the flag, before any work."""
+    problem = None if folder is None else out_folder_problem(Path(folder), new_or_empty)
+    if problem is not None:
+        raise CommandError(f"{flag} {problem}")
 
 
 def check_device(device: str) -> None:

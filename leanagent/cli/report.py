@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from leanagent.cli.common import CommandError
+from leanagent.cli.common import CommandError, check_out_file
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -26,6 +26,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from leanagent.report import SourceError, comparison_json, comparison_text, load_run, write_png
     from leanagent.run.manifest import MANIFEST_NAME
 
+    check_out_file("--json", args.json)
+    check_out_file("--png", args.png)
     try:
         runs = [load_run(source) for source in args.sources]
     except SourceError as exc:

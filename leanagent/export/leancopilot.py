@@ -65,7 +65,7 @@ from leanagent.export.leancopilot_native import (
     placeholder_rank,
     read_leancopilot_npy,
 )
-from leanagent.ground.atomic import refuse_non_empty
+from leanagent.ground.atomic import out_folder_problem, refuse_non_empty
 from leanagent.ground.names import CORPUS_FILE
 from leanagent.index.encoders import EncoderSource, ct2_conversion
 from leanagent.index.files import CONTEXT_MAX_LEN, INDEX_FILE, PREMISES_FILE, PremiseIndexError
@@ -191,8 +191,9 @@ def probe_states(meta: dict[str, Any]) -> list[str]:
 
 
 def _check_out(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} exists and is not a folder; nothing was overwritten")
+    problem = out_folder_problem(out)
+    if problem is not None:
+        raise FileExistsError(problem)
     if not force:
         try:
             refuse_non_empty(out)

@@ -17,7 +17,7 @@ import torch
 
 from leanagent.data.corpus import Corpus
 from leanagent.data.lean_names import lean_name, module_name
-from leanagent.ground.atomic import refuse_non_empty, write_atomic, write_bytes_atomic
+from leanagent.ground.atomic import out_folder_problem, refuse_non_empty, write_atomic, write_bytes_atomic
 from leanagent.ground.config import DataConfig
 from leanagent.ground.json_files import MIB, JsonFileError, read_json_file
 
@@ -95,9 +95,11 @@ def read_names(folder: Path) -> dict[str, list[str]] | None:
 
 
 def check_out(out: Path, force: bool) -> None:
-    """A non-empty folder is refused unless `force`, before any time is spent embedding."""
-    if out.exists() and not out.is_dir():
-        raise PremiseIndexError(f"--out {out}: exists and is not a folder; nothing was overwritten")
+    """A folder that cannot be written is refused, and a non-empty one unless `force`, before any time is spent
+    embedding."""
+    problem = out_folder_problem(out)
+    if problem is not None:
+        raise PremiseIndexError(f"--out {problem}")
     if not force:
         try:
             refuse_non_empty(out)
