@@ -32,7 +32,7 @@ from leanagent.index.files import PremiseIndexError
 from leanagent.index.query import PremiseIndex
 from leanagent.run.manifest import ManifestUnreadableError
 from leanagent.serve.access import REDACTED, AccessError, RedactToken, is_loopback, require_token
-from leanagent.serve.app import create_app, returnable_large_allocations
+from leanagent.serve.app import Stop, create_app, returnable_large_allocations
 from leanagent.serve.follow import (
     DEFAULT_FOLLOW_S,
     ServerHolder,
@@ -49,6 +49,9 @@ from leanagent.serve.server import PremiseServer, StageInfo
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 23337
 GRACEFUL_SHUTDOWN_S = 10
+# Of uvicorn's window, the time requests running at a stop have to finish; those left then get a 503 (`Stop`), and
+# the rest of the window is for their answers to go out, so uvicorn never cancels one (a 500 and a traceback).
+STOP_ANSWERED_S = 7.0
 # At the stop, at most this long for a stage being loaded and for the encoder's thread, before the model is freed.
 RELEASE_WAIT_S = 10.0
 SPARE_DESCRIPTORS = 64  # beside the connections: the index's files, logs, the model's threads
@@ -108,9 +111,14 @@ class _Server(uvicorn.Server):
     signal meets ours (`interrupt_on_signals`, an exception wherever the main thread is, uvicorn's imports
     included); after it, uvicorn's own handlers, which stop it gracefully."""
 
-    def __init__(self, config: uvicorn.Config, ready: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, ready: Callable[[], None], stop: Stop) -> None:
         super().__init__(config)
         self._ready = ready
+        self._stop = stop
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._stop.begin(STOP_ANSWERED_S)
+        await super().shutdown(sockets=sockets)
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         quiet_accept_errors(asyncio.get_running_loop())
@@ -174,7 +182,8 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
         holder = ServerHolder(load(stage.index if stage else source, stage))
     except PremiseIndexError as exc:
         raise ServeError(str(exc)) from None
-    app = create_app(holder, token=token, openapi=openapi)  # before listening: never a half-built server
+    stop = Stop()
+    app = create_app(holder, token=token, openapi=openapi, stop=stop)  # before listening: never a half-built server
     connections = descriptor_room(limits.max_connections + limits.health_connections, log)
     try:
         sock = listen(host, port)
@@ -210,7 +219,7 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
                 if follower is not None:
                     follower.start()
 
-            _Server(config, ready).run(sockets=[sock])
+            _Server(config, ready, stop).run(sockets=[sock])
     except Interrupted as exc:
         code, reason = exc.exit_code, str(exc)
     finally:

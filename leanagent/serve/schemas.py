@@ -77,3 +77,11 @@ class RequestError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+class ServerStopping(RequestError):
+    """The server was told to stop (a signal) while this request waited or ran past the time left to finish it: a
+    503 to retry, never a 500."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "the server is stopping (it was told to): retry in a moment, once it is back")
