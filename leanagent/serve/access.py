@@ -12,10 +12,12 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import secrets
 import stat
 import string
 from pathlib import Path
+from urllib.parse import unquote
 
 MIN_TOKEN_CHARS = 16
 GENERATED_TOKEN_BYTES = 24  # 192 random bits, 32 characters of base64url
@@ -92,17 +94,51 @@ def require_token(host: str, token: str | None, insecure_no_token: bool) -> None
                           f"--insecure-no-token to serve anyone who can reach the port")
 
 
+WRONG = "WRONG-TOKEN"
+# A request in a log line: uvicorn's access line quotes `METHOD PATH HTTP/x`, the path as sent (percent-encoded or
+# not, maybe after a scheme and host); its first segment, after any slashes (`TokenGate` skips them all), stands
+# where the token goes.
+_REQUEST = re.compile(r'(?P<head>"[A-Z]+ (?:[A-Za-z][A-Za-z0-9+.-]*://[^/\s"]*)?/+)(?P<segment>[^/?#\s"]*)')
+_WORD = re.compile(r"[A-Za-z0-9%._~+-]+")  # a run of what a token, spelled in a URL, may be made of
+
+
 class RedactToken(logging.Filter):
-    """Replaces the token, wherever a log record carries it (uvicorn's access line has the whole path), with
-    `TOKEN`: a log is read by more people than the token's file."""
+    """Keeps the token out of a log record, in any spelling: a log is read by more people than the token's file.
+
+    In a request (uvicorn's access line has its path as sent) the first segment stands where the token goes, and it
+    is replaced whatever it holds: `TOKEN` when it is the token (percent-encoded or not), `WRONG-TOKEN` when it is
+    not (a token cut short by a character, or mistyped, would show nearly all of it). Anywhere else in the line, and
+    in a traceback, any run of URL characters that holds the token, once percent-decoded, is `TOKEN`."""
 
     def __init__(self, token: str) -> None:
         super().__init__()
         self.token = token
 
+    def redact(self, text: str) -> str:
+        def segment(match: re.Match) -> str:
+            held = match["segment"]
+            if not held:
+                return match[0]
+            return match["head"] + (REDACTED if unquote(held).lstrip("/") == self.token else WRONG)
+
+        def word(match: re.Match) -> str:
+            return REDACTED if self.token in unquote(match[0]) else match[0]
+
+        return _WORD.sub(word, _REQUEST.sub(segment, text))
+
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and self.token in record.msg:
-            record.msg = record.msg.replace(self.token, REDACTED)
-        if isinstance(record.args, tuple):
-            record.args = tuple(a.replace(self.token, REDACTED) if isinstance(a, str) else a for a in record.args)
+        if getattr(record, "token_redacted", False):  # a record passes the loggers' filters and the handlers'
+            return True
+        record.token_redacted = True
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):  # arguments that do not fit the message: their text as it is
+            message = f"{record.msg} {record.args}"
+        record.msg, record.args = self.redact(message), ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = self.redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = self.redact(record.stack_info)
         return True

@@ -208,7 +208,7 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
     try:
         # Ours until uvicorn takes the signals over, and again after: it shuts down gracefully, then re-raises
         # the signal it got, which ours turns into Interrupted. A signal during start-up stops as cleanly.
-        with interrupt_on_signals(), _quiet_logs(token):
+        with interrupt_on_signals(), quiet_logs(token):
             _warn_beyond_loopback(bound_host, bound_port, token, log)
             where = f" ({REDACTED}: {token_source})" if token else ""
             banner = (f"serving {count} premises of {what} ({engine_line}) at {url}; in Lean: "
@@ -231,20 +231,29 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
     return code
 
 
+# The loggers a server's lines go through (uvicorn's, ours, asyncio's), and the root one, whose handlers print them.
+LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "leanagent", "leanagent.serve", "asyncio", "")
+
+
 @contextlib.contextmanager
-def _quiet_logs(token: str | None) -> Iterator[None]:
+def quiet_logs(token: str | None) -> Iterator[None]:
     """uvicorn's log as a shared server needs it: its per-request warnings (a malformed request, one a client can
-    send thousands of) at most once a minute each, and the token in no line (the access log has whole paths)."""
-    filters = [(logging.getLogger("uvicorn.error"), OncePerMinute())]
+    send thousands of) at most once a minute each, and the token in no line (the access log has whole paths): on
+    each logger and on each handler that prints, so a line from a logger below them is redacted too."""
+    filters: list[tuple[logging.Logger | logging.Handler, logging.Filter]] = [
+        (logging.getLogger("uvicorn.error"), OncePerMinute())]
     if token:
-        filters += [(logging.getLogger(name), RedactToken(token)) for name in ("uvicorn.access", "uvicorn.error")]
-    for logger, f in filters:
-        logger.addFilter(f)
+        redact = RedactToken(token)
+        loggers = [logging.getLogger(name) for name in LOGGERS]
+        handlers = {id(h): h for logger in loggers for h in logger.handlers}
+        filters += [(where, redact) for where in (*loggers, *handlers.values())]
+    for where, f in filters:
+        where.addFilter(f)
     try:
         yield
     finally:
-        for logger, f in filters:
-            logger.removeFilter(f)
+        for where, f in filters:
+            where.removeFilter(f)
 
 
 def _warn_beyond_loopback(host: str, port: int, token: str | None, log: Callable[[str], None]) -> None:

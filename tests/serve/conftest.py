@@ -52,10 +52,10 @@ NEW_CLIENT = ('{"state":"x y n m : Nat\\n⊢ Eq (HAdd.hAdd (glend 0) (blix (quon
 class LiveServer:
     """uvicorn in a thread on a socket bound to 127.0.0.1:0 (no port race), stopped as Ctrl-C would stop it."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, access_log: bool = False) -> None:
         self.sock = listen("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))  # logs reach caplog
+        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=access_log))  # logs reach caplog
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:

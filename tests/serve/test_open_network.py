@@ -165,9 +165,15 @@ def test_a_token_in_the_path_is_required_and_lean_is_told_the_url(built, tmp_pat
             assert token not in refused.text
         assert post(url, OLD_CLIENT).status_code == 200
         assert httpx.get(f"{url}/indexed-modules", timeout=LONG).json()[0] == "Core.Basic"
+        # Percent-encoded, it is the token still; cut short by a character, it is not: neither is logged as sent.
+        encoded = "".join(f"%{ord(c):02X}" for c in token)
+        assert httpx.get(f"{base}/{encoded}/health", timeout=LONG).status_code == 200
+        assert httpx.get(f"{base}/{token[:-1]}/health", timeout=LONG).status_code == 404
         proc.send_signal(signal.SIGINT)
         log = proc.stderr.read() + proc.stdout.read()
-    assert '"POST /TOKEN/retrieve HTTP/1.1" 200' in log and token not in log, log  # the access log, redacted
+    assert '"POST /TOKEN/retrieve HTTP/1.1" 200' in log and '"GET /TOKEN/health HTTP/1.1" 200' in log, log
+    assert '"GET /WRONG-TOKEN/health HTTP/1.1" 404' in log, log  # the access log, redacted
+    assert token[:16] not in log and token[-16:] not in log and encoded[:24] not in log, log
 
 
 def test_no_response_names_a_path_and_the_schema_is_off_unless_asked(built) -> None:
