@@ -19,8 +19,8 @@ from leanagent.data.corpus import Corpus
 from leanagent.data.lean_names import lean_name, module_name
 from leanagent.ground.atomic import refuse_non_empty, write_atomic, write_bytes_atomic
 from leanagent.ground.config import DataConfig
+from leanagent.ground.names import INDEX_FILE
 
-INDEX_FILE = "index.json"
 EMBEDDINGS_FILE = "embeddings.safetensors"
 PREMISES_FILE = "premises.jsonl"
 FILES_FILE = "files.jsonl"

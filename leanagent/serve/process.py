@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import uvicorn
 
 from leanagent.ground.names import AUTO
@@ -82,9 +83,27 @@ def newest_stage(run_dir: Path) -> Stage:
 def lean_url(host: str, port: int, token: str | None = None) -> str:
     """The URL to give Lean (premiseSelection.apiBaseUrl): an address that listens on every interface is reached
     by this machine's name."""
-    shown = socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+    shown = machine_name() if host in ("0.0.0.0", "::", "") else host
     shown = f"[{shown}]" if ":" in shown else shown
     return f"http://{shown}:{port}" + (f"/{token}" if token else "")
+
+
+def machine_name() -> str:
+    """The name other machines reach this one by: its fully qualified name, unless that is a loopback name (where
+    /etc/hosts maps the host's name to 127.0.0.1 beside `localhost`, `getfqdn` gives `localhost`), then its host
+    name, then its first address that is not loopback."""
+    for name in (socket.getfqdn(), socket.gethostname()):
+        if name and not _loopback_name(name):
+            return name
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family in (socket.AF_INET, socket.AF_INET6) and not is_loopback(address.address.split("%")[0]):
+                return address.address.split("%")[0]
+    return socket.gethostname() or "localhost"
+
+
+def _loopback_name(name: str) -> bool:
+    return name == "localhost" or name.startswith("localhost.") or name.endswith(".localhost") or is_loopback(name)
 
 
 def descriptor_room(wanted: int, log: Callable[[str], None]) -> int:

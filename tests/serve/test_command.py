@@ -103,3 +103,22 @@ def test_serve_refuses_a_stale_index_and_serves_it_with_force(stale_index) -> No
     assert warning.startswith("warning: ") and "used anyway (--force)" in warning, warning
     assert serving.startswith("serving "), serving
     assert rc == 128 + signal.SIGTERM
+
+
+@pytest.mark.parametrize("what", ["missing", "file", "empty"])
+def test_serve_of_a_run_that_is_not_there_is_one_line_before_torch(tmp_path, what) -> None:
+    """`serve runs/NAME` for a run that does not exist spoke of an index folder, 48 s later (torch imported first)."""
+    source = tmp_path / "runs" / "NAME"
+    if what == "file":
+        source.parent.mkdir()
+        source.write_text("x")
+    elif what == "empty":
+        source.mkdir(parents=True)
+    probe = ("import sys\nfrom leanagent.cli.main import main\n"
+             f"try:\n    main(['serve', {str(source)!r}])\n"
+             "except SystemExit as exc:\n    print(exc.code, 'torch' in sys.modules, 'uvicorn' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.stdout.split() == ["1", "False", "False"], (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"error: {source}: "), done.stderr
+    assert "run" in done.stderr and "RUN_DIR" in done.stderr

@@ -20,6 +20,7 @@ import pytest
 
 from leanagent.serve import PremiseServer, RetrieveRequest, ServeLimits, create_app
 from leanagent.serve.cache import EmbeddingCache
+from leanagent.serve.process import machine_name
 
 from .conftest import (
     LONG,
@@ -198,7 +199,9 @@ def test_every_interface_needs_a_token_or_says_it_serves_anyone(built, tmp_path)
     assert "needs an access token" in refused.stderr and "--insecure-no-token" in refused.stderr
     with serving(built["root"] / "index", "--host", "0.0.0.0", "--insecure-no-token") as (url, proc):
         assert "warning: listening on every network interface without a token" in proc.banner
-        assert "0.0.0.0" not in url and url.startswith(f"http://{socket.getfqdn()}:")
+        # The server's machine by name: not 0.0.0.0, and not `localhost` where getfqdn() says so (a host whose
+        # /etc/hosts maps its name to 127.0.0.1 beside localhost: then its host name).
+        assert url.startswith(f"http://{machine_name()}:") and "0.0.0.0" not in url and "localhost" not in url
     with serving(built["root"] / "index", "--host", "0.0.0.0", "--token-file", str(tmp_path / "t")) as (url, proc):
         assert "with a token in the URL's path" in proc.banner
 
