@@ -15,9 +15,9 @@ from leanagent.cli.common import (
     add_model_check_arguments,
     add_model_options,
     check_device,
+    check_run_or_index,
     model_from_args,
 )
-from leanagent.ground.names import INDEX_FILE
 
 TOKEN_ENV = "LEANAGENT_SERVE_TOKEN"
 
@@ -72,23 +72,7 @@ def read_token(file: str | None) -> tuple[str | None, str]:
         raise CommandError(str(exc)) from None
 
 
-def check_source(source: Path) -> None:
-    """SOURCE must be a run's folder (its manifest.json) or an index's (its index.json): said in one line before the
-    server's modules are imported (a missing run was reported as an index folder, 48 s later, torch loaded first)."""
-    from leanagent.run.manifest import MANIFEST_NAME
-
-    what = f"SOURCE is a run's folder (RUN_DIR, with its {MANIFEST_NAME}) or an INDEX folder (with its {INDEX_FILE})"
-    if not source.exists():
-        raise CommandError(f"{source}: no such run or index: nothing is there; {what}")
-    if not source.is_dir():
-        raise CommandError(f"{source}: a file, not a run or an index; {what}")
-    if not (source / MANIFEST_NAME).exists() and not (source / INDEX_FILE).exists():
-        raise CommandError(f"{source}: not a run that has started (no {MANIFEST_NAME}) nor an index (no "
-                           f"{INDEX_FILE}); {what}")
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
-    from leanagent.run.manifest import MANIFEST_NAME, ManifestUnreadableError, read_manifest
     from leanagent.serve.access import AccessError, require_token
     from leanagent.serve.schemas import ServeLimits
 
@@ -101,13 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         require_token(args.host, token, args.insecure_no_token)
     except AccessError as exc:
         raise CommandError(str(exc)) from None
-    source = Path(args.source)
-    check_source(source)
-    if (source / MANIFEST_NAME).is_file():  # a RUN_DIR's manifest cut short or of the wrong shape: one line, now
-        try:
-            read_manifest(source / MANIFEST_NAME)
-        except ManifestUnreadableError as exc:
-            raise CommandError(str(exc)) from None
+    check_run_or_index(Path(args.source))  # before the server's modules (torch, uvicorn): one line, now
     from leanagent.serve import ServeError, serve  # the model's stack: seconds to import
 
     try:

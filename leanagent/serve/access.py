@@ -19,7 +19,11 @@ import string
 from pathlib import Path
 from urllib.parse import unquote
 
+from leanagent.ground.json_files import KIB, read_capped
+
 MIN_TOKEN_CHARS = 16
+MAX_TOKEN_CHARS = 1024  # far beyond any token worth its name; a URL's path carries it on every request
+TOKEN_FILE_BYTES = 4 * KIB  # a token file's most: one line of a token, and room for a comment after it
 GENERATED_TOKEN_BYTES = 24  # 192 random bits, 32 characters of base64url
 TOKEN_CHARS = frozenset(string.ascii_letters + string.digits + "-._~")  # RFC 3986's unreserved characters
 REDACTED = "TOKEN"
@@ -38,6 +42,9 @@ def check_token(token: str, where: str) -> str:
     if len(token) < MIN_TOKEN_CHARS:
         raise AccessError(f"{where}: a token of {len(token)} characters; at least {MIN_TOKEN_CHARS} are needed (a "
                           f"generated one has 32: remove the file to have one written)")
+    if len(token) > MAX_TOKEN_CHARS:
+        raise AccessError(f"{where}: a token of {len(token):,} characters, more than the {MAX_TOKEN_CHARS:,} a URL's "
+                          f"path should carry on every request (a generated one has 32)")
     bad = next((c for c in token if c not in TOKEN_CHARS), None)
     if bad is not None:
         raise AccessError(f"{where}: the token holds {bad!r}, which a URL's path does not carry as it is; use "
@@ -71,10 +78,14 @@ def read_token_file(path: Path) -> str:
             f.write(token + "\n")
         return token
     check_token_file(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise AccessError(f"--token-file {path}: cannot be read ({type(exc).__name__})") from None
+    try:  # at most TOKEN_FILE_BYTES, the size checked on the open file first: a 1 GiB file was read whole (2 GB)
+        data = read_capped(path, TOKEN_FILE_BYTES, "token file", AccessError,
+                           "a token file holds one line, the token")
+        lines = data.decode("utf-8").splitlines()
+    except AccessError as exc:
+        raise AccessError(f"--token-file {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise AccessError(f"--token-file {path}: not UTF-8 text (byte {exc.start})") from None
     return check_token(lines[0].strip() if lines else "", f"--token-file {path}")
 
 

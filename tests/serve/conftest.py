@@ -147,6 +147,21 @@ def serving(source: Path, *args: str, env: dict[str, str] | None = None) -> Iter
                             f"with every thread's stack:\n{said[-6000:]}")
 
 
+def command_alone(argv: list[str], tmp_path: Path) -> tuple[int, bool, str, int]:
+    """`leanagent ARGV` in a process of its own: its exit code, whether it imported torch, its stderr and its peak
+    resident memory in bytes (the kernel's count for that one process, `wait4`)."""
+    probe = ("import sys\nfrom leanagent.cli.main import main\n"
+             f"try:\n    main({argv!r})\nexcept SystemExit as exc:\n    print(exc.code, 'torch' in sys.modules)\n")
+    out, err = tmp_path / "command.out", tmp_path / "command.err"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen([sys.executable, "-c", probe], stdout=o, stderr=e, cwd=REPO_ROOT,
+                                env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"})
+    _, _, usage = os.wait4(proc.pid, 0)
+    proc.returncode = 0  # reaped here: Popen must not wait for it
+    code, torch_loaded = out.read_text().split()
+    return int(code), torch_loaded == "True", err.read_text(), usage.ru_maxrss * 1024
+
+
 def stall(port: int) -> socket.socket:
     """A client that sends half a request line and stalls."""
     conn = socket.create_connection(("127.0.0.1", port), timeout=LONG)

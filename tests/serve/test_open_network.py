@@ -28,6 +28,7 @@ from .conftest import (
     REPO_ROOT,
     STATE,
     LiveServer,
+    command_alone,
     open_connections,
     peak_rss,
     post,
@@ -221,6 +222,21 @@ def test_a_weak_token_or_a_token_file_others_can_read_is_refused(built, tmp_path
                              cwd=REPO_ROOT, timeout=LONG, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1 and match in refused.stderr, refused.stderr
     assert content.strip() not in refused.stderr or len(content.strip()) < 2
+
+
+def test_a_token_file_of_a_gigabyte_is_refused_unread(built, tmp_path) -> None:
+    """A 1 GiB sparse token file (mode 600) was read whole: 2,086 MB of memory. Now refused from its size."""
+    big = tmp_path / "token"
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)
+    big.chmod(0o600)
+    code, torch_loaded, err, peak = command_alone(["serve", str(built["root"] / "index"), "--token-file", str(big)],
+                                                  tmp_path)
+    assert code == 1 and not torch_loaded and err.count("\n") == 1, err
+    assert err.startswith(f"error: --token-file {big}: 1.1 GB, more than a token file ever holds (4.1 KB)"), err
+    big.chmod(0o644)  # refused before it is opened: the memory of a refusal
+    idle = command_alone(["serve", str(built["root"] / "index"), "--token-file", str(big)], tmp_path)
+    assert idle[0] == 1 and "readable by others" in idle[2] and peak - idle[3] < 100 * 2**20, (peak, idle)
 
 
 def test_sigint_ends_the_server_with_130(built) -> None:
