@@ -57,7 +57,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     from leanagent.checkpoints.files import BadFileError
     from leanagent.data.errors import DatasetError
     from leanagent.index.build import build_index
-    from leanagent.index.files import PremiseIndexError
+    from leanagent.index.files import IndexNotWritten, PremiseIndexError
     from leanagent.model.loading import ModelSourceError
 
     check_device(args.device)
@@ -67,7 +67,8 @@ def cmd_index(args: argparse.Namespace) -> int:
         meta = build_index(Path(args.checkpoint or args.model), Path(args.dataset), Path(args.out),
                            device=args.device, batch_tokens=args.batch_tokens, force=args.force, dtype=args.dtype,
                            engine=args.engine, base_model=args.base_model)
-    except (PremiseIndexError, ModelSourceError, BadFileError, DatasetError, FileNotFoundError) as exc:
+    except (PremiseIndexError, ModelSourceError, BadFileError, DatasetError, FileNotFoundError,
+            IndexNotWritten) as exc:
         raise CommandError(str(exc)) from None
     print(f"indexed {meta['num_premises']} premises of {meta['num_files']} files ({meta['embedding_dim']} wide) "
           f"in {meta['embed_seconds']:.1f}s ({meta['engine']} {meta['embedded_at']}): {args.out}")
