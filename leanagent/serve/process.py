@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import resource
 import signal
 import socket
@@ -55,7 +56,13 @@ GRACEFUL_SHUTDOWN_S = 10
 STOP_ANSWERED_S = 7.0
 # At the stop, at most this long for a stage being loaded and for the encoder's thread, before the model is freed.
 RELEASE_WAIT_S = 10.0
-SPARE_DESCRIPTORS = 64  # beside the connections: the index's files, logs, the model's threads
+SPARE_DESCRIPTORS = 32  # beside the connections and those open at the start: a new stage's files, the manifest
+# Connections asyncio accepts in one go when the listening socket is ready (the `backlog` uvicorn passes it, also the
+# kernel's queue). Each holds a descriptor before it is counted, or refused, two turns of the event loop later, so
+# up to four such bursts are open beyond the connections counted: the descriptors must leave room for them.
+ACCEPT_BURST = 2048  # uvicorn's default backlog
+BURSTS_IN_FLIGHT = 4
+MIN_BURST = 8
 
 
 class ServeError(Exception):
@@ -106,11 +113,14 @@ def _loopback_name(name: str) -> bool:
     return name == "localhost" or name.startswith("localhost.") or name.endswith(".localhost") or is_loopback(name)
 
 
-def descriptor_room(wanted: int, log: Callable[[str], None]) -> int:
-    """Connections the process can keep open: `wanted`, after raising the soft descriptor limit towards the hard one
-    if it must, or as many as the limit leaves (said once)."""
+def descriptor_room(wanted: int, log: Callable[[str], None]) -> tuple[int, int]:
+    """(connections, accept burst) the process can hold within its descriptor limit: `wanted` connections and
+    `ACCEPT_BURST`, after raising the soft limit towards the hard one if it must; or, where the limit is lower, a
+    burst and as many connections as it leaves (said once), so that the process never runs out of descriptors
+    ("Too many open files") however fast clients connect."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = wanted + SPARE_DESCRIPTORS
+    base = _open_descriptors() + SPARE_DESCRIPTORS
+    need = wanted + base + BURSTS_IN_FLIGHT * ACCEPT_BURST
     if soft != resource.RLIM_INFINITY and soft < need:
         target = need if hard == resource.RLIM_INFINITY else min(need, hard)
         try:
@@ -118,11 +128,26 @@ def descriptor_room(wanted: int, log: Callable[[str], None]) -> int:
             soft = target
         except (ValueError, OSError):
             pass
-    if soft != resource.RLIM_INFINITY and soft < need:
-        room = max(1, soft - SPARE_DESCRIPTORS)
-        log(f"warning: --max-connections {wanted}: the process may open {soft} files, so at most {room} connections")
-        return room
-    return wanted
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return wanted, ACCEPT_BURST
+    burst = (soft - base - wanted) // BURSTS_IN_FLIGHT  # every connection wanted, a smaller burst
+    if burst >= MIN_BURST:
+        return wanted, burst
+    burst = max(MIN_BURST, (soft - base) // (2 * BURSTS_IN_FLIGHT))  # else half the room for the bursts
+    room = max(1, soft - base - BURSTS_IN_FLIGHT * burst)
+    log(f"warning: --max-connections {wanted}: the process may open {soft} files, so at most {room} connections, "
+        f"{burst} accepted at once (raise `ulimit -n` for more)")
+    return min(room, wanted), burst
+
+
+def _open_descriptors() -> int:
+    """Descriptors open now (the index's files, the model's, logs, the listening socket)."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(folder))
+        except OSError:
+            continue
+    return 64  # no way to count them here: a margin
 
 
 class _Server(uvicorn.Server):
@@ -203,7 +228,7 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
         raise ServeError(str(exc)) from None
     stop = Stop()
     app = create_app(holder, token=token, openapi=openapi, stop=stop)  # before listening: never a half-built server
-    connections = descriptor_room(limits.max_connections + limits.health_connections, log)
+    connections, burst = descriptor_room(limits.max_connections + limits.health_connections, log)
     try:
         sock = listen(host, port)
     except OSError as exc:
@@ -213,7 +238,7 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
     health = min(limits.health_connections, connections // 2)
     config = uvicorn.Config(app, http=bounded_protocol(limits.request_timeout_s, connections - health, health),
                             log_level="info" if access_log else "warning", access_log=access_log,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, backlog=burst,
                             # The app has no start-up or shut-down handlers. uvicorn's lifespan task catches every
                             # BaseException: a Ctrl-C landing in it during start-up was swallowed, and that server
                             # went on serving (seen once, found idle in its event loop hours later).

@@ -7,6 +7,7 @@ embeddings, a plain dot product, a sort), not from the server's code path.
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -116,14 +117,18 @@ LONG = 60  # seconds a test waits at most for what a server does at once: genero
 
 
 @contextmanager
-def serving(source: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`leanagent serve SOURCE ARGS --port 0` as a user runs it; (its URL, the process), stopped with SIGINT."""
+def serving(source: Path, *args: str, env: dict[str, str] | None = None,
+            nofile: int | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`leanagent serve SOURCE ARGS --port 0` as a user runs it; (its URL, the process), stopped with SIGINT.
+    `nofile`: its limit of open files, soft and hard (`ulimit -n`)."""
     # PYTHONFAULTHANDLER: a server that does not stop is sent SIGABRT, which then prints every thread's stack.
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT), "PYTHONFAULTHANDLER": "1",
                 **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "leanagent.cli", "serve", str(source), "--port", "0", *args],
                             stderr=subprocess.PIPE, text=True, env=full_env, cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE if "--access-log" in args else None)  # uvicorn's access log
+                            stdout=subprocess.PIPE if "--access-log" in args else None,  # uvicorn's access log
+                            preexec_fn=None if nofile is None else lambda: resource.setrlimit(
+                                resource.RLIMIT_NOFILE, (nofile, nofile)))
     try:
         lines = []
         while True:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -86,6 +87,32 @@ def test_connections_beyond_the_limit_are_closed_at_once(built) -> None:
                 pass
             assert time.monotonic() < deadline
             time.sleep(0.1)
+
+
+def test_a_low_descriptor_limit_lowers_the_connections_and_is_never_run_out_of(built) -> None:
+    """With `ulimit -n 256` the connections were lowered with a warning, yet "[Errno 24] Too many open files" was
+    logged: asyncio accepts up to the listen backlog (uvicorn's 2,048) in one go, before any is counted. The burst
+    is lowered with the limit, so 400 sockets at once are counted or refused, never past the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1024:  # this process holds 400 sockets at once
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 1024), hard))
+    with serving(built["root"] / "index", nofile=256) as (url, proc):
+        assert "the process may open 256 files, so at most " in proc.banner, proc.banner
+        room = int(proc.banner.split("so at most ", 1)[1].split()[0])  # with the 8 kept for /health
+        port = int(url.rsplit(":", 1)[1])
+        stalled = []
+        for _ in range(400):
+            try:
+                stalled.append(stall(port))
+            except OSError:  # refused (reset) beyond the limit, or the kernel's queue full: a client's retry
+                pass
+        until(lambda: open_connections(proc.pid, port) >= room - 8)  # every slot taken, the rest refused
+        for conn in stalled:
+            conn.close()
+        until(lambda: post(url, OLD_CLIENT).status_code == 200)
+        proc.send_signal(signal.SIGINT)
+        log = proc.stderr.read()
+    assert "Too many open files" not in log and "Errno 24" not in log and "Traceback" not in log, log
 
 
 def test_while_stalled_sockets_hold_every_slot_health_is_answered_and_nothing_else(built) -> None:
