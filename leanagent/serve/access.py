@@ -110,6 +110,7 @@ WRONG = "WRONG-TOKEN"
 # not, maybe after a scheme and host); its first segment, after any slashes (`TokenGate` skips them all), stands
 # where the token goes.
 _REQUEST = re.compile(r'(?P<head>"[A-Z]+ (?:[A-Za-z][A-Za-z0-9+.-]*://[^/\s"]*)?/+)(?P<segment>[^/?#\s"]*)')
+_TARGET = re.compile(r'(?P<head>(?:[A-Za-z][A-Za-z0-9+.-]*://[^/\s"]*)?/+)(?P<segment>[^/?#\s"]*)')
 _WORD = re.compile(r"[A-Za-z0-9%._~+-]+")  # a run of what a token, spelled in a URL, may be made of
 
 
@@ -119,33 +120,44 @@ class RedactToken(logging.Filter):
     In a request (uvicorn's access line has its path as sent) the first segment stands where the token goes, and it
     is replaced whatever it holds: `TOKEN` when it is the token (percent-encoded or not), `WRONG-TOKEN` when it is
     not (a token cut short by a character, or mistyped, would show nearly all of it). Anywhere else in the line, and
-    in a traceback, any run of URL characters that holds the token, once percent-decoded, is `TOKEN`."""
+    in a traceback, any run of URL characters that holds the token, once percent-decoded, is `TOKEN`. A record's
+    arguments stay arguments (uvicorn's access formatter reads them by position), each redacted."""
 
     def __init__(self, token: str) -> None:
         super().__init__()
         self.token = token
 
-    def redact(self, text: str) -> str:
-        def segment(match: re.Match) -> str:
-            held = match["segment"]
-            if not held:
-                return match[0]
-            return match["head"] + (REDACTED if unquote(held).lstrip("/") == self.token else WRONG)
+    def _segment(self, head: str, held: str) -> str:
+        if not held:
+            return head
+        return head + (REDACTED if unquote(held).lstrip("/") == self.token else WRONG)
 
+    def redact(self, text: str) -> str:
+        """`text` with every request's first segment and every spelling of the token replaced."""
         def word(match: re.Match) -> str:
             return REDACTED if self.token in unquote(match[0]) else match[0]
 
-        return _WORD.sub(word, _REQUEST.sub(segment, text))
+        text = _REQUEST.sub(lambda m: self._segment(m["head"], m["segment"]), text)
+        return _WORD.sub(word, text)
+
+    def redact_target(self, target: str) -> str:
+        """A request's target as uvicorn's access line passes it (`/SEGMENT/...`, maybe after a scheme and host)."""
+        match = _TARGET.match(target)
+        if match is None:
+            return self.redact(target)
+        return self.redact(self._segment(match["head"], match["segment"]) + target[match.end():])
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "token_redacted", False):  # a record passes the loggers' filters and the handlers'
             return True
         record.token_redacted = True
-        try:
-            message = record.getMessage()
-        except (TypeError, ValueError):  # arguments that do not fit the message: their text as it is
-            message = f"{record.msg} {record.args}"
-        record.msg, record.args = self.redact(message), ()
+        access = record.name.startswith("uvicorn.access")
+        if isinstance(record.msg, str):
+            record.msg = self.redact(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(self._argument(a, access) for a in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {k: self._argument(v, access) for k, v in record.args.items()}
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:
@@ -153,3 +165,8 @@ class RedactToken(logging.Filter):
         if record.stack_info:
             record.stack_info = self.redact(record.stack_info)
         return True
+
+    def _argument(self, value: object, access: bool) -> object:
+        if not isinstance(value, str):
+            return self.redact(str(value)) if self.token in unquote(str(value)) else value
+        return self.redact_target(value) if access and _TARGET.match(value) else self.redact(value)

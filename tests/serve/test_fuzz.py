@@ -16,6 +16,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from uvicorn.logging import AccessFormatter
 
 from leanagent.serve import ServeLimits, create_app
 from leanagent.serve.access import REDACTED, WRONG
@@ -116,9 +117,13 @@ FIRST_SEGMENT = st.one_of(
 
 
 class _Lines(logging.Handler):
+    """The access lines as `leanagent serve --access-log` prints them: uvicorn's own formatter, which reads the
+    record's arguments by position."""
+
     def __init__(self) -> None:
         super().__init__()
         self.lines: list[str] = []
+        self.setFormatter(AccessFormatter('%(client_addr)s - "%(request_line)s" %(status_code)s', use_colors=False))
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(self.format(record))
