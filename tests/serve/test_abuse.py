@@ -17,6 +17,7 @@ import psutil
 import pytest
 import torch
 
+from leanagent.serve import ServeLimits
 from leanagent.serve.cache import ENTRY_OVERHEAD, EmbeddingCache
 
 from .conftest import LONG, OLD_CLIENT, STATE, peak_rss, post, serving, until
@@ -158,7 +159,7 @@ def test_sighup_ends_the_server_as_sigterm_does(built, in_flight) -> None:
     assert "stopped (SIGHUP)" in log and "Traceback" not in log, log
 
 
-def _heaviest(premises: int = 2048, decl_chars: int = 600) -> bytes:
+def _heaviest(premises: int = ServeLimits().max_new_premises, decl_chars: int = 600) -> bytes:
     """As many new premises as a request may send, each longer than the encoder reads: its most encoder work."""
     new = [{"name": f"Heavy.p{i}", "decl": f"theorem Heavy.p{i} : " + "a + b = b + a ∧ " * (decl_chars // 16)}
            for i in range(premises)]
