@@ -23,6 +23,7 @@ import psutil
 import pytest
 import uvicorn
 
+from leanagent.bench.attacks import measured
 from leanagent.data.corpus import serialize_premise
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.index.build import build_index
@@ -154,17 +155,14 @@ def serving(source: Path, *args: str, env: dict[str, str] | None = None,
 
 def command_alone(argv: list[str], tmp_path: Path) -> tuple[int, bool, str, int]:
     """`leanagent ARGV` in a process of its own: its exit code, whether it imported torch, its stderr and its peak
-    resident memory in bytes (the kernel's count for that one process, `wait4`)."""
+    resident memory in bytes (measured from a small process: see `leanagent.bench.attacks.PEAK`)."""
+    said = tmp_path / "command.said"
     probe = ("import sys\nfrom leanagent.cli.main import main\n"
-             f"try:\n    main({argv!r})\nexcept SystemExit as exc:\n    print(exc.code, 'torch' in sys.modules)\n")
-    out, err = tmp_path / "command.out", tmp_path / "command.err"
-    with open(out, "w") as o, open(err, "w") as e:
-        proc = subprocess.Popen([sys.executable, "-c", probe], stdout=o, stderr=e, cwd=REPO_ROOT,
-                                env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"})
-    _, _, usage = os.wait4(proc.pid, 0)
-    proc.returncode = 0  # reaped here: Popen must not wait for it
-    code, torch_loaded = out.read_text().split()
-    return int(code), torch_loaded == "True", err.read_text(), usage.ru_maxrss * 1024
+             f"try:\n    main({argv!r})\nexcept SystemExit as exc:\n"
+             f"    open({str(said)!r}, 'w').write(f\"{{exc.code}} {{'torch' in sys.modules}}\")\n")
+    done = measured([sys.executable, "-c", probe], tmp_path, {"PYTHONPATH": str(REPO_ROOT)})
+    code, torch_loaded = said.read_text().split()
+    return int(code), torch_loaded == "True", done.err, int(done.peak_mb * 2**20)
 
 
 def stall(port: int) -> socket.socket:
