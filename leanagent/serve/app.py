@@ -198,9 +198,9 @@ class Stop:
             if not task.done():
                 task.cancel()
                 await asyncio.wait({task}, timeout=1.0)  # its own clean-up (the body's budget given back)
-        if task.cancelled():
-            raise ServerStopping()
-        return task.result()
+        if task.done() and not task.cancelled():
+            return task.result()  # answered (or refused) before the stop's time was over, or just as it was
+        raise ServerStopping()
 
 
 class _StopGuard:

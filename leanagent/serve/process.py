@@ -5,9 +5,11 @@ run goes on (`follow.py`). The index is loaded and the app built before the sock
 meets a half-built server. The socket is bound here, not by uvicorn, so that `port=0` works and the announced URL
 names the real port. Connections are bounded (`protocol.py`): a request must arrive whole within
 `request_timeout_s`, and at most `max_connections` are open, within the process's descriptor limit (raised to
-its hard limit where it can be). SIGINT, SIGTERM and SIGHUP stop it gracefully (uvicorn's own handlers while it
-runs, ours around them), and the process exits 128 + the signal's number, as every leanagent command does,
-saying why it stopped and how many retrievals it answered.
+its hard limit where it can be, else the connections and the accept burst lowered to fit). SIGINT, SIGTERM and
+SIGHUP stop it gracefully (uvicorn's own handlers while it runs, ours around them): requests running get
+`STOP_ANSWERED_S` to be answered, then each one left a 503 (`app.Stop`), well within uvicorn's window, and the
+process exits 128 + the signal's number, as every leanagent command does, saying why it stopped and how many
+retrievals it answered.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 23337
 GRACEFUL_SHUTDOWN_S = 10
 # Of uvicorn's window, the time requests running at a stop have to finish; those left then get a 503 (`Stop`), and
 # the rest of the window is for their answers to go out, so uvicorn never cancels one (a 500 and a traceback).
-STOP_ANSWERED_S = 7.0
+STOP_ANSWERED_S = 5.0
 # At the stop, at most this long for a stage being loaded and for the encoder's thread, before the model is freed.
 RELEASE_WAIT_S = 10.0
 SPARE_DESCRIPTORS = 32  # beside the connections and those open at the start: a new stage's files, the manifest

@@ -249,13 +249,15 @@ def _positions(values: list[int | str], count: int, position_of: Callable[[str],
     """Positions in the list GET `endpoint` returns, each value given as a position or as a name (a premise's as
     Lean writes it, with or without `«»`): the first unknown name or bad position refused, naming it."""
     if any(isinstance(v, str) for v in values):
-        resolved = []
+        resolved, known = [], {}  # each distinct name looked up once: a list may repeat one a million times
         for i, v in enumerate(values):
             if isinstance(v, str):
-                position = position_of(v)
+                position = known.get(v)
                 if position is None:
-                    raise RequestError(422, f"{field_name}[{i}]: {excerpt(v)} is not a {what} name in GET "
-                                            f"{endpoint}")
+                    position = known[v] = position_of(v)
+                    if position is None:
+                        raise RequestError(422, f"{field_name}[{i}]: {excerpt(v)} is not a {what} name in GET "
+                                                f"{endpoint}")
                 v = position
             resolved.append(v)
         values = resolved
