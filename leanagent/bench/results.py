@@ -21,6 +21,10 @@ class Section:
         """The measured figures under their JSON keys (None: not measured, left out)."""
         return {f.name: value for f in dataclasses.fields(self) if (value := getattr(self, f.name)) is not None}
 
+    def failures(self) -> list[str]:
+        """What failed a bar of this section (a section with bars says; `leanagent bench` then exits 1)."""
+        return []
+
 
 @dataclass
 class RunInfo(Section):

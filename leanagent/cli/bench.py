@@ -30,6 +30,7 @@ from leanagent.bench.options import (
     ServeOptions,
     SwapOptions,
 )
+from leanagent.bench.results import Section
 from leanagent.cli.common import (
     CommandError,
     add_model_options,
@@ -155,8 +156,9 @@ SECTIONS: tuple[BenchSection, ...] = (
     BenchSection("serve", ServeOptions, "real `leanagent serve` processes, batched and not: latency and requests/s "
                  "at 1, 8 and 32 clients, cold starts", "serving:bench_serve", "serving:serve_table",
                  positional=("work",), check=_check_serve),
-    BenchSection("abuse", AbuseOptions, "issue 38's attacks on real `leanagent serve` processes: per attack the "
-                 "answers, the server's CPU seconds, its peak memory and /health's worst latency (Linux)",
+    BenchSection("abuse", AbuseOptions, "known attacks on real `leanagent serve` processes (and commands that must "
+                 "refuse at once): per attack the answers, the server's CPU seconds, its peak memory, /health's worst "
+                 "latency and a verdict; exits 1 when one fails (Linux)",
                  "abuse:bench_abuse", "abuse:abuse_table", check=_check_empty_work),
 )
 
@@ -188,6 +190,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(table(figures))
     if args.json:
         Path(args.json).write_text(json.dumps(figures.flat(), indent=2, sort_keys=True, default=str))
+    failed = figures.failures() if isinstance(figures, Section) else []
+    if failed:  # a section with bars (abuse): a row that fails one fails the command
+        raise CommandError(f"bench {section.name}: {len(failed)} failed: {', '.join(failed)}")
     return 0
 
 

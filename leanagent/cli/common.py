@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from leanagent.ground.atomic import out_file_problem, out_folder_problem
 from leanagent.ground.config import format_validation_error
-from leanagent.ground.names import AUTO, DTYPE_CHOICES, ENGINE_CHOICES
+from leanagent.ground.names import AUTO, DTYPE_CHOICES, ENGINE_CHOICES, INDEX_FILE
 from leanagent.model.engines import ENGINES
 
 EXIT_REFUSED = 1
@@ -58,6 +58,27 @@ def check_out_folder(flag: str, folder: str | Path | None, new_or_empty: bool = 
     problem = None if folder is None else out_folder_problem(Path(folder), new_or_empty)
     if problem is not None:
         raise CommandError(f"{flag} {problem}")
+
+
+def check_run_or_index(source: Path) -> None:
+    """SOURCE of `serve` and `retrieve`: a run's folder (its manifest.json, read through its schema now) or an
+    index's (its index.json), said in one line before the model's stack is imported: a missing run was reported as
+    an index folder 48 s later (torch imported first), and a 2 GB manifest was read after it."""
+    from leanagent.run.manifest import MANIFEST_NAME, ManifestUnreadableError, read_manifest
+
+    what = f"SOURCE is a run's folder (RUN_DIR, with its {MANIFEST_NAME}) or an INDEX folder (with its {INDEX_FILE})"
+    if not source.exists():
+        raise CommandError(f"{source}: no such run or index: nothing is there; {what}")
+    if not source.is_dir():
+        raise CommandError(f"{source}: a file, not a run or an index; {what}")
+    if (source / MANIFEST_NAME).exists():  # a manifest cut short, of the wrong shape or too large: one line
+        try:
+            read_manifest(source / MANIFEST_NAME)
+        except ManifestUnreadableError as exc:
+            raise CommandError(str(exc)) from None
+    elif not (source / INDEX_FILE).exists():
+        raise CommandError(f"{source}: not a run that has started (no {MANIFEST_NAME}) nor an index (no "
+                           f"{INDEX_FILE}); {what}")
 
 
 def check_device(device: str) -> None:

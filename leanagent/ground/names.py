@@ -36,6 +36,10 @@ def part_file(part: str) -> str:
 
 PART_FILES: tuple[str, ...] = tuple(part_file(part) for part in PARTS)  # train.json, val.json, test.json
 
+# A premise index (`leanagent index`, a run's stage): the file that makes a folder one (`leanagent.index.files` has
+# the rest), named here so that a command can tell an index from a run before it imports torch.
+INDEX_FILE = "index.json"
+
 
 # ---- the encoder ------------------------------------------------------------------------------------------------
 

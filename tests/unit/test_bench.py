@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from prefect.settings import PREFECT_API_URL
 
+from leanagent.bench.abuse import AbuseFigures, AttackRow
 from leanagent.bench.results import (
     BenchResult,
     FisherFigures,
@@ -313,13 +314,31 @@ def test_the_abuse_section_replays_attacks_on_real_servers(tmp_path):
     """`bench abuse --size small`, on three attacks of each kind (a request, a followed run, a refused start): every
     row judged, none failing, the table printed with each attack."""
     figures = _bench(["abuse", "--size", "small", "--attacks", "huge-integer", "manifest-shapes", "no-token",
-                      "--work", str(tmp_path / "work")], tmp_path / "abuse.json")
+                      "big-token", "--work", str(tmp_path / "work")], tmp_path / "abuse.json")
     rows = {row["attack"]: row for row in figures["rows"]}
-    assert set(rows) == {"huge-integer", "manifest-shapes", "no-token"} and figures["failed"] == []
+    assert set(rows) == {"huge-integer", "manifest-shapes", "no-token", "big-token"} and figures["failed"] == []
     assert rows["huge-integer"]["statuses"] == {"422": 2} and rows["huge-integer"]["cpu_s"] is not None
     assert rows["no-token"]["statuses"] == {"exit 1": 1}
+    assert rows["big-token"]["statuses"] == {"exit 1": 1} and "more than a token file ever holds" in \
+        rows["big-token"]["note"] and rows["big-token"]["problems"] == []
     assert "the stage written after: served" in rows["manifest-shapes"]["note"]
     assert rows["manifest-shapes"]["health_worst_s"] is not None and rows["manifest-shapes"]["peak_rss_mb"] > 0
+
+
+def test_a_failed_row_fails_the_abuse_section_and_one_not_run_does_not():
+    """`bench abuse` exited 0 when rows of its table said FAIL: each row's own bar and the common ones make its
+    verdict, and `failures` (what makes the command exit 1) lists every failed row but those not run."""
+    def row(name: str, **kw) -> AttackRow:
+        base = {"statuses": {"200": 1}, "requests": 1, "cpu_s": 0.1, "cpu_s_per_request": 0.1, "idle_rss_mb": 400,
+                "peak_rss_mb": 410, "health_worst_s": 0.1, "health_failures": 0}
+        r = AttackRow(name, "bar", "what", **{**base, **kw})
+        r.verdict = r.judge()
+        return r
+    figures = AbuseFigures("small", [row("fine"), row("slow", cpu_s_per_request=2.5), row("own", problems=["x"]),
+                                     row("five", statuses={"500": 1}), row("stuck", health_worst_s=3.0)])
+    figures.rows.append(AttackRow("root", "bar", "what", {"not run": 1}, 0, verdict="not run: needs root"))
+    assert [r.verdict for r in figures.rows[:5]] == ["ok", "FAIL: CPU", "FAIL: x", "FAIL: a 5xx", "FAIL: /health"]
+    assert figures.failures() == ["slow", "own", "five", "stuck"]
 
 
 def test_the_precision_section_times_each_precision_and_names_the_cpu(tmp_path, capsys):
