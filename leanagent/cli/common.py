@@ -28,6 +28,7 @@ from leanagent.ground.atomic import out_file_problem, out_folder_problem
 from leanagent.ground.config import format_validation_error
 from leanagent.ground.names import AUTO, DTYPE_CHOICES, ENGINE_CHOICES, INDEX_FILE
 from leanagent.model.engines import ENGINES
+from leanagent.run.manifest import MANIFEST_NAME, ManifestUnreadableError, read_manifest
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2  # argparse's own
@@ -64,8 +65,6 @@ def check_run_or_index(source: Path) -> None:
     """SOURCE of `serve` and `retrieve`: a run's folder (its manifest.json, read through its schema now) or an
     index's (its index.json), said in one line before the model's stack is imported: a missing run was reported as
     an index folder 48 s later (torch imported first), and a 2 GB manifest was read after it."""
-    from leanagent.run.manifest import MANIFEST_NAME, ManifestUnreadableError, read_manifest
-
     what = f"SOURCE is a run's folder (RUN_DIR, with its {MANIFEST_NAME}) or an INDEX folder (with its {INDEX_FILE})"
     if not source.exists():
         raise CommandError(f"{source}: no such run or index: nothing is there; {what}")
