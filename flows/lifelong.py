@@ -137,7 +137,7 @@ def _run_curriculum(plan: RunPlan, ordered: list[RepoConfig], state: RunState, o
     else:
         line = plan.nothing_new() or f"nothing new: {progress_line(len(names), 0, len(not_ready))}"
         logger.info(line)
-        report = report_from_manifest(state.data)
+        report = report_from_manifest(state.manifest)
         RunArtifacts(report, state.path, not_ready).nothing_new(line)
     return {"rows": report.rows, "matrix": report.matrix, "baseline": report.baseline, "order": report.names,
             "lifelong": report.lifelong_metrics(), "manifest": str(state.path), "run_dir": str(plan.cfg.run_dir),
@@ -177,13 +177,13 @@ def _train(cfg: PipelineConfig, ordered: list[RepoConfig], waiting: list[str], s
         train = stages.run(name, job("train", [datasets[i]], jobs / name, options.train_timeout_s,
                                      checkpoint=checkpoint, fisher=fisher if ewc else None,
                                      label=f"train {repo.display_name}"))
-        checkpoint = Path(train["checkpoint"])  # the newest (LeanAgent) or the best: lifelong.checkpoint
+        checkpoint = Path(train.checkpoint)  # the newest (LeanAgent) or the best: lifelong.checkpoint
         # Always, as LeanAgent does, so that EWC can be switched on for a later repository.
         name = stage_name(i, repo.display_name, FISHER)
         fisher = Path(stages.run(name, job("fisher", [datasets[i]], jobs / name, options.fisher_timeout_s,
-                                           checkpoint=checkpoint, label=f"fisher {repo.display_name}"))["fisher"])
+                                           checkpoint=checkpoint, label=f"fisher {repo.display_name}")).fisher)
         # The stage's premise index (what `leanagent serve RUN_DIR` serves), its lists extending the last stage's.
-        earlier = [Path(folder) for position, _, folder in stage_indexes(state.data) if position < i]
+        earlier = [Path(folder) for position, _, folder in stage_indexes(state.manifest) if position < i]
         seen = ordered[: i + 1]
         evaluations = stages.evaluations(
             [(stage_name(i, repo.display_name, eval_stage(j, r.display_name)), r.display_name)
@@ -193,7 +193,7 @@ def _train(cfg: PipelineConfig, ordered: list[RepoConfig], waiting: list[str], s
                 index=cfg.run_dir / INDEX_DIR / repo_key(i, repo.display_name),
                 index_datasets=tuple(r.path for r in seen), index_after=earlier[-1] if earlier else None))
         report.add_repository(i, train, evaluations)
-        report.costs = job_costs(state.data)  # where each job's time went, this repository's included
+        report.costs = job_costs(state.manifest)  # where each job's time went, this repository's included
         if cfg.lifelong.keep_checkpoints == "best_and_last":  # its stages are done: keep start, best, last
             get_run_logger().info(f"{repo.display_name}: deleted {len(prune_checkpoints(train))} other checkpoint(s)")
         artifacts.repository_done()

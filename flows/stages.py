@@ -4,7 +4,7 @@ One context, `recording`, says how a stage's outcome reaches the manifest: `runn
 with its result, `failed` with the error, or `interrupted` when it was stopped from outside (it reruns). Every
 stage goes through it: one training or Fisher job (`Stages.run`), or one evaluation job that scores a model on
 several repositories, each its own stage (`Stages.evaluations`). Each is one `JobRequest`, launched by the task
-`rank_job`.
+`rank_job`; what a stage records is the result model its job returned.
 """
 
 # No `from __future__ import annotations`: see flows/lifelong.py (Prefect resolves the flow module's annotations).
@@ -21,8 +21,8 @@ from prefect.exceptions import Abort, ExternalSignal
 
 from leanagent.ground.config import PipelineConfig
 from leanagent.ground.job import JobRequest
+from leanagent.ground.results import EvaluateResult, JobResult, StageResult
 from leanagent.ground.supervision import HoldSignals
-from leanagent.ground.timings import COST_KEYS
 from leanagent.run.state import RunState, RunStateWriteError
 
 # A stage stopped from outside, not failed: Ctrl-C or SIGTERM (the CLI's handlers raise KeyboardInterrupt
@@ -78,7 +78,7 @@ class Stages:
                  artifacts: RunArtifacts | None = None) -> None:
         self.state, self.cfg, self.options, self.artifacts = state, cfg, options, artifacts
 
-    def _finished(self, name: str) -> dict | None:
+    def _finished(self, name: str) -> StageResult | None:
         done = self.state.stage_done(name)
         if done is not None:
             get_run_logger().info(f"{name}: finished in an earlier run; skipped")
@@ -86,14 +86,15 @@ class Stages:
                 self.artifacts.stages_done([name], publish=False)
         return done
 
-    def _launch(self, run_name: str, job: JobRequest) -> dict:
+    def _launch(self, run_name: str, job: JobRequest) -> JobResult:
         # The flow has validated every dataset; the jobs need not read them again (evaluation would, n^2 times).
         task = rank_job.with_options(task_run_name=run_name, retries=self.options.retries,
                                      retry_delay_seconds=self.options.retry_delay_s)
         return task(cfg=self.cfg, job=job, validate=False)
 
-    def run(self, name: str, job: JobRequest) -> dict:
-        """Skip a stage the manifest has finished; otherwise run its job and record the outcome either way."""
+    def run(self, name: str, job: JobRequest) -> StageResult:
+        """Skip a stage the manifest has finished; otherwise run its job and record the outcome either way. The
+        stage's result is its job's (a `TrainResult`, a `FisherResult`)."""
         done = self._finished(name)
         if done is not None:
             return done
@@ -104,14 +105,15 @@ class Stages:
             self.artifacts.stages_done([name])
         return result
 
-    def evaluations(self, stages: list[tuple[str, str]], job: JobRequest) -> list[dict]:
+    def evaluations(self, stages: list[tuple[str, str]], job: JobRequest) -> list[EvaluateResult]:
         """Evaluate one model on several repositories in ONE job, each recorded as its own stage.
 
         `stages`: (stage name, repository name) each, for the datasets of `job` in order. One torchrun start and
         one model load per repository stage, so a run of T repositories launches T + 1 evaluation jobs, not
         T(T+1)/2 + T. Finished stages are skipped; the job folder is named by the stages it runs, so a rerun after a
-        partial record never mixes two sets. A job with an index also writes the stage's premise index, recorded
-        with its stages (`stage_indexes`).
+        partial record never mixes two sets. Each stage records the job's result for its repository alone
+        (`EvaluateResult.one`: the job's folder, cost and premise index included, the index read by
+        `stage_indexes`).
         """
         pending = [(k, name, repo, dataset) for k, ((name, repo), dataset) in enumerate(zip(stages, job.datasets,
                                                                                             strict=True))
@@ -124,15 +126,8 @@ class Stages:
                                          "label": f"evaluate {','.join(repo for _, _, repo, _ in pending)}"})
             with recording(self.state, names, self.artifacts):
                 result = self._launch(f"{out.parent.name}/{out.name}", job)
-            # The job's cost is the job's, not one repository's: each of its stages records it under "job", with
-            # the folder that tells a report it is one job.
-            spent = {"out": f"{out.parent.name}/{out.name}",
-                     **{key: result[key] for key in (*COST_KEYS, "index") if key in result}}
-            for name, evaluation in zip(names, result["evaluations"], strict=True):
-                self.state.record(name, {**evaluation, "checkpoint": result["checkpoint"],
-                                         "world_size": result["world_size"],
-                                         **({"precision": result["precision"]} if "precision" in result else {}),
-                                         "job": spent})
+            for name, k in zip(names, range(len(result.evaluations)), strict=True):
+                self.state.record(name, result.one(k))
             if self.artifacts is not None:
                 self.artifacts.stages_done(names)
         return [self.state.stage_done(name) for name, _ in stages]

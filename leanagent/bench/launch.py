@@ -11,6 +11,7 @@ from leanagent.data.synthetic import write_demo_repos
 from leanagent.ground.config import PipelineConfig, dump_config
 from leanagent.ground.job import JobRequest
 from leanagent.ground.names import TINY
+from leanagent.ground.results import TrainResult
 from leanagent.launch.progress_view import MODE_ENV
 from leanagent.model.presets import write_random_encoder
 from leanagent.preflight.run_job import run_job
@@ -39,5 +40,8 @@ def bench_launch(workdir: Path) -> LaunchFigures:
             os.environ.pop(MODE_ENV, None)
         else:
             os.environ[MODE_ENV] = before
-    return LaunchFigures(launch_overhead_s=result["first_train_batch_time"] - start,
+    first_batch = result.first_train_batch_time if isinstance(result, TrainResult) else None
+    if first_batch is None:
+        raise RuntimeError(f"{workdir / 'job'}: the training job recorded no first batch")
+    return LaunchFigures(launch_overhead_s=first_batch - start,
                          launch_total_s=time.time() - start)

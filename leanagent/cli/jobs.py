@@ -94,5 +94,5 @@ def cmd_job(args: argparse.Namespace) -> int:
     except Interrupted as exc:
         print(f"interrupted by {exc}: the job was ended; rerun the same command to resume", file=sys.stderr)
         return exc.exit_code
-    print(json.dumps(result, indent=2, sort_keys=True))
+    print(json.dumps(result.as_json(), indent=2, sort_keys=True))
     return 0

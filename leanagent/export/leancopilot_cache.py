@@ -26,8 +26,9 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
+
+from leanagent.index.read import IndexMeta
 
 CACHE_ENV = "LEAN_COPILOT_CACHE_DIR"
 DEFAULT_CACHE = "~/.cache/lean_copilot/models"
@@ -94,14 +95,14 @@ def install(out: Path, root: Path | None = None) -> tuple[list[Path], list[Path]
     return moved, installed
 
 
-def readme(index: Path, meta: dict[str, Any], stage: str | None, premises: int, width: int) -> str:
+def readme(index: Path, meta: IndexMeta, stage: str | None, premises: int, width: int) -> str:
     """OUT/README.md: what the folders are, where LeanCopilot reads them, how to put them there and go back."""
     where = f"stage {stage} of a lifelong run, index `{index}`" if stage else f"index `{index}`"
     lines = [
         "# A leanagent retriever for LeanCopilot",
         "",
         f"Exported from {where}: {premises:,} premises, embeddings {width} wide, model "
-        f"`{meta.get('checkpoint') or meta.get('model')}`.",
+        f"`{meta.named_model}`.",
         "",
         "LeanCopilot's `select_premises` reads two folders from its model cache, named by its built-in model",
         "URLs (`LeanCopilot/Models/Builtin.lean`). The cache is `$LEAN_COPILOT_CACHE_DIR`, or",

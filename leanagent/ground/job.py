@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from leanagent.ground.atomic import write_json_atomic
 from leanagent.ground.json_files import MIB, JsonFileError, read_json_file
 from leanagent.ground.ranks import global_rank
+from leanagent.ground.results import EvaluateResult, FisherResult, JobResult, TrainResult
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class ProgramSpec:
     name: str
     summary: str  # the command's line in `leanagent --help`
     runner: str
+    result: type[JobResult]  # what its result.json holds, as `run_job` returns it
     several_datasets: bool = False  # evaluate scores one model on several datasets, loaded once
     needs_checkpoint: bool = False
     checkpoint_help: str = "the checkpoint the job starts from (default: model.name_or_path)"
@@ -54,13 +56,13 @@ class ProgramSpec:
 PROGRAMS_MODULE = "leanagent.train.programs"  # what runs inside each rank: `python -m leanagent.train.programs ...`
 PROGRAMS: dict[str, ProgramSpec] = {spec.name: spec for spec in (
     ProgramSpec("train", "train the retriever on one repository (DDP under torchrun)",
-                f"{PROGRAMS_MODULE}:train_job", takes_fisher=True, writes="checkpoints",
+                f"{PROGRAMS_MODULE}:train_job", TrainResult, takes_fisher=True, writes="checkpoints",
                 checkpoint_help="the checkpoint training starts from (default: model.name_or_path)"),
     ProgramSpec("fisher", "compute the diagonal Fisher of a checkpoint on a repository",
-                f"{PROGRAMS_MODULE}:fisher_job", needs_checkpoint=True, writes="fisher",
+                f"{PROGRAMS_MODULE}:fisher_job", FisherResult, needs_checkpoint=True, writes="fisher",
                 checkpoint_help="the trained checkpoint whose Fisher is computed"),
     ProgramSpec("evaluate", "R@1, R@10, MRR of a checkpoint on a repository's test split",
-                f"{PROGRAMS_MODULE}:evaluate_job", several_datasets=True, takes_index=True,
+                f"{PROGRAMS_MODULE}:evaluate_job", EvaluateResult, several_datasets=True, takes_index=True,
                 checkpoint_help="the checkpoint scored (default: the base model, model.name_or_path)"),
 )}
 PROGRAMS_ENTRY = ("-m", PROGRAMS_MODULE)  # the rank program on a python command line (launchers may replace it)

@@ -11,7 +11,8 @@ every launcher:
   collective timeout only a file that stops changing reveals a hung rank) end the job;
 - an interrupt of the launching thread (Ctrl-C, SIGTERM, a Prefect cancel) ends the job before it
   propagates: nothing of a job outlives whoever launched it;
-- a failure names the failing rank with its last lines (`LaunchError`); success returns `result.json`.
+- a failure names the failing rank with its last lines (`LaunchError`); success returns `result.json`, read as the
+  job's program's result model.
 
 A launcher is one module: `leanagent/launch/NAME.py` (or an installed package's `leanagent.launchers` entry
 point) whose module-level `PLUGIN`, a `LauncherPlugin`, holds everything launcher-specific: its config section,
@@ -34,8 +35,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from leanagent.ground.config import PipelineConfig
-from leanagent.ground.job import heartbeat_dir, result_filename, stale_ranks
-from leanagent.ground.results import ResultUnreadableError, read_result
+from leanagent.ground.job import JobRequest, heartbeat_dir, result_filename, stale_ranks
+from leanagent.ground.results import JobResult, ResultUnreadableError, read_result
 from leanagent.ground.supervision import SUPERVISION_ENV, pids_dir
 from leanagent.launch.output import JobOutput
 
@@ -101,11 +102,22 @@ class Launcher(ABC):
         whatever the launcher names after it (a SLURM job's name).
         """
 
-    def launch(self, program_args: Sequence[str], job_dir: Path, on_line: Callable[[str], None] | None = None,
-               timeout_s: float | None = None, heartbeat_timeout_s: float | None = None,
-               grace_s: float = GRACE_SECONDS, progress_interval_s: float | None = None,
-               label: str = "job") -> dict:
-        """Run one rank program to completion and return its `result.json` (see the module docstring).
+    def launch(self, job: JobRequest, on_line: Callable[[str], None] | None = None, grace_s: float = GRACE_SECONDS,
+               progress_interval_s: float | None = None) -> JobResult:
+        """Run `job` to completion, within its deadlines, and return its result as its program's model."""
+        path = self.supervise(job.to_argv(), job.out, on_line, job.timeout, job.heartbeat_timeout, grace_s,
+                              progress_interval_s, job.title)
+        try:
+            return read_result(path, job.spec.result)
+        except ResultUnreadableError as exc:
+            raise LaunchError(str(exc)) from None
+
+    def supervise(self, program_args: Sequence[str], job_dir: Path, on_line: Callable[[str], None] | None = None,
+                  timeout_s: float | None = None, heartbeat_timeout_s: float | None = None,
+                  grace_s: float = GRACE_SECONDS, progress_interval_s: float | None = None,
+                  label: str = "job") -> Path:
+        """Start the rank program `program_args` (`start`) and watch it to its end (see the module docstring); the
+        result file it wrote.
 
         `label` names the job in its progress lines (`train repo_new`: `JobRequest.title`).
         """
@@ -162,10 +174,7 @@ class Launcher(ABC):
         if not result_path.is_file():
             raise LaunchError(f"{job_dir}: the job exited 0 but wrote no {result_path.name}", None,
                               output.launcher_tail)
-        try:
-            return read_result(result_path)
-        except ResultUnreadableError as exc:
-            raise LaunchError(str(exc), None, output.launcher_tail) from None
+        return result_path
 
 
 def child_environment(base: dict[str, str] | None = None) -> dict[str, str]:

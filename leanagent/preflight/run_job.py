@@ -12,8 +12,7 @@ from collections.abc import Callable
 
 from leanagent.ground.config import PipelineConfig
 from leanagent.ground.job import JobFinishedError, JobInputError, JobRequest, result_filename
-from leanagent.ground.results import read_result
-from leanagent.ground.timings import WALL_SECONDS
+from leanagent.ground.results import JobResult, read_result
 from leanagent.launch.registry import launcher_for
 from leanagent.preflight.checks import preflight_job
 
@@ -28,8 +27,9 @@ def check_job(cfg: PipelineConfig, job: JobRequest, validate: bool = True) -> No
 
 
 def run_job(cfg: PipelineConfig, job: JobRequest, on_line: Callable[[str], None] | None = None,
-            reuse_finished: bool = False, validate: bool = True) -> dict:
-    """Check, launch, return `result.json`, with the wall time the caller waited for it (`wall_seconds`).
+            reuse_finished: bool = False, validate: bool = True) -> JobResult:
+    """Check, launch, return the job's result (its program's model), with the wall time the caller waited for it
+    (`wall_seconds`).
 
     `job.config` must hold `cfg` as YAML: each rank reads it. A job folder with a result is returned as is when
     `reuse_finished`, refused otherwise. A folder with checkpoints but no result is an interrupted training job:
@@ -39,13 +39,11 @@ def run_job(cfg: PipelineConfig, job: JobRequest, on_line: Callable[[str], None]
     result_file = job.out / result_filename(cfg.trainer.node_rank)
     if result_file.is_file():
         if reuse_finished:
-            return read_result(result_file)
+            return read_result(result_file, job.spec.result)
         raise JobFinishedError(f"{result_file} exists: this job is finished; choose a new output folder "
                                f"(nothing was overwritten)")
     started = time.monotonic()
     check_job(cfg, job, validate=validate)
-    result = launcher_for(cfg).launch(job.to_argv(), job.out, on_line=on_line, timeout_s=job.timeout,
-                                      heartbeat_timeout_s=job.heartbeat_timeout, label=job.title)
+    result = launcher_for(cfg).launch(job, on_line=on_line)
     # The job as its caller waited for it: the checks, the launch (torchrun, a SLURM queue) and the ranks' own time.
-    result[WALL_SECONDS] = round(time.monotonic() - started, 3)
-    return result
+    return result.model_copy(update={"wall_seconds": round(time.monotonic() - started, 3)})

@@ -20,7 +20,7 @@ from typing import Any
 
 from leanagent.ground.config import ABSENT_MEANS, PipelineConfig
 from leanagent.ground.names import AUTO
-from leanagent.run.manifest import ManifestMismatchError
+from leanagent.run.manifest import ManifestMismatchError, ManifestRecord
 
 # Where the run's repositories come from: the sequence, which may grow, not the experiment.
 SEQUENCE_KEYS = ("repos", "repos_dir")
@@ -134,14 +134,15 @@ def describe_differences(old: dict[str, Any], new: dict[str, Any], limit: int = 
     return "; ".join(diffs[:limit]) + more
 
 
-def check_experiment(path: Path, manifest: dict[str, Any], cfg: PipelineConfig) -> None:
+def check_experiment(path: Path, manifest: ManifestRecord, cfg: PipelineConfig) -> None:
     """Refuse a manifest of another experiment (`path` names it in the message); reads nothing itself."""
-    check_config(path, manifest, fingerprint_fields(cfg))
+    check_config(path, manifest.config.fields(), fingerprint_fields(cfg))
 
 
-def check_config(path: Path, manifest: dict[str, Any], fields: dict[str, Any]) -> None:
+def check_config(path: Path, recorded: dict[str, Any], fields: dict[str, Any]) -> None:
+    """Refuse the config a manifest `recorded` (`path`) when `fields` (today's) differ from it in what matters."""
     # A version 1 manifest's config holds the repositories: they are the sequence, checked on their own.
-    old = {k: v for k, v in manifest.get("config", {}).items() if k not in SEQUENCE_KEYS}
+    old = {k: v for k, v in recorded.items() if k not in SEQUENCE_KEYS}
     if config_changes(old, fields):
         raise ManifestMismatchError(
             f"{path} belongs to a run of a different config ({describe_differences(old, fields)}); resuming it would "

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from leanagent.data.errors import DatasetError
 from leanagent.data.merge import MERGE_FILE, dataset_files, digests, merge_datasets
 from leanagent.data.validate import validate_dataset
 from leanagent.ground.atomic import format_bytes
 from leanagent.ground.config import PipelineConfig
-from leanagent.ground.json_files import MIB, read_json_file
+from leanagent.ground.json_files import MIB, read_json_file, validate_as
+from leanagent.ground.results import MergeResult
 from leanagent.preflight.checks import PreflightError, free_space
 from leanagent.run.manifest import MERGE, ManifestMismatchError, repo_key, stage_name
 from leanagent.run.state import RunState
@@ -46,7 +46,7 @@ def training_datasets(cfg: PipelineConfig, names: Sequence[str], paths: Sequence
     sources = [[Path(p) for p in paths[: i + 1]] for i in range(len(names))]
     stages = [stage_name(i, name, MERGE) for i, name in enumerate(names)]
     outs = [cfg.run_dir / MERGED_DIR / repo_key(i, name) for i, name in enumerate(names)]
-    done = [state.stage_done(stage) for stage in stages]
+    done = [_recorded(state, stage) for stage in stages]
     pending = [i for i, out in enumerate(outs) if done[i] is None and not out.exists()]
     free = free_space(cfg.run_dir / MERGED_DIR)
     files = dataset_files(split)
@@ -58,29 +58,41 @@ def training_datasets(cfg: PipelineConfig, names: Sequence[str], paths: Sequence
                              f"filesystem has {format_bytes(free)} free; free some space or choose another run_dir")
     read = {p: digests(p, split) for p in {p for group in sources for p in group}}
     inputs = [{str(p): read[p] for p in group} for group in sources]
-    kept = [Path(d["dataset"]) if d is not None else out if out.exists() else None
+    kept = [Path(d.dataset) if d is not None else out if out.exists() else None
             for d, out in zip(done, outs, strict=True)]
     written = [digests(k, split) if k is not None else None for k in kept]
-    found = [read_json_file(k / MERGE_FILE, MIB, "merge record", PreflightError)
-             if d is None and k is not None and (k / MERGE_FILE).is_file() else None
+    found = [_merge_record(k) if d is None and k is not None and (k / MERGE_FILE).is_file() else None
              for d, k in zip(done, kept, strict=True)]
     for i, (d, k) in enumerate(zip(done, kept, strict=True)):
         if d is not None:  # recorded: reused only if what it read and what it wrote are as they were
             _refuse_if_changed(state.path, stages[i], d, inputs[i], written[i], files)
-        elif k is not None and (not found[i] or found[i].get("inputs") != inputs[i]
-                                or found[i].get("outputs") != written[i]):
+        elif k is not None and (not found[i] or found[i].inputs != inputs[i] or found[i].outputs != written[i]):
             raise PreflightError(f"{k}: exists but is not a merge of {[str(p) for p in sources[i]]} that this run "
                                  f"wrote; move it away to have it rebuilt (nothing was changed)")
     return [_merged(state, stages[i], sources[i], outs[i], split, done[i], found[i], log) for i in range(len(names))]
 
 
-def _merged(state: RunState, stage: str, sources: list[Path], out: Path, split: str, done: dict[str, Any] | None,
-            found: dict[str, Any] | None, log: Callable[[str], None]) -> Path:
+def _recorded(state: RunState, stage: str) -> MergeResult | None:
+    """A merge stage's record (the manifest holds a merge's result under a merge stage's name, or refuses to load)."""
+    done = state.stage_done(stage)
+    return done if isinstance(done, MergeResult) else None
+
+
+def _merge_record(folder: Path) -> MergeResult:
+    """The `merge.json` a merge wrote into its folder, as the merge stage records it."""
+    data = read_json_file(folder / MERGE_FILE, MIB, "merge record", PreflightError)
+    if isinstance(data, dict):
+        data = {**data, "program": MERGE, "dataset": str(folder)}
+    return validate_as(data, MergeResult, str(folder / MERGE_FILE), "merge record", PreflightError)
+
+
+def _merged(state: RunState, stage: str, sources: list[Path], out: Path, split: str, done: MergeResult | None,
+            found: MergeResult | None, log: Callable[[str], None]) -> Path:
     """The merged dataset of one stage: reused when recorded, taken when written just before a crash (both checked
     already), else written now; validated and recorded in either of the last two cases."""
     if done is not None:
-        log(f"{stage}: merged dataset {done['dataset']} ({_summary(done)}) recorded in an earlier run; reused")
-        return Path(done["dataset"])
+        log(f"{stage}: merged dataset {done.dataset} ({_summary(done)}) recorded in an earlier run; reused")
+        return Path(done.dataset)
     info = found
     if info is not None:
         log(f"{stage}: merged dataset {out} found complete, not yet recorded; taken")
@@ -88,7 +100,8 @@ def _merged(state: RunState, stage: str, sources: list[Path], out: Path, split: 
         state.start(stage)
     problems: list = []
     try:
-        info = info or merge_datasets(sources, out, split)
+        info = info or MergeResult.model_validate({**merge_datasets(sources, out, split), "program": MERGE,
+                                                   "dataset": str(out)})
         problems = validate_dataset(out, split)
     except (DatasetError, OSError) as exc:
         failure, refusal = f"{type(exc).__name__}: {exc}", [f"{stage}: merging {len(sources)} repositories into "
@@ -104,14 +117,14 @@ def _merged(state: RunState, stage: str, sources: list[Path], out: Path, split: 
     if failure is not None:
         state.fail(stage, failure)
         raise PreflightError(refusal)
-    state.record(stage, {**info, "dataset": str(out)})
+    state.record(stage, info)
     return out
 
 
-def _refuse_if_changed(manifest: Path, stage: str, done: dict[str, Any], inputs: dict[str, dict[str, str]],
+def _refuse_if_changed(manifest: Path, stage: str, done: MergeResult, inputs: dict[str, dict[str, str]],
                        written: dict[str, str] | None, files: list[str]) -> None:
     """A recorded merge is reused only if what it read and what it wrote are as they were."""
-    recorded = done.get("inputs", {})
+    recorded = done.inputs
     for source in sorted(recorded.keys() | inputs.keys()):
         before, now = recorded.get(source, {}), inputs.get(source, {})
         for name in files:
@@ -120,20 +133,20 @@ def _refuse_if_changed(manifest: Path, stage: str, done: dict[str, Any], inputs:
                     f"{manifest}: {stage} merged {Path(source) / name} (sha256 {_short(before.get(name))}), which "
                     f"is now sha256 {_short(now.get(name))}; resuming would train later repositories on other data. "
                     f"Restore it or choose another run_dir.")
-    for name, digest in done.get("outputs", {}).items():
+    for name, digest in done.outputs.items():
         if (written or {}).get(name) != digest:
             raise ManifestMismatchError(
-                f"{manifest}: {stage}'s merged dataset {Path(done['dataset']) / name} changed since it was written "
+                f"{manifest}: {stage}'s merged dataset {Path(done.dataset) / name} changed since it was written "
                 f"(sha256 {_short(digest)}, now {_short((written or {}).get(name))}); restore it or choose another "
                 f"run_dir.")
 
 
-def _summary(info: dict[str, Any]) -> str:
-    t = info.get("theorems", {})
-    text = (f"{info.get('files')} files, {t.get('train')}/{t.get('val')}/{t.get('test')} train/val/test theorems, "
-            f"{info.get('duplicate_theorems')} duplicate theorem(s) dropped")
-    if info.get("corpus_conflicts"):
-        text += f", {info['corpus_conflicts']} path(s) whose later copies differ (first kept)"
+def _summary(info: MergeResult) -> str:
+    t = info.theorems or {}
+    text = (f"{info.files} files, {t.get('train')}/{t.get('val')}/{t.get('test')} train/val/test theorems, "
+            f"{info.duplicate_theorems} duplicate theorem(s) dropped")
+    if info.corpus_conflicts:
+        text += f", {info.corpus_conflicts} path(s) whose later copies differ (first kept)"
     return text
 
 

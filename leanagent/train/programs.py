@@ -29,6 +29,7 @@ from leanagent.ground.config import PipelineConfig, load_config
 from leanagent.ground.exit_fast import freeze_for_exit
 from leanagent.ground.job import NEEDS_RESUME_FILE, IndexRequest, JobRequest, ProgramSpec, beat, result_filename
 from leanagent.ground.ranks import global_rank, local_rank, node_rank
+from leanagent.ground.results import EvaluateResult, Evaluation, FisherResult, JobResult, Metrics, TrainResult
 from leanagent.ground.timings import JobClock, peak_rss_mb
 from leanagent.index.files import read_names
 from leanagent.index.stage import StageIndex
@@ -59,7 +60,7 @@ def make_datamodule(cfg: PipelineConfig, dataset: Path, model: PremiseRetriever)
 # ---- train ----------------------------------------------------------------------------------
 
 def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path | None,
-              fisher: Path | None, clock: JobClock | None = None) -> dict:
+              fisher: Path | None, clock: JobClock | None = None) -> TrainResult:
     clock = clock or JobClock()
     plan = plan_training(job_dir, checkpoint, cfg.lifelong.epochs_per_repo)
     if plan.unreadable and global_rank() == 0:
@@ -111,31 +112,32 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
     # Real tokens over tokens processed (padding included) in this job's training steps; rank 0's, as loss_train.
     tokens = model.token_count_since(plan.start_epochs)
     metrics["train_token_efficiency"] = tokens.efficiency if tokens.processed else None
-    return {
+    return TrainResult(
+        program="train",
         # What the next repository starts from and what is evaluated: LeanAgent takes the newest.
-        "checkpoint": chosen,
-        "best_checkpoint": ckpt.best_model_path,
-        "latest_checkpoint": latest,
-        "last_checkpoint": ckpt.last_model_path,
-        "epoch": trainer.current_epoch,
-        "global_step": trainer.global_step,
-        "world_size": trainer.world_size,
-        "target_epochs": plan.target_epochs,
-        "start_epochs": plan.start_epochs,  # epochs the start checkpoint had trained (ours or a reference's)
-        "resumed_from": plan.resume_from,
+        checkpoint=chosen,
+        best_checkpoint=ckpt.best_model_path,
+        latest_checkpoint=latest,
+        last_checkpoint=ckpt.last_model_path,
+        epoch=trainer.current_epoch,
+        global_step=trainer.global_step,
+        world_size=trainer.world_size,
+        target_epochs=plan.target_epochs,
+        start_epochs=plan.start_epochs,  # epochs the start checkpoint had trained (ours or a reference's)
+        resumed_from=plan.resume_from,
         # The optimizer step training (re)started at: 0 from the base model, the step of resumed_from otherwise.
-        "start_global_step": next((cb.start_global_step for cb in trainer.callbacks
-                                   if hasattr(cb, "start_global_step")), 0),
-        "unreadable_checkpoints": list(plan.unreadable),
-        "dataset": str(dataset),
-        "ewc": bool(fisher is not None and cfg.lifelong.ewc_lambda > 0),
-        "metrics": metrics,
+        start_global_step=next((cb.start_global_step for cb in trainer.callbacks
+                                if hasattr(cb, "start_global_step")), 0),
+        unreadable_checkpoints=list(plan.unreadable),
+        dataset=str(dataset),
+        ewc=bool(fisher is not None and cfg.lifelong.ewc_lambda > 0),
+        metrics=Metrics.model_validate(metrics),
         **model.compile_status(),
-        "history": history,
-        "num_train_examples": len(datamodule.train_examples),
-        "fit_seconds": fit_seconds,
-        "first_train_batch_time": heartbeat.first_train_batch_time,
-    }
+        history=history,
+        num_train_examples=len(datamodule.train_examples),
+        fit_seconds=fit_seconds,
+        first_train_batch_time=heartbeat.first_train_batch_time,
+    )
 
 
 def latest_epoch_checkpoint(callback) -> str:
@@ -149,7 +151,7 @@ def latest_epoch_checkpoint(callback) -> str:
 # ---- fisher ---------------------------------------------------------------------------------
 
 def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path,
-               clock: JobClock | None = None) -> dict:
+               clock: JobClock | None = None) -> FisherResult:
     """`lifelong.fisher_estimator` (`leanagent.model.fisher.registry`): per_example (the empirical Fisher) or
     reference (LeanAgent's compute_fisher), each fitted on its own loader."""
     clock = clock or JobClock()
@@ -174,13 +176,13 @@ def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pa
     if global_rank() == 0:
         with clock.part("checkpoints"):
             save_fisher(out, module.fisher, metadata)
-    return {"fisher": str(out), "fit_seconds": fit_seconds, **metadata}
+    return FisherResult(program="fisher", fisher=str(out), fit_seconds=fit_seconds, **metadata)
 
 
 # ---- evaluate -------------------------------------------------------------------------------
 
 def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, checkpoint: Path | None,
-                 clock: JobClock | None = None, index: IndexRequest | None = None) -> dict:
+                 clock: JobClock | None = None, index: IndexRequest | None = None) -> EvaluateResult:
     """Score one model on the test split of every dataset given, loading it once.
 
     The lifelong flow evaluates every repository seen so far after each one: one job (one torchrun
@@ -219,9 +221,8 @@ def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, check
             model.evaluation.share(shared, k)
         trainer.strategy.barrier()
         trainer.test(model, datamodule=datamodule, verbose=False)
-        evaluations.append({"dataset": str(dataset), "metrics": model.eval_metrics})
-    result = {"evaluations": evaluations, "world_size": trainer.world_size,
-              "checkpoint": str(checkpoint) if checkpoint else cfg.model.name_or_path}
+        evaluations.append(Evaluation(dataset=str(dataset), metrics=Metrics.model_validate(model.eval_metrics)))
+    written = None
     if stage is not None:
         embedding = model.evaluation.kept_embedding(model)  # on every rank: the rows no test embedded, if any
         if global_rank() == 0:
@@ -232,29 +233,30 @@ def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, check
                         "max_seq_len": model.options.max_seq_len, "context_max_len": cfg.data.max_seq_len}
                 stage.write(index.out, embedding, kept, meta,
                             read_names(index.after) if index.after else None)
-        result["index"] = str(index.out)
+        written = str(index.out)
     model.evaluation.release()
     trainer.strategy.barrier()
-    if len(evaluations) == 1:
-        result.update(evaluations[0])
-    return result
+    result = EvaluateResult(program="evaluate", evaluations=evaluations, world_size=trainer.world_size,
+                            checkpoint=str(checkpoint) if checkpoint else cfg.model.name_or_path,
+                            **({"index": written} if written is not None else {}))
+    return result.one(0) if len(evaluations) == 1 else result
 
 
 # ---- the programs as PROGRAMS names them: a JobRequest in, what result.json says out -------------------------
 
-def train_job(cfg: PipelineConfig, job: JobRequest, clock: JobClock) -> dict:
+def train_job(cfg: PipelineConfig, job: JobRequest, clock: JobClock) -> TrainResult:
     return run_train(cfg, job.datasets[0], job.out, job.checkpoint, job.fisher, clock)
 
 
-def fisher_job(cfg: PipelineConfig, job: JobRequest, clock: JobClock) -> dict:
+def fisher_job(cfg: PipelineConfig, job: JobRequest, clock: JobClock) -> FisherResult:
     return run_fisher(cfg, job.datasets[0], job.out, job.checkpoint, clock)
 
 
-def evaluate_job(cfg: PipelineConfig, job: JobRequest, clock: JobClock) -> dict:
+def evaluate_job(cfg: PipelineConfig, job: JobRequest, clock: JobClock) -> EvaluateResult:
     return run_evaluate(cfg, list(job.datasets), job.out, job.checkpoint, clock, job.index_request())
 
 
-def runner(spec: ProgramSpec) -> Callable[[PipelineConfig, JobRequest, JobClock], dict]:
+def runner(spec: ProgramSpec) -> Callable[[PipelineConfig, JobRequest, JobClock], JobResult]:
     """The function `spec.runner` names (`module:function`), imported here, inside the rank."""
     module, _, name = spec.runner.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -311,11 +313,11 @@ def main(argv: list[str] | None = None) -> None:
             write_json_atomic(job_dir / NEEDS_RESUME_FILE, {"checkpoint": str(stopped), "time": time.time()})
         shutdown_process_group()
         return
-    result.update(job_account(clock))
+    result = result.model_copy(update={"program": job.program, "precision": cfg.trainer.precision,
+                                       "out": str(job_dir), **job_account(clock)})
     if local_rank() == 0:
         node = 0 if global_rank() == 0 else node_rank()
-        write_json_atomic(job_dir / result_filename(node), {"program": job.program,
-                                                            "precision": cfg.trainer.precision, **result})
+        write_json_atomic(job_dir / result_filename(node), result.as_json())
     shutdown_process_group()
 
 

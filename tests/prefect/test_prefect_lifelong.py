@@ -231,7 +231,7 @@ def test_each_stage_keeps_the_index_a_server_answers_from(run3: FinishedRun) -> 
         for key in ("premises", "modules"):
             assert later[key][: len(earlier[key])] == earlier[key]
     last = PremiseIndex.load(stages[-1][2])  # checked as a server loads it: digest, rows, the model's own
-    assert last.meta["checkpoint"] == results[f"02-{names[2]}/train"]["checkpoint"]
+    assert last.meta.checkpoint == results[f"02-{names[2]}/train"]["checkpoint"]
     corpora = [Corpus.from_jsonl(Path(e["dataset"]) / "corpus.jsonl")
                for e in results[f"02-{names[2]}/evaluate-00-01-02"]["evaluations"]]
     assert set(last.files) == {path for c in corpora for path in c.paths}

@@ -167,20 +167,20 @@ def test_the_train_program_trains_one_repository_from_a_reference(assets, tmp_pa
     cfg = config(assets)
     job = tmp_path / "job"
     result = run_train(cfg, assets["repo"], job, assets["ckpt"], None)
-    assert result["start_epochs"] == REFERENCE_EPOCH + 1
-    assert result["target_epochs"] == REFERENCE_EPOCH + 1 + cfg.lifelong.epochs_per_repo
-    assert result["start_global_step"] == 0  # our optimizer and schedule, from their start
-    final = read_checkpoint(Path(result["checkpoint"]))  # ours now: the standard weights-only reader takes it
+    assert result.start_epochs == REFERENCE_EPOCH + 1
+    assert result.target_epochs == REFERENCE_EPOCH + 1 + cfg.lifelong.epochs_per_repo
+    assert result.start_global_step == 0  # our optimizer and schedule, from their start
+    final = read_checkpoint(Path(result.checkpoint))  # ours now: the standard weights-only reader takes it
     assert final["epoch"] == REFERENCE_EPOCH + cfg.lifelong.epochs_per_repo
-    assert epochs_completed(final) == result["target_epochs"]
-    assert Path(result["checkpoint"]).name.startswith(f"epoch={REFERENCE_EPOCH + 1}-")
+    assert epochs_completed(final) == result.target_epochs
+    assert Path(result.checkpoint).name.startswith(f"epoch={REFERENCE_EPOCH + 1}-")
     assert "encoder_config" in final["hyper_parameters"]
     # Trained: the weights moved away from the reference's.
     moved = final["state_dict"]["encoder.shared.weight"] - assets["encoder"].state_dict()["shared.weight"]
     assert moved.abs().max() > 0
     # The next repository counts on from there, through the ordinary path.
-    plan = plan_training(tmp_path / "next", Path(result["checkpoint"]), epochs_per_repo=1)
-    assert not plan.from_reference and plan.start_epochs == result["target_epochs"]
+    plan = plan_training(tmp_path / "next", Path(result.checkpoint), epochs_per_repo=1)
+    assert not plan.from_reference and plan.start_epochs == result.target_epochs
 
 
 def test_lifelong_start_checkpoint_is_validated_and_resolved_against_the_config_file(assets, tmp_path):
