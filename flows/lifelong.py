@@ -22,7 +22,7 @@ from prefect import flow, get_run_logger
 from prefect.states import Failed, State
 
 from leanagent.checkpoints.files import prune_checkpoints
-from leanagent.ground.config import ConfigError, PipelineConfig, RepoConfig, dump_config, resolve_paths
+from leanagent.ground.config import ConfigError, PipelineConfig, RepoConfig, resolve_paths
 from leanagent.ground.job import JobRequest
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import RunReport, job_costs, report_from_manifest
@@ -154,14 +154,12 @@ def _train(cfg: PipelineConfig, ordered: list[RepoConfig], waiting: list[str], s
     datasets = training_datasets(cfg, report.names, [r.path for r in ordered], state, log=logger.info)
     jobs = cfg.run_dir / "jobs"
     ewc = cfg.lifelong.ewc_lambda > 0
-    # Not config.yaml: a user may keep their own config in run_dir, and it must not be overwritten.
-    config_file = cfg.run_dir / "leanagent-run-config.yaml"
-    dump_config(cfg, config_file)  # every rank reads the config from this file
-    stages = Stages(state, cfg, options, artifacts)
+    stages = Stages(state, options, artifacts)
 
     def job(program: str, data: list[Path], out: Path, timeout: float | None, **fields: Any) -> JobRequest:
-        return JobRequest(program=program, config=config_file, datasets=tuple(data), out=out, timeout=timeout,
-                          heartbeat_timeout=options.heartbeat_timeout_s, **fields)
+        # The flow has validated every dataset; the jobs need not read them again (evaluation would, n^2 times).
+        return JobRequest(program=program, config=cfg, datasets=tuple(data), out=out, timeout=timeout,
+                          heartbeat_timeout=options.heartbeat_timeout_s, datasets_checked=True, **fields)
 
     # The starting model (model.name_or_path, or lifelong.start_checkpoint) on every test split: the row that
     # training gains and transfers are measured from. A continued run scores it on its new repositories only.

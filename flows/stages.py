@@ -19,7 +19,6 @@ from leanagent.tasks.options import JobOptions
 from prefect import get_run_logger
 from prefect.exceptions import Abort, ExternalSignal
 
-from leanagent.ground.config import PipelineConfig
 from leanagent.ground.job import JobRequest
 from leanagent.ground.results import EvaluateResult, JobResult, StageResult
 from leanagent.ground.supervision import HoldSignals
@@ -74,9 +73,8 @@ class Stages:
     """The stages of one run, each a job of the task `rank_job` (retried as `options` say), skipped when the manifest
     has it finished, and recorded in the manifest and the artifacts either way."""
 
-    def __init__(self, state: RunState, cfg: PipelineConfig, options: JobOptions,
-                 artifacts: RunArtifacts | None = None) -> None:
-        self.state, self.cfg, self.options, self.artifacts = state, cfg, options, artifacts
+    def __init__(self, state: RunState, options: JobOptions, artifacts: RunArtifacts | None = None) -> None:
+        self.state, self.options, self.artifacts = state, options, artifacts
 
     def _finished(self, name: str) -> StageResult | None:
         done = self.state.stage_done(name)
@@ -87,10 +85,9 @@ class Stages:
         return done
 
     def _launch(self, run_name: str, job: JobRequest) -> JobResult:
-        # The flow has validated every dataset; the jobs need not read them again (evaluation would, n^2 times).
         task = rank_job.with_options(task_run_name=run_name, retries=self.options.retries,
                                      retry_delay_seconds=self.options.retry_delay_s)
-        return task(cfg=self.cfg, job=job, validate=False)
+        return task(job=job)
 
     def run(self, name: str, job: JobRequest) -> StageResult:
         """Skip a stage the manifest has finished; otherwise run its job and record the outcome either way. The

@@ -21,7 +21,6 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
-from leanagent.ground.config import PipelineConfig
 from leanagent.ground.job import JobFinishedError, JobInputError, JobRequest
 from leanagent.ground.results import JobResult, ResultUnreadableError
 from leanagent.preflight.run_job import run_job
@@ -58,7 +57,7 @@ _TASK_OPTIONS: dict[str, Any] = {
 
 
 @task(name="rank-job", **_TASK_OPTIONS)
-def rank_job(cfg: PipelineConfig, job: JobRequest, validate: bool = True) -> JobResult:
+def rank_job(job: JobRequest) -> JobResult:
     """One job of a rank program (train, fisher, evaluate: `leanagent.ground.job.PROGRAMS`), launched by the config's
     launcher, its lines in this task run's log; returns its result, as its program's model.
 
@@ -66,9 +65,8 @@ def rank_job(cfg: PipelineConfig, job: JobRequest, validate: bool = True) -> Job
     refused and not rerun.
 
     Args:
-        cfg: The run's config.
-        job: The job: its program, the config as YAML (which every rank reads), its datasets, folder, checkpoint,
-            Fisher file and premise index, its deadlines, and what its progress lines call it.
-        validate: Validate the datasets first (the flow has already).
+        job: The job: its program, its config (each rank reads a copy), its datasets, folder, checkpoint, Fisher
+            file and premise index, its deadlines, what its progress lines call it, and whether its datasets were
+            validated already (the flow's were).
     """
-    return run_job(cfg, job, on_line=forward_to_run_logger(), reuse_finished=True, validate=validate)
+    return run_job(job, on_line=forward_to_run_logger(), reuse_finished=True)

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from leanagent.data.validate import dataset_problems
 from leanagent.ground.atomic import format_bytes
 from leanagent.ground.config import PipelineConfig, RepoConfig
-from leanagent.ground.job import PROGRAMS, JobInputError
+from leanagent.ground.job import JobInputError, JobRequest
 from leanagent.ground.json_files import MIB, JsonFileError, read_json_file
 from leanagent.launch.registry import launch_problems
 from leanagent.model.options import RetrieverOptions, stored_encoder_config
@@ -227,12 +227,12 @@ def estimate_run(cfg: PipelineConfig, parameters: int, repos: int | None = None)
     return DiskEstimate(parameters, checkpoints, repos, _written(cfg.run_dir / "jobs"))
 
 
-def estimate_job(cfg: PipelineConfig, program: str, out: Path, parameters: int) -> DiskEstimate:
-    writes = PROGRAMS[program].writes
+def estimate_job(job: JobRequest, parameters: int) -> DiskEstimate:
+    writes = job.spec.writes
     if writes == "checkpoints":
-        return DiskEstimate(parameters, checkpoints_per_training(cfg), 0, _written(Path(out) / "checkpoints"))
+        return DiskEstimate(parameters, checkpoints_per_training(job.config), 0, _written(job.out / "checkpoints"))
     if writes == "fisher":
-        return DiskEstimate(parameters, 0, 1, _written(Path(out)))
+        return DiskEstimate(parameters, 0, 1, _written(job.out))
     return DiskEstimate(parameters, 0, 0)
 
 
@@ -273,10 +273,10 @@ def check_disk(estimate: DiskEstimate, where: Path, free_bytes: int | None = Non
 
 # ---- the two entry points ---------------------------------------------------------------------------
 
-def preflight_job(cfg: PipelineConfig, program: str, datasets: Sequence[Path], out: Path | None = None,
-                  checkpoint: Path | None = None, fisher: Path | None = None, validate: bool = True,
-                  free_bytes: int | None = None, device_count: int | None = None) -> None:
-    """Everything one job needs, checked before it is launched; raises PreflightError listing each problem."""
+def preflight_job(job: JobRequest, free_bytes: int | None = None, device_count: int | None = None) -> None:
+    """Everything one job needs, checked before it is launched; raises PreflightError listing each problem. Its
+    datasets are read unless the request says they were checked already (`datasets_checked`)."""
+    cfg, checkpoint, fisher = job.config, job.checkpoint, job.fisher
     problems = check_launcher(cfg, device_count) + check_options(cfg)
     checkpoint_config: dict[str, Any] | None = None
     unknown = False  # a bad input file: what it would have told us (architecture, size) is unknown
@@ -302,12 +302,12 @@ def preflight_job(cfg: PipelineConfig, program: str, datasets: Sequence[Path], o
         if problem:
             problems.append(problem)
     parameters = count_parameters(model_config)
-    if out is not None and parameters and not unknown:
+    if parameters and not unknown:
         remedy = (", or keep fewer epoch checkpoints (trainer.save_top_k: 1 keeps the best and last.ckpt)"
-                  if PROGRAMS[program].writes == "checkpoints" and cfg.trainer.save_top_k != 1 else "")
-        problems += check_disk(estimate_job(cfg, program, Path(out), parameters), Path(out), free_bytes, remedy)
-    if validate:
-        problems += dataset_problems(datasets, cfg.data.split)
+                  if job.spec.writes == "checkpoints" and cfg.trainer.save_top_k != 1 else "")
+        problems += check_disk(estimate_job(job, parameters), job.out, free_bytes, remedy)
+    if not job.datasets_checked:
+        problems += dataset_problems(list(job.datasets), cfg.data.split)
     _raise_if(problems)
 
 

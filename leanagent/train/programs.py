@@ -25,9 +25,9 @@ from leanagent.data.datamodule import RetrievalDataModule, union_table
 from leanagent.data.errors import DatasetError
 from leanagent.ground import model_identity, supervision
 from leanagent.ground.atomic import write_json_atomic
-from leanagent.ground.config import PipelineConfig, load_config
+from leanagent.ground.config import PipelineConfig
 from leanagent.ground.exit_fast import freeze_for_exit
-from leanagent.ground.job import NEEDS_RESUME_FILE, IndexRequest, JobRequest, ProgramSpec, beat, result_filename
+from leanagent.ground.job import NEEDS_RESUME_FILE, JobRequest, ProgramSpec, beat, result_filename
 from leanagent.ground.ranks import global_rank, local_rank, node_rank
 from leanagent.ground.results import EvaluateResult, Evaluation, FisherResult, JobResult, Metrics, TrainResult
 from leanagent.ground.timings import JobClock, peak_rss_mb
@@ -59,8 +59,10 @@ def make_datamodule(cfg: PipelineConfig, dataset: Path, model: PremiseRetriever)
 
 # ---- train ----------------------------------------------------------------------------------
 
-def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path | None,
-              fisher: Path | None, clock: JobClock | None = None) -> TrainResult:
+def run_train(job: JobRequest, clock: JobClock | None = None) -> TrainResult:
+    """Train on the job's dataset from its checkpoint (the base model without one), EWC-anchored by its Fisher when
+    `lifelong.ewc_lambda > 0`; a retry of the job resumes from its newest readable checkpoint."""
+    cfg, dataset, job_dir, checkpoint, fisher = job.config, job.datasets[0], job.out, job.checkpoint, job.fisher
     clock = clock or JobClock()
     plan = plan_training(job_dir, checkpoint, cfg.lifelong.epochs_per_repo)
     if plan.unreadable and global_rank() == 0:
@@ -150,10 +152,10 @@ def latest_epoch_checkpoint(callback) -> str:
 
 # ---- fisher ---------------------------------------------------------------------------------
 
-def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path,
-               clock: JobClock | None = None) -> FisherResult:
-    """`lifelong.fisher_estimator` (`leanagent.model.fisher.registry`): per_example (the empirical Fisher) or
-    reference (LeanAgent's compute_fisher), each fitted on its own loader."""
+def run_fisher(job: JobRequest, clock: JobClock | None = None) -> FisherResult:
+    """The job's checkpoint's Fisher on its dataset, by `lifelong.fisher_estimator` (`leanagent.model.fisher.registry`):
+    per_example (the empirical Fisher) or reference (LeanAgent's compute_fisher), each fitted on its own loader."""
+    cfg, dataset, job_dir, checkpoint = job.config, job.datasets[0], job.out, job.checkpoint
     clock = clock or JobClock()
     estimator = fisher_estimator(cfg.lifelong.fisher_estimator)
     model = load_retriever(cfg, checkpoint)
@@ -181,9 +183,8 @@ def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pa
 
 # ---- evaluate -------------------------------------------------------------------------------
 
-def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, checkpoint: Path | None,
-                 clock: JobClock | None = None, index: IndexRequest | None = None) -> EvaluateResult:
-    """Score one model on the test split of every dataset given, loading it once.
+def run_evaluate(job: JobRequest, clock: JobClock | None = None) -> EvaluateResult:
+    """Score one model (the job's checkpoint) on the test split of every dataset of the job, loading it once.
 
     The lifelong flow evaluates every repository seen so far after each one: one job (one torchrun
     start, one model load) per repository stage, not one per (model, dataset) pair. Without a
@@ -193,6 +194,7 @@ def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, check
     writes the premise index of its model over the union of the index's datasets (`StageIndex`): the premises it
     embedded for the tests are not embedded again, only the rest.
     """
+    cfg, datasets, job_dir, checkpoint, index = job.config, job.datasets, job.out, job.checkpoint, job.index_request()
     clock = clock or JobClock()
     model = load_retriever(cfg, checkpoint)
     model.clock = clock
@@ -242,21 +244,7 @@ def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, check
     return result.one(0) if len(evaluations) == 1 else result
 
 
-# ---- the programs as PROGRAMS names them: a JobRequest in, what result.json says out -------------------------
-
-def train_job(cfg: PipelineConfig, job: JobRequest, clock: JobClock) -> TrainResult:
-    return run_train(cfg, job.datasets[0], job.out, job.checkpoint, job.fisher, clock)
-
-
-def fisher_job(cfg: PipelineConfig, job: JobRequest, clock: JobClock) -> FisherResult:
-    return run_fisher(cfg, job.datasets[0], job.out, job.checkpoint, clock)
-
-
-def evaluate_job(cfg: PipelineConfig, job: JobRequest, clock: JobClock) -> EvaluateResult:
-    return run_evaluate(cfg, list(job.datasets), job.out, job.checkpoint, clock, job.index_request())
-
-
-def runner(spec: ProgramSpec) -> Callable[[PipelineConfig, JobRequest, JobClock], JobResult]:
+def runner(spec: ProgramSpec) -> Callable[[JobRequest, JobClock], JobResult]:
     """The function `spec.runner` names (`module:function`), imported here, inside the rank."""
     module, _, name = spec.runner.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -289,8 +277,8 @@ def job_account(clock: JobClock) -> dict:
 def main(argv: list[str] | None = None) -> None:
     clock = JobClock()  # first: the job's time is counted from this process's start (`leanagent.ground.timings`)
     supervision.start()  # record this rank's pid; end it if the launcher or torchrun dies (supervision.py)
-    job = JobRequest.from_argv(argv)
-    cfg = load_config(job.config)
+    job = JobRequest.from_argv(argv)  # its config read from the file the launcher wrote
+    cfg = job.config
     clock.sync = device_sync(cfg)
     job_dir = job.out
     job_dir.mkdir(parents=True, exist_ok=True)
@@ -306,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     if refusal is not None:
         raise SystemExit(refusal)
     try:
-        result = runner(job.spec)(cfg, job, clock)
+        result = runner(job.spec)(job, clock)
     except StopRequested as stopped:
         # Asked to stop before a time limit: the step checkpoint is written; a rerun resumes from it.
         if global_rank() == 0:

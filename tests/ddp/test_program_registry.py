@@ -65,8 +65,9 @@ def registered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_a_registered_program_runs_a_real_job_and_has_its_command(registered: Path, ddp_assets,
                                                                   tmp_path: Path) -> None:
     config = write_config(tmp_path / "cfg.yaml", ddp_assets["model"])
-    job = JobRequest(program="count", config=config, datasets=(ddp_assets["repo_a"],), out=tmp_path / "job")
-    result = run_job(load_config(config), job)
+    job = JobRequest(program="count", config=load_config(config), datasets=(ddp_assets["repo_a"],),
+                     out=tmp_path / "job")
+    result = run_job(job)
     expected = len(load_split(ddp_assets["repo_a"] / "random" / part_file(TRAIN_PART)))
     assert (result["program"], result["training_theorems"], result["world_size"]) == ("count", expected, 2)
     assert json.loads((tmp_path / "job" / "result.json").read_text())["training_theorems"] == expected

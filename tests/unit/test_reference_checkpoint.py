@@ -16,6 +16,7 @@ from leanagent.checkpoints.files import CheckpointError
 from leanagent.checkpoints.foreign import read_any_checkpoint
 from leanagent.checkpoints.ours import epochs_completed, read_checkpoint
 from leanagent.ground.config import PipelineConfig
+from leanagent.ground.job import JobRequest
 from leanagent.model.loading import load_retriever, reference_encoder_config
 from leanagent.model.presets import encoder_config
 from leanagent.preflight.checks import PreflightError, preflight_job
@@ -150,7 +151,8 @@ def test_epochs_count_on_from_the_reference(assets, tmp_path, which):
 def test_preflight_accepts_a_reference_file_and_folder_that_fit_the_model_and_refuses_one_that_does_not(
         assets, tmp_path):
     for which in ("ckpt", "folder"):
-        preflight_job(config(assets), "evaluate", [assets["repo"]], checkpoint=assets[which], validate=False)
+        preflight_job(JobRequest(program="evaluate", config=config(assets), datasets=(assets["repo"],),
+                                 out=tmp_path / "job", checkpoint=assets[which], datasets_checked=True))
     narrower = tmp_path / "narrower"  # an architecture the reference weights do not fit: config.json is enough
     narrower.mkdir()
     encoder_config("tiny").__class__(**{**encoder_config("tiny").to_dict(), "d_model": 32}).to_json_file(
@@ -159,14 +161,16 @@ def test_preflight_accepts_a_reference_file_and_folder_that_fit_the_model_and_re
         update={"name_or_path": str(narrower)})})
     for which in ("ckpt", "folder"):
         with pytest.raises(PreflightError, match="has shape") as info:
-            preflight_job(cfg, "evaluate", [assets["repo"]], checkpoint=assets[which], validate=False)
+            preflight_job(JobRequest(program="evaluate", config=cfg, datasets=(assets["repo"],), out=tmp_path / "job",
+                                     checkpoint=assets[which], datasets_checked=True))
         assert str(assets[which]) in str(info.value) and "\n" not in str(info.value)
 
 
 def test_the_train_program_trains_one_repository_from_a_reference(assets, tmp_path):
     cfg = config(assets)
     job = tmp_path / "job"
-    result = run_train(cfg, assets["repo"], job, assets["ckpt"], None)
+    result = run_train(JobRequest(program="train", config=cfg, datasets=(assets["repo"],), out=job,
+                                  checkpoint=assets["ckpt"]))
     assert result.start_epochs == REFERENCE_EPOCH + 1
     assert result.target_epochs == REFERENCE_EPOCH + 1 + cfg.lifelong.epochs_per_repo
     assert result.start_global_step == 0  # our optimizer and schedule, from their start
