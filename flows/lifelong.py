@@ -109,7 +109,7 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
         try:  # checked again under the lock: another run may have grown the sequence since the plan read it
             state = RunState(plan.cfg.run_dir, plan.cfg)
             # `trainer.precision: auto`: the precision the run started in, if it has one
-            plan = plan.model_copy(update={"cfg": state.decided(plan.cfg)})
+            plan = plan.model_copy(update={"cfg": state.config})
             state.extend([plan.entries[r.display_name] for r in ordered], plan.given, plan.source)
             return _run_curriculum(plan, ordered, state, options or JobOptions())
         except (*BAD_INPUT, *UNRECORDED) as exc:  # one line, no traceback (UNRECORDED: the disk went wrong)

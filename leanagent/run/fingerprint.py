@@ -79,6 +79,22 @@ def recorded_setting(config: dict[str, Any], dotted: str) -> Any:
     return node
 
 
+def continued(path: Path, recorded: dict[str, Any] | None, cfg: PipelineConfig
+              ) -> tuple[dict[str, Any], PipelineConfig]:
+    """What a run continues in, given the config its manifest (`path`) `recorded` (None: a new run): the fields to
+    record, and the config its jobs get. Both are `cfg`'s, with each setting the run decided (DECIDED_BY_THE_RUN:
+    the precision its first job ran under `trainer.precision: auto`) at the recorded value where `cfg` says auto,
+    so that a run goes on in its precision on a CPU that would resolve auto otherwise. A recorded config of
+    another experiment is refused (`check_config`)."""
+    fields = fingerprint_fields(cfg)
+    if recorded is None:
+        return fields, cfg
+    check_config(path, recorded, fields)
+    data = cfg.model_dump(mode="json")
+    kept = keep_decided(recorded, data)
+    return keep_decided(recorded, fields), cfg if kept == data else PipelineConfig.model_validate(kept)
+
+
 def keep_decided(recorded: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
     """`fields` with each DECIDED_BY_THE_RUN key that says `auto` set to the value `recorded` holds, if any: what
     the run continues in."""

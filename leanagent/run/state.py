@@ -25,10 +25,8 @@ from leanagent.ground.names import AUTO
 from leanagent.ground.results import StageResult
 from leanagent.run.fingerprint import (
     DECIDED_BY_THE_RUN,
-    check_config,
+    continued,
     fields_fingerprint,
-    fingerprint_fields,
-    keep_decided,
     recorded_setting,
     set_setting,
 )
@@ -121,23 +119,20 @@ class RunState:
     is written at once."""
 
     def __init__(self, run_dir: Path, cfg: PipelineConfig) -> None:
+        """Open the run in `run_dir` for `cfg`: refused if its manifest records another experiment. `config` is the
+        config the run's jobs get (`continued`: what the run decided, such as its precision, where `cfg` says
+        auto)."""
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / MANIFEST_NAME
-        self._stored: str | None = None  # the manifest as read: `extend` writes only what differs from it
         stored = read_manifest(self.path) if self.path.is_file() else None
-        fields = fingerprint_fields(cfg)
-        if stored is not None:
-            self.manifest = stored
-            self._stored = self._text()
-            check_config(self.path, stored.config.fields(), fields)
-            stored.given = given_before(stored)  # a version 1 manifest has it in its config
-            # Only knobs added since, at their defaults (or none): the same experiment, in today's terms; what the
-            # run decided (its precision) where the config says auto.
-            self._set_config(keep_decided(stored.config.fields(), fields))
-        else:
-            self.manifest = ManifestRecord(version=MANIFEST_VERSION, fingerprint=fields_fingerprint(fields),
-                                           config=ConfigRecord.model_validate(fields), order=None, repos={},
-                                           created_at=_now())
+        given = given_before(stored) if stored is not None else []  # a version 1 manifest has it in its config
+        # Only knobs added since, at their defaults (or none): the same experiment, in today's terms.
+        fields, self.config = continued(self.path, stored.config.fields() if stored is not None else None, cfg)
+        self.manifest = stored or ManifestRecord(version=MANIFEST_VERSION, order=None, repos={}, created_at=_now())
+        # The manifest as read: `extend` writes only what differs from it.
+        self._stored: str | None = self._text() if stored is not None else None
+        self.manifest.given = given
+        self._set_config(fields)
 
     def _set_config(self, fields: dict[str, Any]) -> None:
         self.manifest.config = ConfigRecord.model_validate(fields)
@@ -145,14 +140,6 @@ class RunState:
 
     def _text(self) -> str:
         return json.dumps(self.manifest.as_json(), sort_keys=True)
-
-    def decided(self, cfg: PipelineConfig) -> PipelineConfig:
-        """`cfg` as this run continues it, the config its jobs get: each setting the run decided (DECIDED_BY_THE_RUN:
-        the precision its first job ran under `trainer.precision: auto`) at the recorded value where `cfg` says
-        auto, so that a run goes on in its precision on a CPU that would resolve auto otherwise."""
-        data = cfg.model_dump(mode="json")
-        kept = keep_decided(self.manifest.config.fields(), data)
-        return cfg if kept == data else PipelineConfig.model_validate(kept)
 
     def extend(self, ordered: list[RepoEntry], given: list[RepoEntry], given_by: str | None = None) -> None:
         """Record the run's sequence: the recorded repositories (checked against `given` again, under the lock),

@@ -209,15 +209,15 @@ def test_a_run_under_auto_keeps_the_precision_its_first_job_ran_on_any_machine(t
     cfg = _on_cpu(_cfg(tmp_path), "auto")
     state = _started(cfg)
     assert state.manifest.config.trainer["precision"] == "auto"  # nothing has run yet
-    assert state.decided(cfg) is cfg
+    assert state.config is cfg  # what its jobs get
     state.record("00-a/eval-untrained", finished("evaluate", precision="32-true"))
     state.record("00-a/train", finished("train", checkpoint="a.ckpt", precision="32-true"))
     on_disk = json.loads(state.path.read_text())
     assert on_disk["config"]["trainer"]["precision"] == "32-true"
     reopened = RunState(cfg.run_dir, cfg)  # not refused: auto agrees with what the run recorded
     assert reopened.manifest.config.trainer["precision"] == "32-true"
-    assert reopened.decided(cfg).trainer.precision == "32-true"
-    assert reopened.decided(cfg).model_dump(exclude={"trainer"}) == cfg.model_dump(exclude={"trainer"})
+    assert reopened.config.trainer.precision == "32-true"
+    assert reopened.config.model_dump(exclude={"trainer"}) == cfg.model_dump(exclude={"trainer"})
     assert RunState(cfg.run_dir, _on_cpu(cfg, "32-true")).stage_done("00-a/train") == finished(
         "train", checkpoint="a.ckpt", precision="32-true")
     with pytest.raises(ManifestMismatchError, match=r"trainer\.precision: '32-true' -> 'bf16-mixed'"):
@@ -233,7 +233,7 @@ def test_a_run_recorded_before_auto_continues_in_its_bf16_under_auto(tmp_path: P
     written = json.loads(state.path.read_text())
     auto = _on_cpu(old, "auto")
     reopened = RunState(old.run_dir, auto)
-    assert reopened.decided(auto).trainer.precision == "bf16-mixed"
+    assert reopened.config.trainer.precision == "bf16-mixed"
     assert reopened.manifest.config.fields() == written["config"]
     assert reopened.manifest.fingerprint == written["fingerprint"]
     reopened.record("00-a/fisher", finished("fisher", fisher="a.safetensors", precision="bf16-mixed"))
