@@ -5,7 +5,8 @@ share memory, only this folder, so its protocol lives here, on the ground floor,
 
 - the job itself (`JobRequest`, its config included): what the flow, a Prefect task, the CLI and `run_job` hand on
   as one typed value, what the launcher starts (`to_argv`) and what the rank entry point reads back (`from_argv`);
-- the programs (`PROGRAMS`): one `ProgramSpec` each, naming the function that runs it inside a rank;
+- the programs (`PROGRAMS`): one `ProgramSpec` each, what the launcher side knows of it (its command, the fields
+  it takes, its result model); the function a rank runs for it is its entry of `leanagent.train.programs.RUNNERS`;
 - `result.json` (`result_filename`): written by rank 0 last, so its presence means the job is finished;
   `needs-resume.json` instead when the ranks were asked to stop (a time limit ahead) and saved a checkpoint;
 - `heartbeat/rankN.json` (`beat`, `stale_ranks`, `read_progress`): each rank's liveness, and rank 0's
@@ -34,17 +35,18 @@ from leanagent.ground.results import EvaluateResult, FisherResult, JobResult, Tr
 
 @dataclass(frozen=True)
 class ProgramSpec:
-    """One rank program, as every place that lists programs reads it: the CLI's command and flags, the checks before
-    a launch, the rank's entry point (which runs `runner`) and the disk estimate.
+    """One rank program, as every place that lists programs reads it without torch: the CLI's command and flags,
+    the checks before a launch, the disk estimate, and the model its result is read as.
 
-    `runner` is `module:function`, imported inside the ranks only (torch lives there): the function takes the
-    config, the `JobRequest` and the job's clock (`leanagent.ground.timings.JobClock`) and returns what rank 0
-    writes to result.json. Adding a program is adding its entry to `PROGRAMS` and writing that function.
+    The function that runs it inside a rank takes the `JobRequest` and the job's clock
+    (`leanagent.ground.timings.JobClock`) and returns its `result` model, which rank 0 writes to result.json; it is
+    the program's entry of `leanagent.train.programs.RUNNERS`, the table of functions (torch lives there), as a
+    Fisher estimator is its name in `leanagent.ground.names` and its class in its registry. Adding a program is its
+    spec here and its function there (tests/ddp/test_program_registry.py adds one from outside the package).
     """
 
     name: str
     summary: str  # the command's line in `leanagent --help`
-    runner: str
     result: type[JobResult]  # what its result.json holds, as `run_job` returns it
     several_datasets: bool = False  # evaluate scores one model on several datasets, loaded once
     needs_checkpoint: bool = False
@@ -57,13 +59,13 @@ class ProgramSpec:
 PROGRAMS_MODULE = "leanagent.train.programs"  # what runs inside each rank: `python -m leanagent.train.programs ...`
 PROGRAMS: dict[str, ProgramSpec] = {spec.name: spec for spec in (
     ProgramSpec("train", "train the retriever on one repository (DDP under torchrun)",
-                f"{PROGRAMS_MODULE}:run_train", TrainResult, takes_fisher=True, writes="checkpoints",
+                TrainResult, takes_fisher=True, writes="checkpoints",
                 checkpoint_help="the checkpoint training starts from (default: model.name_or_path)"),
     ProgramSpec("fisher", "compute the diagonal Fisher of a checkpoint on a repository",
-                f"{PROGRAMS_MODULE}:run_fisher", FisherResult, needs_checkpoint=True, writes="fisher",
+                FisherResult, needs_checkpoint=True, writes="fisher",
                 checkpoint_help="the trained checkpoint whose Fisher is computed"),
     ProgramSpec("evaluate", "R@1, R@10, MRR of a checkpoint on a repository's test split",
-                f"{PROGRAMS_MODULE}:run_evaluate", EvaluateResult, several_datasets=True, takes_index=True,
+                EvaluateResult, several_datasets=True, takes_index=True,
                 checkpoint_help="the checkpoint scored (default: the base model, model.name_or_path)"),
 )}
 PROGRAMS_ENTRY = ("-m", PROGRAMS_MODULE)  # the rank program on a python command line (launchers may replace it)

@@ -1,7 +1,7 @@
 """The programs that run inside each DDP rank: train, fisher, evaluate (`python -m leanagent.train.programs`).
 
 Started by torchrun (a launcher in `leanagent/launch/`), never imported by a launcher. The entry point reads its
-`JobRequest` back from the command line and runs the function its `ProgramSpec` names. Each creates
+`JobRequest` back from the command line and runs its program's function (`RUNNERS`). Each creates
 the process group first so that the seed's barriers (before loading data, before and after fit)
 really synchronize, and rank 0 writes `JOB_DIR/result.json` atomically at the end, with where the job's
 time went (`timings`, `leanagent.ground.timings`), the premises it embedded and its peak memory.
@@ -9,7 +9,6 @@ time went (`timings`, `leanagent.ground.timings`), the premises it embedded and 
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from leanagent.ground import model_identity, supervision
 from leanagent.ground.atomic import write_json_atomic
 from leanagent.ground.config import PipelineConfig
 from leanagent.ground.exit_fast import freeze_for_exit
-from leanagent.ground.job import NEEDS_RESUME_FILE, JobRequest, ProgramSpec, beat, result_filename
+from leanagent.ground.job import NEEDS_RESUME_FILE, JobRequest, beat, result_filename
 from leanagent.ground.ranks import global_rank, local_rank, node_rank
 from leanagent.ground.results import EvaluateResult, Evaluation, FisherResult, JobResult, Metrics, TrainResult
 from leanagent.ground.timings import JobClock, peak_rss_mb
@@ -244,10 +243,11 @@ def run_evaluate(job: JobRequest, clock: JobClock | None = None) -> EvaluateResu
     return result.one(0) if len(evaluations) == 1 else result
 
 
-def runner(spec: ProgramSpec) -> Callable[[JobRequest, JobClock], JobResult]:
-    """The function `spec.runner` names (`module:function`), imported here, inside the rank."""
-    module, _, name = spec.runner.partition(":")
-    return getattr(importlib.import_module(module), name)
+# The rank programs, one entry each: the function a rank runs for a program of `leanagent.ground.job.PROGRAMS` (its
+# spec: the command, the fields it takes, its result model). A program registered from outside the package adds its
+# spec there and its function here.
+Runner = Callable[[JobRequest, JobClock], JobResult]
+RUNNERS: dict[str, Runner] = {"train": run_train, "fisher": run_fisher, "evaluate": run_evaluate}
 
 
 # ---- entry point ----------------------------------------------------------------------------
@@ -291,10 +291,12 @@ def main(argv: list[str] | None = None) -> None:
     cfg.trainer.precision = job_precision(cfg.trainer)  # `auto` resolved once, alike on every rank; in result.json
     pl.seed_everything(cfg.trainer.seed, workers=True)
     refusal = job.refusal()
+    if refusal is None and job.program not in RUNNERS:
+        refusal = f"{job.program}: no function runs it in this rank (leanagent.train.programs.RUNNERS)"
     if refusal is not None:
         raise SystemExit(refusal)
     try:
-        result = runner(job.spec)(job, clock)
+        result = RUNNERS[job.program](job, clock)
     except StopRequested as stopped:
         # Asked to stop before a time limit: the step checkpoint is written; a rerun resumes from it.
         if global_rank() == 0:
@@ -332,4 +334,8 @@ def run_main() -> None:
 
 
 if __name__ == "__main__":
-    run_main()
+    # `python -m` runs this file as `__main__`, a second copy of the module: run the module's own entry point, whose
+    # `RUNNERS` is the table a program registered from outside (on import, as a `sitecustomize` does) was added to.
+    from leanagent.train import programs
+
+    programs.run_main()
