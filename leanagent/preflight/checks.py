@@ -34,7 +34,7 @@ from leanagent.launch.registry import launch_problems
 from leanagent.model.options import RetrieverOptions, stored_encoder_config
 
 # A checkpoint holds the fp32 weights (4 bytes per parameter) and AdamW's two moments (8 bytes), plus
-# loop/callback state, hparams and zip records (measured: 32 KB over 12 bytes per parameter on the tiny model).
+# loop/callback state, hparams and zip records: a few tens of kB (docs/measurements.md), within the overheads below.
 CHECKPOINT_BYTES_PER_PARAMETER = 12
 CHECKPOINT_OVERHEAD = 0.02
 CHECKPOINT_OVERHEAD_BYTES = 1 << 20
@@ -311,8 +311,8 @@ def preflight_job(job: JobRequest, free_bytes: int | None = None, device_count: 
     _raise_if(problems)
 
 
-# Reading a checkpoint or a Fisher file needs torch (~2 s of a core to import), and looking up a LeanAgent/ReProver
-# checkpoint's architecture transformers too (~3 s more). These checks import them when they have such a file to
+# Reading a checkpoint or a Fisher file needs torch (seconds of a core to import), and looking up a
+# LeanAgent/ReProver checkpoint's architecture transformers too. These checks import them when they have such a file to
 # read: a job that starts from the base model, and `leanagent run`'s checks (a bad input answered before Prefect
 # starts), pay nothing; the job's ranks import both anyway.
 
