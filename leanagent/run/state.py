@@ -171,15 +171,12 @@ class RunState:
         """The repositories of the recorded sequence with a stage still to run."""
         return waiting_repositories(self.manifest)
 
-    def _stage(self, name: str) -> StageRecord | None:
-        return stage_entry(self.manifest, name)
-
     def stage_done(self, name: str) -> StageResult | None:
         """The result of a finished stage, or None when it still has to run."""
-        return finished_result(self._stage(name))
+        return finished_result(stage_entry(self.manifest, name))
 
     def start(self, name: str) -> None:
-        self._set(name, StageRecord(status="running", started_at=_now()))
+        self._update(name, fresh=True, status="running", started_at=_now())
 
     def record(self, name: str, result: StageResult) -> None:
         """The stage is done with `result`; the first result of a run whose config says `auto` for a setting the run
@@ -198,15 +195,15 @@ class RunState:
         """The stage was stopped from outside (Ctrl-C, SIGTERM, a cancelled flow run): not done, it reruns."""
         self._update(name, status="interrupted", reason=reason, interrupted_at=_now())
 
-    def _update(self, name: str, **changes: Any) -> None:
-        entry = self._stage(name)
-        self._set(name, entry.model_copy(update=changes) if entry is not None else StageRecord(**changes))
-
-    def _set(self, name: str, entry: StageRecord) -> None:
+    def _update(self, name: str, fresh: bool = False, **changes: Any) -> None:
+        """The stage `name`'s record becomes its current one with `changes` (a new one, when `fresh`); written at
+        once."""
         key, _, stage = name.partition("/")
         if key not in self.manifest.repos or not stage:
             raise KeyError(f"{name}: not a stage of this run (known repositories: {list(self.manifest.repos)})")
-        self.manifest.repos[key].stages[stage] = entry
+        stages = self.manifest.repos[key].stages
+        entry = None if fresh else stages.get(stage)
+        stages[stage] = entry.model_copy(update=changes) if entry is not None else StageRecord(**changes)
         self._write()
 
     def _write(self) -> None:
