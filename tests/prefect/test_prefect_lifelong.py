@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from leanagent.flows.artifacts import PROGRESS_KEY, SUMMARY_KEY, TABLE_KEY
-from leanagent.flows.lifelong import lifelong_retrieval
 
 from leanagent.data.corpus import Corpus
+from leanagent.flows.artifacts import PROGRESS_KEY, SUMMARY_KEY, TABLE_KEY
+from leanagent.flows.lifelong import lifelong_retrieval
 from leanagent.ground.atomic import read_json
 from leanagent.index.files import read_names
 from leanagent.index.query import PremiseIndex

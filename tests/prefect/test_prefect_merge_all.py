@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from leanagent.flows.lifelong import lifelong_retrieval
 
+from leanagent.flows.lifelong import lifelong_retrieval
 from leanagent.ground.atomic import read_json
 from leanagent.run.manifest import ManifestMismatchError
 from tests.conftest import FinishedRun, file_times

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from leanagent.flows.lifelong import lifelong_retrieval
 
+from leanagent.flows.lifelong import lifelong_retrieval
 from leanagent.ground.atomic import read_json
 from tests.conftest import FinishedRun, file_times
 

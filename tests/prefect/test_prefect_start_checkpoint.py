@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from leanagent.flows.lifelong import lifelong_retrieval
 from transformers import T5Config, T5EncoderModel
 
 from leanagent.checkpoints.ours import read_checkpoint
+from leanagent.flows.lifelong import lifelong_retrieval
 from leanagent.ground.atomic import read_json
 from tests.reference_layout import save_reference
 
