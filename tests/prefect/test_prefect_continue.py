@@ -26,9 +26,8 @@ import yaml
 
 from leanagent.flows.artifacts import SUMMARY_KEY, TABLE_KEY
 from leanagent.flows.lifelong import lifelong_retrieval
-from leanagent.ground.atomic import read_json
 from leanagent.run.manifest import ManifestMismatchError
-from tests.conftest import FinishedRun, file_times
+from tests.conftest import FinishedRun, file_times, read_json
 from tests.prefect.prefect_api import flow_run_artifacts, wait_for_logs
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]

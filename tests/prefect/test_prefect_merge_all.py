@@ -19,9 +19,8 @@ from pathlib import Path
 import pytest
 
 from leanagent.flows.lifelong import lifelong_retrieval
-from leanagent.ground.atomic import read_json
 from leanagent.run.manifest import ManifestMismatchError
-from tests.conftest import FinishedRun, file_times
+from tests.conftest import FinishedRun, file_times, read_json
 from tests.prefect.prefect_api import wait_for_logs
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]

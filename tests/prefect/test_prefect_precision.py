@@ -20,8 +20,7 @@ import pytest
 import yaml
 
 from leanagent.flows.lifelong import lifelong_retrieval
-from leanagent.ground.atomic import read_json
-from tests.conftest import FinishedRun
+from tests.conftest import FinishedRun, read_json
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]
 

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from leanagent.flows.lifelong import lifelong_retrieval
-from leanagent.ground.atomic import read_json
-from tests.conftest import FinishedRun, file_times
+from tests.conftest import FinishedRun, file_times, read_json
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]
 

@@ -15,7 +15,7 @@ from transformers import T5Config, T5EncoderModel
 
 from leanagent.checkpoints.ours import read_checkpoint
 from leanagent.flows.lifelong import lifelong_retrieval
-from leanagent.ground.atomic import read_json
+from tests.conftest import read_json
 from tests.reference_layout import save_reference
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]
