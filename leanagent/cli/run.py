@@ -35,10 +35,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """The flow prints its own refusals and summary (leanagent/flows/command.py); this returns its exit code."""
+    """The flow prints its own refusals and summary (flows/command.py); this returns its exit code."""
     with interrupt_on_signals():
         try:
-            from leanagent.flows.command import run_from_cli  # the one way into the app layer
+            from leanagent.flows.command import run_from_cli  # the one way into the app layer (flows/command.py)
 
             return run_from_cli(args.config, args.overrides)
         except Interrupted as exc:  # one that landed outside the flow (while importing, or after it)

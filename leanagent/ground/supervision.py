@@ -25,7 +25,7 @@ reaches any of them. Three mechanisms, each covering what the others cannot:
    rerun resumes from the job's last checkpoint.
 
 `leanagent run` starts Prefect's temporary server with the same parent-death signal, so it ends
-with the command too (leanagent/flows/temporary_server.py).
+with the command too (flows/temporary_server.py).
 `HoldSignals` keeps a second Ctrl-C or SIGTERM from cutting short the ending of a job or the
 record that a stage was interrupted; `interrupt_on_signals` turns SIGINT, SIGTERM and SIGHUP into
 `Interrupted` in the commands, so that a launcher in the middle of a job ends it.

@@ -368,7 +368,7 @@ def _flow_run_tree(runner: int) -> dict[int, float]:
 
 @pytest.mark.prefect
 def test_cancelling_a_served_deployment_run_ends_its_job(tmp_path, ddp_assets, leftovers, prefect_harness):
-    """`prefect flow-run cancel` (or the UI's Cancel) on a run of `leanagent.deployments.serve`: the runner sends the
+    """`prefect flow-run cancel` (or the UI's Cancel) on a run of `deployments/serve.py`: the runner sends the
     flow-run process SIGTERM (after a cancel intent on its control channel); the launcher ends the job, the
     stage is recorded interrupted, the run shows Cancelled, and no process of it is left."""
     from prefect.client.orchestration import get_client
@@ -380,8 +380,7 @@ def test_cancelling_a_served_deployment_run_ends_its_job(tmp_path, ddp_assets, l
     name = f"cancel-{os.getpid()}-{tmp_path.name}"[:60]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(PREFECT_API_URL=PREFECT_API_URL.value(), PREFECT_RUNNER_POLL_FREQUENCY="1", **NO_TELEMETRY)
-    serve = _spawn([sys.executable, "-m", "leanagent.deployments.serve", "--name", name], tmp_path / "serve.log",
-                   env=env)
+    serve = _spawn([sys.executable, "deployments/serve.py", "--name", name], tmp_path / "serve.log", env=env)
     leftovers[serve.pid] = start_time(serve.pid)
     try:
         with get_client(sync_client=True) as client:

@@ -46,7 +46,7 @@ def flow_run_artifacts(flow_run_id: UUID) -> list[Artifact]:
 
 
 def served_deployment(client, name: str, timeout_s: float, server=None):
-    """The deployment `lifelong-retrieval/NAME` once a `leanagent.deployments.serve` process has registered it.
+    """The deployment `lifelong-retrieval/NAME` once a `deployments/serve.py` process has registered it.
 
     `server` (its Popen) ends the wait early, with its output, if it exits first.
     """
@@ -64,7 +64,7 @@ def served_deployment(client, name: str, timeout_s: float, server=None):
 
 
 def stop_serving(server: subprocess.Popen) -> None:
-    """End a `leanagent.deployments.serve` process as Ctrl-C does (its runner deregisters), killed if it hangs."""
+    """End a `deployments/serve.py` process as Ctrl-C does (its runner deregisters), killed if it hangs."""
     server.send_signal(signal.SIGINT)
     try:
         server.wait(timeout=60)

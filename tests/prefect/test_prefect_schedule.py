@@ -1,4 +1,4 @@
-"""A scheduled deployment of one run_dir (`leanagent.deployments.serve --cron`): a second run waits for the first.
+"""A scheduled deployment of one run_dir (`deployments/serve.py --cron`): a second run waits for the first.
 
 Two runs of the session's finished three-repository run (nothing new: no job), through a real served deployment
 on the session's Prefect server. The first is held inside its flow deterministically, not by a sleep: its
@@ -51,7 +51,7 @@ def test_a_second_run_of_a_scheduled_deployment_waits_for_the_first(lifelong_run
     config_text = lifelong_run3.config_path.read_text()  # absolute paths: the pipe's folder does not matter
     form = load_config(lifelong_run3.config_path).model_dump(mode="json")
     with open(tmp_path / "serve.log", "w") as log:
-        serve = subprocess.Popen([sys.executable, "-m", "leanagent.deployments.serve", "--name", name, "--config-path",
+        serve = subprocess.Popen([sys.executable, "deployments/serve.py", "--name", name, "--config-path",
                                   str(lifelong_run3.config_path), "--cron", "0 3 * * 1"], cwd=REPO_ROOT, env=env,
                                  stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -92,12 +92,11 @@ def _release(pipe: Path) -> None:
 
 
 def test_the_shipped_deployments_schedule_a_repos_dir_config_one_run_at_a_time() -> None:
-    """leanagent/deployments/prefect.yaml as `prefect deploy` reads it: a weekly schedule, off by default, on a config
-    whose runs learn what arrived in its repos_dir, and one flow run at a time per deployment."""
+    """deployments/prefect.yaml as `prefect deploy` reads it: a weekly schedule, off by default, on a config whose
+    runs learn what arrived in its repos_dir, and one flow run at a time per deployment."""
     from prefect.cli.deploy._models import PrefectYamlModel
 
-    shipped = REPO_ROOT / "leanagent" / "deployments" / "prefect.yaml"
-    spec = PrefectYamlModel.model_validate(yaml.safe_load(shipped.read_text()))
+    spec = PrefectYamlModel.model_validate(yaml.safe_load((REPO_ROOT / "deployments" / "prefect.yaml").read_text()))
     assert len(spec.deployments) == 2
     for deployment in spec.deployments:
         limit = deployment.concurrency_limit

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from leanagent.flows.lifelong import lifelong_retrieval
+
 from leanagent.ground.supervision import descendants, find_process, running
 from tests.prefect.prefect_api import served_deployment, stop_serving
 from tests.slurm.cluster import Cluster
@@ -158,8 +158,8 @@ def test_a_prefect_cancel_of_a_served_run_leaves_no_job_in_the_queue(cluster: Cl
     env = _env(tmp_path)
     env.update(PREFECT_API_URL=PREFECT_API_URL.value(), PREFECT_RUNNER_POLL_FREQUENCY="1")
     with open(tmp_path / "serve.log", "w") as f:
-        serve = subprocess.Popen([sys.executable, "-m", "leanagent.deployments.serve", "--name", name], cwd=REPO_ROOT,
-                                 env=env, stdout=f, stderr=subprocess.STDOUT)
+        serve = subprocess.Popen([sys.executable, "deployments/serve.py", "--name", name], cwd=REPO_ROOT, env=env,
+                                 stdout=f, stderr=subprocess.STDOUT)
     train = run_dir / "jobs" / "00-repo_0" / "train"
     try:
         with get_client(sync_client=True) as client:

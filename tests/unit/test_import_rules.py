@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# The orchestration: Prefect's tasks, the flows and their deployments; the rest of leanagent is the library.
-ORCHESTRATION = ("leanagent.tasks", "leanagent.flows", "leanagent.deployments")
+PACKAGES = ("leanagent", "tasks", "flows", "deployments")
 
 # From the ground floor up: every folder of the library is one floor, and a module's floor is its folder's. A module
 # in no listed folder has none, and fails `test_every_module_has_a_floor`: a new folder is placed here on purpose.
@@ -21,7 +20,7 @@ FLOORS: dict[str, int] = {
     "leanagent.model": 2, "leanagent.index": 2, "leanagent.export": 2,
     "leanagent.train": 3, "leanagent.launch": 3,  # the rank programs and the launchers
     "leanagent.preflight": 4, "leanagent.run": 4, "leanagent.report": 4, "leanagent.serve": 4,
-    "leanagent.bench": 5, "leanagent.tasks": 5, "leanagent.flows": 5,
+    "leanagent.bench": 5, "leanagent.tasks": 5, "leanagent.flows": 5,  # the folders tasks/ and flows/
     "leanagent.deployments": 6,
     "leanagent.cli": 7,
 }
@@ -37,9 +36,11 @@ def _floor(module: str) -> int:
 
 
 def _modules():
-    """(name, file) of every module: its import path is its file's."""
-    for path in sorted((REPO_ROOT / "leanagent").rglob("*.py")):
-        yield ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts).removesuffix(".__init__"), path
+    """(installed name, file) of every module: tasks/, flows/ and deployments/ install under leanagent."""
+    for package in PACKAGES:
+        for path in sorted((REPO_ROOT / package).rglob("*.py")):
+            name = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts).removesuffix(".__init__")
+            yield (name if package == "leanagent" else f"leanagent.{name}"), path
 
 
 def _imports(path: Path):
@@ -80,7 +81,7 @@ def test_no_module_imports_a_floor_above_its_own() -> None:
 
 
 def test_the_library_imports_no_prefect() -> None:
-    found = [f"{name} imports {imported}" for name, path in _modules() if not name.startswith(ORCHESTRATION)
+    found = [f"{name} imports {imported}" for name, path in _modules() if path.is_relative_to(REPO_ROOT / "leanagent")
              for imported in _imports(path) if imported.split(".")[0] == "prefect"]
     assert not found, "\n".join(found)
 

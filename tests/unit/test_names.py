@@ -11,7 +11,7 @@ import pytest
 from leanagent.ground import names
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SOURCES = list((REPO_ROOT / "leanagent").rglob("*.py"))
+SOURCES = [p for folder in ("leanagent", "flows", "tasks", "deployments") for p in (REPO_ROOT / folder).rglob("*.py")]
 # Names whose quoted spelling is theirs alone. Not the dtypes ("bf16" is also a precision's prefix) nor "random" (also
 # a value of data.negatives) nor the parts (also Lightning's stage names): those are checked as the tables they head.
 ONE_SPELLING = (names.CORPUS_FILE, *names.SPLITS[1:], *names.PRESET_NAMES, *names.FISHER_ESTIMATORS,

@@ -1,5 +1,5 @@
-"""What `pip install .` puts into an environment: the library and its orchestration under the name `leanagent`, every
-folder of leanagent/ that holds code, and nothing at the top level but `leanagent`."""
+"""What `pip install .` puts into an environment: the library and its orchestration under the name `leanagent`, and
+no top-level `flows`, `tasks` or `deployments` (common names a user's own code may hold)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+FOLDERS = {"leanagent.flows": "flows", "leanagent.tasks": "tasks", "leanagent.deployments": "deployments"}
 
 
 def _setuptools() -> dict:
@@ -23,9 +24,9 @@ def test_the_package_list_is_every_folder_of_code() -> None:
     """A new subpackage of leanagent/ must be listed, or `pip install .` leaves it out."""
     found = {".".join(p.relative_to(REPO_ROOT).parts) for p in (REPO_ROOT / "leanagent").rglob("*")
              if p.is_dir() and any(p.glob("*.py"))}
-    found |= {"leanagent"}
+    found |= {"leanagent", *FOLDERS}
     assert sorted(_setuptools()["packages"]) == sorted(found)
-    assert "package-dir" not in _setuptools()  # an import path is its file's path
+    assert _setuptools()["package-dir"] == FOLDERS
 
 
 @pytest.mark.slow
@@ -36,6 +37,7 @@ def test_a_wheel_installs_no_generic_top_level_package(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"leanagent"}, top
-    for package in ("leanagent/flows", "leanagent/tasks", "leanagent/deployments"):
-        ours = sorted(p.name for p in (REPO_ROOT / package).glob("*.py"))
-        assert sorted(n.rsplit("/", 1)[1] for n in names if n.startswith(package + "/") and n.endswith(".py")) == ours
+    for package, folder in FOLDERS.items():
+        ours = sorted(p.name for p in (REPO_ROOT / folder).glob("*.py"))
+        assert sorted(n.rsplit("/", 1)[1] for n in names if n.startswith(package.replace(".", "/") + "/")
+                      and n.endswith(".py")) == ours

@@ -163,7 +163,7 @@ def test_a_result_json_reads_as_one_its_readers_can_use_or_one_line(tmp_path: Pa
     except ResultUnreadableError as exc:
         _one_line(exc, path)
         return
-    # What the flow reads of an evaluation's result (leanagent/flows/stages.py) and the report of any job's.
+    # What the flow reads of an evaluation's result (flows/stages.py) and the report of any job's.
     for k in range(len(result.evaluations)):
         assert result.one(k).metrics is not None
     for seconds in (result.timings or {}).values():

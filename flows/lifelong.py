@@ -4,7 +4,7 @@ Read top to bottom: check everything (`leanagent.run.plan`), order the repositor
 and append them to those it has, then per repository train from the previous repository's checkpoint (the
 newest, as LeanAgent, or the best; EWC-anchored by its Fisher when `ewc_lambda > 0`), compute the new Fisher,
 and evaluate on every repository seen so far. Each stage is recorded in the run manifest as soon as it finishes
-(`leanagent/flows/stages.py`), so a rerun skips it without touching its files, and a config that lists more repositories
+(`flows/stages.py`), so a rerun skips it without touching its files, and a config that lists more repositories
 continues the run where it ended: repositories that arrive later are learned from the latest checkpoint.
 """
 
@@ -14,12 +14,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from leanagent.flows.artifacts import RunArtifacts
+from leanagent.flows.stages import Stages
+from leanagent.tasks.data import order_curriculum
+from leanagent.tasks.options import JobOptions
 from prefect import flow, get_run_logger
 from prefect.states import Failed, State
 
 from leanagent.checkpoints.files import prune_checkpoints
-from leanagent.flows.artifacts import RunArtifacts
-from leanagent.flows.stages import Stages
 from leanagent.ground.config import ConfigError, PipelineConfig, RepoConfig, resolve_paths
 from leanagent.ground.job import JobRequest
 from leanagent.launch.registry import load_checked_config
@@ -37,8 +39,6 @@ from leanagent.run.manifest import (
 from leanagent.run.plan import BAD_INPUT, INLINE, UNRECORDED, RunPlan, plan_run, progress_line
 from leanagent.run.state import RunLock, RunState
 from leanagent.run.strategy import training_datasets
-from leanagent.tasks.data import order_curriculum
-from leanagent.tasks.options import JobOptions
 
 # The name of a refused run's final state (its type is FAILED): the UI tells it from a failure, and `leanagent
 # run`, which prints the reason itself, keeps Prefect's console from repeating it.
@@ -46,7 +46,7 @@ REFUSED = "Refused"
 
 
 class _RefusedInOneLine(logging.Filter):
-    """A deployment's run (`python -m prefect.engine`, what a worker or `leanagent.deployments.serve` starts) raises the
+    """A deployment's run (`python -m prefect.engine`, what a worker or `deployments/serve.py` starts) raises the
     exception of a Failed state once the flow has returned it, and Prefect logs that with its traceback. For a
     refusal the line before it, "Finished in state Refused('<the reason>')", has said all there is: nothing went
     wrong inside, so the traceback is dropped, from the worker's console and the UI's logs alike."""

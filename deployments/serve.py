@@ -1,6 +1,6 @@
 """Serve the lifelong flow from this process: a deployment without a work pool or a worker.
 
-For a single machine where a long-lived `python -m leanagent.deployments.serve` is simpler than a work
+For a single machine where a long-lived `python deployments/serve.py` is simpler than a work
 pool. Runs are triggered from the UI or `prefect deployment run 'lifelong-retrieval/<name>'`,
 or by the optional cron schedule, and execute as subprocesses of this one.
 
@@ -17,14 +17,15 @@ import os
 import sys
 from pathlib import Path
 
-from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
-from prefect.schedules import Cron
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # `python deployments/serve.py` puts deployments/, not the root, on the path
 
-from leanagent.flows.lifelong import lifelong_retrieval
-from leanagent.ground.config import ConfigError
-from leanagent.launch.registry import load_checked_config
+from leanagent.flows.lifelong import lifelong_retrieval  # noqa: E402
+from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy  # noqa: E402
+from prefect.schedules import Cron  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from leanagent.ground.config import ConfigError  # noqa: E402
+from leanagent.launch.registry import load_checked_config  # noqa: E402
 
 # Two runs of one run_dir never overlap: the second waits for the first (the lock would refuse it).
 ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
