@@ -14,14 +14,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from leanagent.flows.artifacts import RunArtifacts
-from leanagent.flows.stages import Stages
-from leanagent.tasks.data import order_curriculum
-from leanagent.tasks.options import JobOptions
 from prefect import flow, get_run_logger
 from prefect.states import Failed, State
 
 from leanagent.checkpoints.files import prune_checkpoints
+from leanagent.flows.artifacts import RunArtifacts
+from leanagent.flows.stages import Stages
 from leanagent.ground.config import ConfigError, PipelineConfig, RepoConfig, resolve_paths
 from leanagent.ground.job import JobRequest
 from leanagent.launch.registry import load_checked_config
@@ -39,6 +37,8 @@ from leanagent.run.manifest import (
 from leanagent.run.plan import BAD_INPUT, INLINE, UNRECORDED, RunPlan, plan_run, progress_line
 from leanagent.run.state import RunLock, RunState
 from leanagent.run.strategy import training_datasets
+from leanagent.tasks.data import order_curriculum
+from leanagent.tasks.options import JobOptions
 
 # The name of a refused run's final state (its type is FAILED): the UI tells it from a failure, and `leanagent
 # run`, which prints the reason itself, keeps Prefect's console from repeating it.

@@ -13,16 +13,16 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from leanagent.flows.artifacts import RunArtifacts
-from leanagent.tasks.jobs import rank_job
-from leanagent.tasks.options import JobOptions
 from prefect import get_run_logger
 from prefect.exceptions import Abort, ExternalSignal
 
+from leanagent.flows.artifacts import RunArtifacts
 from leanagent.ground.job import JobRequest
 from leanagent.ground.results import EvaluateResult, JobResult, StageResult
 from leanagent.ground.supervision import HoldSignals
 from leanagent.run.state import RunState, RunStateWriteError
+from leanagent.tasks.jobs import rank_job
+from leanagent.tasks.options import JobOptions
 
 # A stage stopped from outside, not failed: Ctrl-C or SIGTERM (the CLI's handlers raise KeyboardInterrupt
 # subclasses), Prefect's TerminationSignal (a runner's cancel or any SIGTERM to a flow-run process), an

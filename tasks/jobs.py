@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from leanagent.tasks.options import JobOptions
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
@@ -24,6 +23,7 @@ from prefect.states import State
 from leanagent.ground.job import JobFinishedError, JobInputError, JobRequest
 from leanagent.ground.results import JobResult, ResultUnreadableError
 from leanagent.preflight.run_job import run_job
+from leanagent.tasks.options import JobOptions
 
 # The flow passes its JobOptions to every task; these are the same defaults for a task called on its own.
 DEFAULT_RETRIES: int = JobOptions.model_fields["retries"].default

@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import pytest
-from leanagent.flows.temporary_server import STARTUP_FLOOR_S, ServerOutput, startup_timeout
 from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
+from leanagent.flows.temporary_server import STARTUP_FLOOR_S, ServerOutput, startup_timeout
 from tests.waiting import wait_for
 
 
