@@ -20,10 +20,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # `python deployments/serve.py` puts deployments/, not the root, on the path
 
-from leanagent.flows.lifelong import lifelong_retrieval  # noqa: E402
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy  # noqa: E402
 from prefect.schedules import Cron  # noqa: E402
 
+from leanagent.flows.lifelong import lifelong_retrieval  # noqa: E402
 from leanagent.ground.config import ConfigError  # noqa: E402
 from leanagent.launch.registry import load_checked_config  # noqa: E402
 

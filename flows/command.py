@@ -55,11 +55,11 @@ def run_from_cli(config_path: str, overrides: Sequence[str] = ()) -> int:
 def _run_flow(plan: RunPlan) -> int:
     # Imported here, once the checks have passed: Prefect and the flow's modules take seconds to import, which a
     # refused input or a run with nothing new must not wait for.
+    from prefect.exceptions import ExternalSignal
+
     from leanagent.flows.lifelong import REFUSED, lifelong_retrieval
     from leanagent.flows.stages import describe_interrupt
     from leanagent.flows.temporary_server import TemporaryServerError, send_queued, temporary_server
-    from prefect.exceptions import ExternalSignal
-
     from leanagent.launch.base import LaunchError
 
     try:

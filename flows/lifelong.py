@@ -14,15 +14,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from leanagent.flows.artifacts import RunArtifacts
-from leanagent.flows.stages import Stages
-from leanagent.tasks.data import order_curriculum
-from leanagent.tasks.options import JobOptions
 from prefect import flow, get_run_logger
 from prefect.states import Failed, State
 
 from leanagent.checkpoints.files import prune_checkpoints
-from leanagent.ground.config import ConfigError, PipelineConfig, RepoConfig, dump_config, resolve_paths
+from leanagent.flows.artifacts import RunArtifacts
+from leanagent.flows.stages import Stages
+from leanagent.ground.config import ConfigError, PipelineConfig, RepoConfig, resolve_paths
 from leanagent.ground.job import JobRequest
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import RunReport, job_costs, report_from_manifest
@@ -40,6 +38,8 @@ from leanagent.run.manifest import (
 from leanagent.run.plan import BAD_INPUT, INLINE, UNRECORDED, RunPlan, plan_run, progress_line
 from leanagent.run.state import RunLock, RunState
 from leanagent.run.strategy import training_datasets
+from leanagent.tasks.data import order_curriculum
+from leanagent.tasks.options import JobOptions
 
 # The name of a refused run's final state (its type is FAILED): the UI tells it from a failure, and `leanagent
 # run`, which prints the reason itself, keeps Prefect's console from repeating it.
@@ -110,7 +110,7 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
         try:  # checked again under the lock: another run may have grown the sequence since the plan read it
             state = RunState(plan.cfg.run_dir, plan.cfg)
             # `trainer.precision: auto`: the precision the run started in, if it has one
-            plan = plan.model_copy(update={"cfg": state.decided(plan.cfg)})
+            plan = plan.model_copy(update={"cfg": state.config})
             state.extend([plan.entries[r.display_name] for r in ordered], plan.given, plan.source)
             return _run_curriculum(plan, ordered, state, options or JobOptions())
         except (*BAD_INPUT, *UNRECORDED) as exc:  # one line, no traceback (UNRECORDED: the disk went wrong)
@@ -138,7 +138,7 @@ def _run_curriculum(plan: RunPlan, ordered: list[RepoConfig], state: RunState, o
     else:
         line = plan.nothing_new() or f"nothing new: {progress_line(len(names), 0, len(not_ready))}"
         logger.info(line)
-        report = report_from_manifest(state.data)
+        report = report_from_manifest(state.manifest)
         RunArtifacts(report, state.path, not_ready).nothing_new(line)
     return {"rows": report.rows, "matrix": report.matrix, "baseline": report.baseline, "order": report.names,
             "lifelong": report.lifelong_metrics(), "manifest": str(state.path), "run_dir": str(plan.cfg.run_dir),
@@ -157,14 +157,12 @@ def _train(cfg: PipelineConfig, ordered: list[RepoConfig], waiting: list[str], s
     datasets = training_datasets(cfg, report.names, [r.path for r in ordered], state, log=logger.info)
     jobs = cfg.run_dir / JOBS_DIR
     ewc = cfg.lifelong.ewc_lambda > 0
-    # Not config.yaml: a user may keep their own config in run_dir, and it must not be overwritten.
-    config_file = cfg.run_dir / "leanagent-run-config.yaml"
-    dump_config(cfg, config_file)  # every rank reads the config from this file
-    stages = Stages(state, cfg, options, artifacts)
+    stages = Stages(state, options, artifacts)
 
     def job(program: str, data: list[Path], out: Path, timeout: float | None, **fields: Any) -> JobRequest:
-        return JobRequest(program=program, config=config_file, datasets=tuple(data), out=out, timeout=timeout,
-                          heartbeat_timeout=options.heartbeat_timeout_s, **fields)
+        # The flow has validated every dataset; the jobs need not read them again (evaluation would, n^2 times).
+        return JobRequest(program=program, config=cfg, datasets=tuple(data), out=out, timeout=timeout,
+                          heartbeat_timeout=options.heartbeat_timeout_s, datasets_checked=True, **fields)
 
     # The starting model (model.name_or_path, or lifelong.start_checkpoint) on every test split: the row that
     # training gains and transfers are measured from. A continued run scores it on its new repositories only.
@@ -180,13 +178,13 @@ def _train(cfg: PipelineConfig, ordered: list[RepoConfig], waiting: list[str], s
         train = stages.run(name, job("train", [datasets[i]], jobs / name, options.train_timeout_s,
                                      checkpoint=checkpoint, fisher=fisher if ewc else None,
                                      label=f"train {repo.display_name}"))
-        checkpoint = Path(train["checkpoint"])  # the newest (LeanAgent) or the best: lifelong.checkpoint
+        checkpoint = Path(train.checkpoint)  # the newest (LeanAgent) or the best: lifelong.checkpoint
         # Always, as LeanAgent does, so that EWC can be switched on for a later repository.
         name = stage_name(i, repo.display_name, FISHER)
         fisher = Path(stages.run(name, job("fisher", [datasets[i]], jobs / name, options.fisher_timeout_s,
-                                           checkpoint=checkpoint, label=f"fisher {repo.display_name}"))["fisher"])
+                                           checkpoint=checkpoint, label=f"fisher {repo.display_name}")).fisher)
         # The stage's premise index (what `leanagent serve RUN_DIR` serves), its lists extending the last stage's.
-        earlier = [Path(folder) for position, _, folder in stage_indexes(state.data) if position < i]
+        earlier = [Path(folder) for position, _, folder in stage_indexes(state.manifest) if position < i]
         seen = ordered[: i + 1]
         evaluations = stages.evaluations(
             [(stage_name(i, repo.display_name, eval_stage(j, r.display_name)), r.display_name)
@@ -196,7 +194,7 @@ def _train(cfg: PipelineConfig, ordered: list[RepoConfig], waiting: list[str], s
                 index=cfg.run_dir / INDEX_DIR / repo_key(i, repo.display_name),
                 index_datasets=tuple(r.path for r in seen), index_after=earlier[-1] if earlier else None))
         report.add_repository(i, train, evaluations)
-        report.costs = job_costs(state.data)  # where each job's time went, this repository's included
+        report.costs = job_costs(state.manifest)  # where each job's time went, this repository's included
         if cfg.lifelong.keep_checkpoints == "best_and_last":  # its stages are done: keep start, best, last
             get_run_logger().info(f"{repo.display_name}: deleted {len(prune_checkpoints(train))} other checkpoint(s)")
         artifacts.repository_done()

@@ -4,7 +4,7 @@ One context, `recording`, says how a stage's outcome reaches the manifest: `runn
 with its result, `failed` with the error, or `interrupted` when it was stopped from outside (it reruns). Every
 stage goes through it: one training or Fisher job (`Stages.run`), or one evaluation job that scores a model on
 several repositories, each its own stage (`Stages.evaluations`). Each is one `JobRequest`, launched by the task
-`rank_job`.
+`rank_job`; what a stage records is the result model its job returned.
 """
 
 # No `from __future__ import annotations`: see flows/lifelong.py (Prefect resolves the flow module's annotations).
@@ -13,17 +13,16 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from leanagent.flows.artifacts import RunArtifacts
-from leanagent.tasks.jobs import rank_job
-from leanagent.tasks.options import JobOptions
 from prefect import get_run_logger
 from prefect.exceptions import Abort, ExternalSignal
 
-from leanagent.ground.config import PipelineConfig
+from leanagent.flows.artifacts import RunArtifacts
 from leanagent.ground.job import JobRequest
+from leanagent.ground.results import EvaluateResult, JobResult, StageResult
 from leanagent.ground.supervision import HoldSignals
-from leanagent.ground.timings import COST_KEYS
 from leanagent.run.state import RunState, RunStateWriteError
+from leanagent.tasks.jobs import rank_job
+from leanagent.tasks.options import JobOptions
 
 # A stage stopped from outside, not failed: Ctrl-C or SIGTERM (the CLI's handlers raise KeyboardInterrupt
 # subclasses), Prefect's TerminationSignal (a runner's cancel or any SIGTERM to a flow-run process), an
@@ -74,11 +73,10 @@ class Stages:
     """The stages of one run, each a job of the task `rank_job` (retried as `options` say), skipped when the manifest
     has it finished, and recorded in the manifest and the artifacts either way."""
 
-    def __init__(self, state: RunState, cfg: PipelineConfig, options: JobOptions,
-                 artifacts: RunArtifacts | None = None) -> None:
-        self.state, self.cfg, self.options, self.artifacts = state, cfg, options, artifacts
+    def __init__(self, state: RunState, options: JobOptions, artifacts: RunArtifacts | None = None) -> None:
+        self.state, self.options, self.artifacts = state, options, artifacts
 
-    def _finished(self, name: str) -> dict | None:
+    def _finished(self, name: str) -> StageResult | None:
         done = self.state.stage_done(name)
         if done is not None:
             get_run_logger().info(f"{name}: finished in an earlier run; skipped")
@@ -86,14 +84,14 @@ class Stages:
                 self.artifacts.stages_done([name], publish=False)
         return done
 
-    def _launch(self, run_name: str, job: JobRequest) -> dict:
-        # The flow has validated every dataset; the jobs need not read them again (evaluation would, n^2 times).
+    def _launch(self, run_name: str, job: JobRequest) -> JobResult:
         task = rank_job.with_options(task_run_name=run_name, retries=self.options.retries,
                                      retry_delay_seconds=self.options.retry_delay_s)
-        return task(cfg=self.cfg, job=job, validate=False)
+        return task(job=job)
 
-    def run(self, name: str, job: JobRequest) -> dict:
-        """Skip a stage the manifest has finished; otherwise run its job and record the outcome either way."""
+    def run(self, name: str, job: JobRequest) -> StageResult:
+        """Skip a stage the manifest has finished; otherwise run its job and record the outcome either way. The
+        stage's result is its job's (a `TrainResult`, a `FisherResult`)."""
         done = self._finished(name)
         if done is not None:
             return done
@@ -104,14 +102,15 @@ class Stages:
             self.artifacts.stages_done([name])
         return result
 
-    def evaluations(self, stages: list[tuple[str, str]], job: JobRequest) -> list[dict]:
+    def evaluations(self, stages: list[tuple[str, str]], job: JobRequest) -> list[EvaluateResult]:
         """Evaluate one model on several repositories in ONE job, each recorded as its own stage.
 
         `stages`: (stage name, repository name) each, for the datasets of `job` in order. One torchrun start and
         one model load per repository stage, so a run of T repositories launches T + 1 evaluation jobs, not
         T(T+1)/2 + T. Finished stages are skipped; the job folder is named by the stages it runs, so a rerun after a
-        partial record never mixes two sets. A job with an index also writes the stage's premise index, recorded
-        with its stages (`stage_indexes`).
+        partial record never mixes two sets. Each stage records the job's result for its repository alone
+        (`EvaluateResult.one`: the job's folder, cost and premise index included, the index read by
+        `stage_indexes`).
         """
         pending = [(k, name, repo, dataset) for k, ((name, repo), dataset) in enumerate(zip(stages, job.datasets,
                                                                                             strict=True))
@@ -124,15 +123,8 @@ class Stages:
                                          "label": f"evaluate {','.join(repo for _, _, repo, _ in pending)}"})
             with recording(self.state, names, self.artifacts):
                 result = self._launch(f"{out.parent.name}/{out.name}", job)
-            # The job's cost is the job's, not one repository's: each of its stages records it under "job", with
-            # the folder that tells a report it is one job.
-            spent = {"out": f"{out.parent.name}/{out.name}",
-                     **{key: result[key] for key in (*COST_KEYS, "index") if key in result}}
-            for name, evaluation in zip(names, result["evaluations"], strict=True):
-                self.state.record(name, {**evaluation, "checkpoint": result["checkpoint"],
-                                         "world_size": result["world_size"],
-                                         **({"precision": result["precision"]} if "precision" in result else {}),
-                                         "job": spent})
+            for name, k in zip(names, range(len(result.evaluations)), strict=True):
+                self.state.record(name, result.one(k))
             if self.artifacts is not None:
                 self.artifacts.stages_done(names)
         return [self.state.stage_done(name) for name, _ in stages]

@@ -24,7 +24,7 @@ from leanagent.data.corpus import Corpus
 from leanagent.data.examples import build_train_examples
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.theorems import load_split
-from leanagent.ground.config import PipelineConfig, dump_config
+from leanagent.ground.config import PipelineConfig
 from leanagent.ground.job import JobRequest
 from leanagent.ground.names import BYT5_SMALL, CORPUS_FILE, DEFAULT_SPLIT, TINY, TRAIN_PART, part_file
 from leanagent.model.presets import encoder_config, write_random_encoder
@@ -50,11 +50,9 @@ def main() -> None:
         "trainer": {"accelerator": "cpu" if args.cpu_smoke else "gpu", "devices": devices, "precision": "auto",
                     "accumulate_grad_batches": 1},
     })
-    cfg_path = out / "gpu.yaml"
-    dump_config(cfg, cfg_path)
-    train = run_job(cfg, JobRequest(program="train", config=cfg_path, datasets=(repo,), out=out / "train"))
-    fisher = run_job(cfg, JobRequest(program="fisher", config=cfg_path, datasets=(repo,), out=out / "fisher",
-                                     checkpoint=Path(train["checkpoint"])))
+    train = run_job(JobRequest(program="train", config=cfg, datasets=(repo,), out=out / "train"))
+    fisher = run_job(JobRequest(program="fisher", config=cfg, datasets=(repo,), out=out / "fisher",
+                                checkpoint=Path(train.checkpoint)))
 
     corpus = Corpus.from_jsonl(repo / CORPUS_FILE)
     examples = build_train_examples(corpus, load_split(repo / DEFAULT_SPLIT / part_file(TRAIN_PART)))
@@ -65,15 +63,15 @@ def main() -> None:
     flops_per_example = (training_flops(encoder_config(preset), ctx) / len(ctx)
                          + (1 + cfg.data.num_negatives) * training_flops(encoder_config(preset), prem) / len(prem))
     report: dict = {"devices": devices, "peak_bf16_tflops": peak}
-    for name, result, count in (("train", train, train["num_train_examples"] * train["epoch"]),
-                                ("fisher", fisher, fisher["num_examples"])):
-        rate = count / result["fit_seconds"]
+    for name, result, count in (("train", train, train.num_train_examples * train.epoch),
+                                ("fisher", fisher, fisher.num_examples)):
+        rate = count / result.fit_seconds
         report[name] = {"examples_per_s": rate, "tflops": rate * flops_per_example / 1e12,
-                        "mfu": mfu(rate * flops_per_example / devices, peak), "fit_seconds": result["fit_seconds"],
-                        "world_size": result["world_size"]}
-    report["train_metrics"] = train["metrics"]
-    report["compile"] = {k: train.get(k) for k in ("compiled", "compile_s", "compile_failed")}
-    report["fisher_file"] = fisher["fisher"]
+                        "mfu": mfu(rate * flops_per_example / devices, peak), "fit_seconds": result.fit_seconds,
+                        "world_size": result.world_size}
+    report["train_metrics"] = train.metrics.model_dump(by_alias=True, exclude_unset=True)
+    report["compile"] = {k: getattr(train, k, None) for k in ("compiled", "compile_s", "compile_failed")}
+    report["fisher_file"] = fisher.fisher
     print(json.dumps(report, indent=2))
 
 

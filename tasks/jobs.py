@@ -6,8 +6,8 @@ give: every output line in the flow run's logs, and retries. A retry reuses the 
 so a train retry resumes from its `last.ckpt`, and a Fisher or evaluation retry overwrites only
 its own partial files (result.json is written last, so a failed attempt leaves none).
 
-Retries are skipped for errors that a retry cannot fix: bad input found before launch, and a
-job folder that already holds a result.
+Retries are skipped for errors that a retry cannot fix: bad input found before launch, a job folder
+that already holds a result, and a finished job's result.json that is not one (edited, cut short).
 """
 
 from __future__ import annotations
@@ -15,20 +15,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from leanagent.tasks.options import JobOptions
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
-from leanagent.ground.config import PipelineConfig
 from leanagent.ground.job import JobFinishedError, JobInputError, JobRequest
+from leanagent.ground.results import JobResult, ResultUnreadableError
 from leanagent.preflight.run_job import run_job
+from leanagent.tasks.options import JobOptions
 
 # The flow passes its JobOptions to every task; these are the same defaults for a task called on its own.
 DEFAULT_RETRIES: int = JobOptions.model_fields["retries"].default
 DEFAULT_RETRY_DELAY_S: float = JobOptions.model_fields["retry_delay_s"].default
-NOT_RETRYABLE = (JobInputError, JobFinishedError)
+NOT_RETRYABLE = (JobInputError, JobFinishedError, ResultUnreadableError)
 
 
 def retry_unless_bad_input(task: Any, task_run: TaskRun, state: State) -> bool:
@@ -57,17 +57,16 @@ _TASK_OPTIONS: dict[str, Any] = {
 
 
 @task(name="rank-job", **_TASK_OPTIONS)
-def rank_job(cfg: PipelineConfig, job: JobRequest, validate: bool = True) -> dict:
+def rank_job(job: JobRequest) -> JobResult:
     """One job of a rank program (train, fisher, evaluate: `leanagent.ground.job.PROGRAMS`), launched by the config's
-    launcher, its lines in this task run's log; returns its result.json.
+    launcher, its lines in this task run's log; returns its result, as its program's model.
 
     A job whose result.json landed just before a crash (and before the manifest recorded it) is taken as it is, not
     refused and not rerun.
 
     Args:
-        cfg: The run's config.
-        job: The job: its program, the config as YAML (which every rank reads), its datasets, folder, checkpoint,
-            Fisher file and premise index, its deadlines, and what its progress lines call it.
-        validate: Validate the datasets first (the flow has already).
+        job: The job: its program, its config (each rank reads a copy), its datasets, folder, checkpoint, Fisher
+            file and premise index, its deadlines, what its progress lines call it, and whether its datasets were
+            validated already (the flow's were).
     """
-    return run_job(cfg, job, on_line=forward_to_run_logger(), reuse_finished=True, validate=validate)
+    return run_job(job, on_line=forward_to_run_logger(), reuse_finished=True)

@@ -7,6 +7,7 @@ autouse, so suites that need neither (data, unit) start no server.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -97,6 +98,11 @@ def ddp_assets(tmp_path_factory) -> dict[str, Path]:
     repos = write_demo_repos(root / "data", 2, seed=7)
     model = write_random_encoder(root / "model", "tiny", seed=0)
     return {"root": root, "repo_a": repos[0], "repo_b": repos[1], "model": model}
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file as it was written (a job's result.json, a run's manifest), for a test to look at its keys."""
+    return json.loads(Path(path).read_text())
 
 
 def file_times(folder: Path) -> dict[str, int]:

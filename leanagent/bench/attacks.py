@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 from leanagent.bench.target import Outcome, Server, request
 from leanagent.ground.names import TINY
-from leanagent.run.manifest import MANIFEST_NAME, repo_key
+from leanagent.run.manifest import MANIFEST_NAME, MANIFEST_VERSION, repo_key
 
 STATE = "x y n m : Nat\n⊢ Eq (HAdd.hAdd (glend 0) (blix (quon x) m)) (HAdd.hAdd 0 (quon (blix x m)))"
 NAME = ".".join(["a"] * 512)[:1023]  # 1,023 characters in 512 parts, within --max-name-chars
@@ -101,11 +101,13 @@ class Context:
         run = self.work / "run"
         repos = {}
         for i, name in enumerate(self.names):
-            job = {"out": f"{repo_key(i, name)}/evaluate", "index": str(run / "index" / f"{i:02d}-{name}")}
-            result = {"metrics": {"Recall@10": 50.0}, "job": job}
+            scored = {"Recall@10": 50.0}
+            result = {"program": "evaluate", "metrics": scored, "evaluations": [{"metrics": scored}],
+                      "out": f"{repo_key(i, name)}/evaluate", "index": str(run / "index" / f"{i:02d}-{name}")}
             repos[repo_key(i, name)] = {"index": i, "name": name, "stages": {
                 f"eval-{j:02d}-{self.names[j]}": {"status": "done", "result": result} for j in range(i + 1)}}
-        text = raw if raw is not None else json.dumps({"version": 2, "order": self.names, "repos": repos})
+        text = raw if raw is not None else json.dumps({"version": MANIFEST_VERSION, "order": self.names,
+                                                        "repos": repos})
         tmp = run / f".{MANIFEST_NAME}.tmp"
         tmp.write_text(text)
         os.replace(tmp, run / MANIFEST_NAME)

@@ -29,10 +29,11 @@ from leanagent.data.corpus import Corpus
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.synthetic_scale import ScaleSpec
 from leanagent.ground.names import CORPUS_FILE
+from leanagent.ground.results import EvaluateResult
 from leanagent.launch.progress_view import MODE_ENV
 from leanagent.model.presets import write_random_encoder
 from leanagent.report.timing import JobCost, job_costs
-from leanagent.run.manifest import MANIFEST_NAME, read_manifest
+from leanagent.run.manifest import MANIFEST_NAME, ManifestRecord, read_manifest
 
 MODES = ("all", "needed")  # model.embed_premises: LeanAgent's re-embedding, then embedding once
 
@@ -103,7 +104,7 @@ def _run(config: Path, log: Path) -> float:
     return time.monotonic() - start
 
 
-def _figures(mode: str, manifest: dict, flow_seconds: float, corpus_premises: float) -> ModeFigures:
+def _figures(mode: str, manifest: ManifestRecord, flow_seconds: float, corpus_premises: float) -> ModeFigures:
     costs: list[JobCost] = job_costs(manifest)
     parts: dict[str, float] = {}
     for cost in costs:
@@ -135,11 +136,11 @@ def bench_curriculum(options: CurriculumOptions) -> CurriculumFigures:
     return figures
 
 
-def _recalls(manifest: dict) -> list:
+def _recalls(manifest: ManifestRecord) -> list:
     """Every evaluation's metrics, stage by stage: what the two runs must agree on."""
-    return [(key, stage, entry.get("result", {}).get("metrics"))
-            for key, repo in sorted(manifest.get("repos", {}).items())
-            for stage, entry in sorted(repo.get("stages", {}).items()) if stage.startswith("eval")]
+    return [(key, stage, entry.result.metrics if isinstance(entry.result, EvaluateResult) else None)
+            for key, repo in sorted(manifest.repos.items())
+            for stage, entry in sorted(repo.stages.items()) if stage.startswith("eval")]
 
 
 def curriculum_table(figures: CurriculumFigures) -> str:

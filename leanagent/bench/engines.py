@@ -123,8 +123,8 @@ def _source(options: EnginesOptions, tmp: Path) -> tuple[Path, str, list[tuple[C
     if options.index is not None:
         folder, _ = resolve_source(options.index)
         meta = read_meta(folder)
-        datasets = [Path(d) for d in meta.get("datasets") or [meta.get("dataset")] if d]
-        model = str(meta.get("checkpoint") or meta.get("model"))
+        datasets = [Path(d) for d in meta.datasets or [meta.dataset] if d]
+        model = str(meta.named_model)
     else:
         model = options.model or str(write_random_encoder(tmp / "model", options.preset))
         datasets = list(options.dataset)

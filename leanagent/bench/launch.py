@@ -8,9 +8,10 @@ from pathlib import Path
 
 from leanagent.bench.results import LaunchFigures
 from leanagent.data.synthetic import write_demo_repos
-from leanagent.ground.config import PipelineConfig, dump_config
+from leanagent.ground.config import PipelineConfig
 from leanagent.ground.job import JobRequest
 from leanagent.ground.names import TINY
+from leanagent.ground.results import TrainResult
 from leanagent.launch.progress_view import MODE_ENV
 from leanagent.model.presets import write_random_encoder
 from leanagent.preflight.run_job import run_job
@@ -25,19 +26,20 @@ def bench_launch(workdir: Path) -> LaunchFigures:
         "data": {"num_workers": 0, "max_seq_len": 128},
         "trainer": {"accelerator": "cpu", "devices": 1, "accumulate_grad_batches": 1},
     })
-    cfg_path = workdir / "cfg.yaml"
-    dump_config(cfg, cfg_path)
 
     before = os.environ.get(MODE_ENV)
     os.environ[MODE_ENV] = "off"  # a measurement, not a job to watch: no bar over the bench's table
     start = time.time()
     try:
-        job = JobRequest(program="train", config=cfg_path, datasets=(repo,), out=workdir / "job")
-        result = run_job(cfg, job, on_line=lambda line: None)
+        job = JobRequest(program="train", config=cfg, datasets=(repo,), out=workdir / "job")
+        result = run_job(job, on_line=lambda line: None)
     finally:
         if before is None:
             os.environ.pop(MODE_ENV, None)
         else:
             os.environ[MODE_ENV] = before
-    return LaunchFigures(launch_overhead_s=result["first_train_batch_time"] - start,
+    first_batch = result.first_train_batch_time if isinstance(result, TrainResult) else None
+    if first_batch is None:
+        raise RuntimeError(f"{workdir / 'job'}: the training job recorded no first batch")
+    return LaunchFigures(launch_overhead_s=first_batch - start,
                          launch_total_s=time.time() - start)

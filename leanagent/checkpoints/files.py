@@ -16,6 +16,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from leanagent.ground.results import TrainResult
+
 LAST = "last.ckpt"
 EPOCH_PATTERN = re.compile(r"^epoch=\d+.*\.ckpt$")
 SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
@@ -146,7 +148,7 @@ def check_fisher(path: Path) -> FisherInfo:
 
 # ---- retention --------------------------------------------------------------------------------
 
-def prune_checkpoints(train_result: dict, keep: str = "best_and_last") -> list[Path]:
+def prune_checkpoints(train: TrainResult, keep: str = "best_and_last") -> list[Path]:
     """Delete a finished training job's other epoch checkpoints; return what was deleted.
 
     Kept: the checkpoint the next repository starts from (`checkpoint`), the best one
@@ -157,11 +159,11 @@ def prune_checkpoints(train_result: dict, keep: str = "best_and_last") -> list[P
         return []
     if keep != "best_and_last":
         raise ValueError(f"unknown keep_checkpoints {keep!r}; choose 'all' or 'best_and_last'")
-    if not train_result.get("checkpoint"):
+    if not train.checkpoint:
         return []  # what the next repository starts from is unknown: keep everything
-    named = [train_result.get(k) for k in ("checkpoint", "best_checkpoint", "last_checkpoint")]
+    named = [train.checkpoint, train.best_checkpoint, train.last_checkpoint]
     kept = {Path(p).resolve() for p in named if p}
-    folder = Path(train_result.get("last_checkpoint") or train_result["checkpoint"]).resolve().parent
+    folder = Path(train.last_checkpoint or train.checkpoint).resolve().parent
     if folder.name != "checkpoints" or not folder.is_dir():
         return []  # not a job's checkpoints folder: touch nothing
     deleted = []

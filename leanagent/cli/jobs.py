@@ -10,20 +10,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import typing
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from leanagent.cli.common import VERBOSE_HELP, CommandError, option_error
-from leanagent.ground.config import ConfigError, dump_config
+from leanagent.ground.config import ConfigError, PipelineConfig
 from leanagent.ground.job import PROGRAMS, JobRequest, ProgramSpec
 from leanagent.ground.supervision import Interrupted, interrupt_on_signals
 
 # The request's fields a command line does not give: the program is the command, the label the flow's; the index's
 # datasets and the index it extends are the flow's (a command's index is one of the datasets it evaluates).
-NOT_FLAGS = ("program", "label", "index_datasets", "index_after")
+# Whether the datasets were validated already is the flow's to say.
+NOT_FLAGS = ("program", "label", "index_datasets", "index_after", "datasets_checked")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -54,8 +54,9 @@ def add_job_flags(p: argparse.ArgumentParser, spec: ProgramSpec) -> None:
                        metavar=(field.alias or name).upper())
 
 
-def job_from_args(args: argparse.Namespace, config: Path) -> JobRequest:
-    """The request the flags give, its `config` the file the ranks read; a refused value names its flag."""
+def job_from_args(args: argparse.Namespace, config: PipelineConfig) -> JobRequest:
+    """The request the flags give, with `config` (`--config`'s, with the command's overrides); a refused value names
+    its flag."""
     values = {name: getattr(args, name) for name in JobRequest.model_fields if getattr(args, name, None) is not None}
     try:
         return JobRequest(**{**values, "program": args.program, "config": config})
@@ -70,7 +71,7 @@ def cmd_job(args: argparse.Namespace) -> int:
     from leanagent.launch.registry import load_checked_config
     from leanagent.preflight.run_job import run_job
 
-    job_from_args(args, Path(args.config))  # a bad flag value is refused before the config is even read
+    job_from_args(args, PipelineConfig())  # a bad flag value is refused before the config is even read
     try:
         with interrupt_on_signals():
             cfg = load_checked_config(args.config)
@@ -83,16 +84,11 @@ def cmd_job(args: argparse.Namespace) -> int:
                     refuse_non_empty(Path(args.index))
                 except FileExistsError as exc:
                     raise CommandError(f"--index {exc}") from None
-            with tempfile.TemporaryDirectory(prefix="leanagent-") as tmp:
-                # Each rank reads the YAML: hand it the config with the overrides, resolved paths included.
-                # It lives only as long as the job, and never in --out, which may be a finished job.
-                config_path = Path(tmp) / "config.yaml"
-                dump_config(cfg, config_path)
-                result = run_job(cfg, job_from_args(args, config_path))
+            result = run_job(job_from_args(args, cfg))
     except (ConfigError, JobInputError, JobFinishedError, LaunchError) as exc:
         raise CommandError(str(exc)) from None
     except Interrupted as exc:
         print(f"interrupted by {exc}: the job was ended; rerun the same command to resume", file=sys.stderr)
         return exc.exit_code
-    print(json.dumps(result, indent=2, sort_keys=True))
+    print(json.dumps(result.as_json(), indent=2, sort_keys=True))
     return 0

@@ -21,11 +21,11 @@ def serialize_premise(full_name: str, code: str) -> str:
     misread a backslash in a «name»).
 
     Why not as the reference does it: it searches the code once per suffix, and a server is sent names and code
-    (a name of 512 parts and a 100,000-character declaration took 44 s of CPU). Here the work is linear in the
-    name and the code whatever their shape. A premise of a corpus is settled by a few `str.find`s (`_tag_found`);
-    past `FIND_BUDGET` of them, a name without whitespace is settled by the code's words (`_longest_after_space`:
-    a sort and a binary search per suffix) and one regex pass, and a name with whitespace by one pass over the
-    code that finds every suffix's occurrences at once (`_suffix_match_lengths`).
+    (a name of 512 parts and a 100,000-character declaration took tens of seconds of CPU: docs/measurements.md).
+    Here the work is linear in the name and the code whatever their shape. A premise of a corpus is settled by a few
+    `str.find`s (`_tag_found`); past `FIND_BUDGET` of them, a name without whitespace is settled by the code's words
+    (`_longest_after_space`: a sort and a binary search per suffix) and one regex pass, and a name with whitespace
+    by one pass over the code that finds every suffix's occurrences at once (`_suffix_match_lengths`).
     """
     tagged = f"{MARK_START}{full_name}{MARK_END}"
     code = code.replace(f"_root_.{full_name}", tagged)

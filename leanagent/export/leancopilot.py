@@ -41,7 +41,6 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -69,7 +68,7 @@ from leanagent.ground.atomic import out_folder_problem, refuse_non_empty
 from leanagent.ground.names import CORPUS_FILE
 from leanagent.index.encoders import EncoderSource, ct2_conversion
 from leanagent.index.files import CONTEXT_MAX_LEN, INDEX_FILE, PREMISES_FILE, PremiseIndexError
-from leanagent.index.read import PremiseLine, check_model, read_embeddings, read_jsonl, read_meta
+from leanagent.index.read import IndexMeta, PremiseLine, check_model, read_embeddings, read_jsonl, read_meta
 from leanagent.model.ct2 import META_FILE, Ct2Encoder, leancopilot_tokens
 
 MODEL_FILES = ("model.bin", "config.json", "vocabulary.json")
@@ -118,7 +117,7 @@ def export_leancopilot(index: Path, out: Path, force: bool = False, do_install: 
     index, out = Path(index), Path(out)
     _check_out(out, force)
     meta = read_meta(index)
-    model = meta.get("checkpoint") or meta.get("model")
+    model = meta.named_model
     if not model:
         raise PremiseIndexError(f"{index / INDEX_FILE}: names no checkpoint or model")
     # A changed model would pair stale rows with a new encoder in LeanCopilot: refused, whatever --force says.
@@ -153,7 +152,7 @@ def export_leancopilot(index: Path, out: Path, force: bool = False, do_install: 
                 warnings.append("git was not found: LeanCopilot runs git in its premise folder, so make each folder "
                                 "a git repository as README.md says before using it")
                 break
-        cut = int(meta.get("context_max_len") or CONTEXT_MAX_LEN)
+        cut = meta.context_max_len or CONTEXT_MAX_LEN
         (work / "README.md").write_text(readme(index, meta, stage, len(premises), rows.shape[1], cut),
                                         encoding="utf-8")
         _move_into(work, out)
@@ -172,10 +171,10 @@ def leancopilot_rows(rows: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([values.mean(axis=0, keepdims=True), values]))
 
 
-def probe_states(meta: dict[str, Any]) -> list[str]:
+def probe_states(meta: IndexMeta) -> list[str]:
     """The states LeanCopilot's retrieval is checked on: `FIXED_STATES`, then the test states of the datasets the
     index names (as LeanCopilot prints them: no `N goals` line), at most `PROBE_STATES`, evenly spaced."""
-    named = meta.get("datasets") or ([meta["dataset"]] if meta.get("dataset") else [])
+    named = meta.datasets or ([meta.dataset] if meta.dataset else [])
     tests: set[str] = set()
     for dataset in named:
         for split in TEST_SPLITS:
@@ -214,12 +213,11 @@ def _move_into(work: Path, out: Path) -> None:
         (work / name).replace(target)
 
 
-def _write_encoder(converted: Path, folder: Path, meta: dict[str, Any]) -> None:
+def _write_encoder(converted: Path, folder: Path, meta: IndexMeta) -> None:
     folder.mkdir(parents=True)
     for name in MODEL_FILES:
         shutil.copyfile(converted / name, folder / name)
-    provenance = {"from": "leanagent", "model_identity": meta.get("model_identity"),
-                  "embeddings_sha256": meta.get("embeddings_sha256")}
+    provenance = {"from": "leanagent", "model_identity": meta.identity(), "embeddings_sha256": meta.embeddings_sha256}
     (folder / META_FILE).write_text(json.dumps(provenance, indent=2, sort_keys=True), encoding="utf-8")
 
 
@@ -233,9 +231,9 @@ def _write_premises(folder: Path, matrix: np.ndarray, premises: list[PremiseLine
     (folder / "dictionary.json").write_text(json.dumps(dictionary, ensure_ascii=False, indent=1), encoding="utf-8")
 
 
-def premise_codes(meta: dict[str, Any], premises: list[PremiseLine]) -> tuple[list[str], int]:
+def premise_codes(meta: IndexMeta, premises: list[PremiseLine]) -> tuple[list[str], int]:
     """Each premise's code (module docstring) and how many came from a corpus."""
-    named = meta.get("datasets") or ([meta["dataset"]] if meta.get("dataset") else [])
+    named = meta.datasets or ([meta.dataset] if meta.dataset else [])
     known: dict[tuple[str, str, tuple[int, int]], str] = {}
     for dataset in named:
         corpus_file = Path(dataset) / CORPUS_FILE

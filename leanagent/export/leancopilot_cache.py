@@ -44,10 +44,10 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
 from leanagent.ground.file_digest import sha256_file
+from leanagent.index.read import IndexMeta
 
 CACHE_ENV = "LEAN_COPILOT_CACHE_DIR"
 DEFAULT_CACHE = "~/.cache/lean_copilot/models"
@@ -233,7 +233,7 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(a), None, str(b))
 
 
-def readme(index: Path, meta: dict[str, Any], stage: str | None, premises: int, width: int, cut: int) -> str:
+def readme(index: Path, meta: IndexMeta, stage: str | None, premises: int, width: int, cut: int) -> str:
     """OUT/README.md: what the folders are, where LeanCopilot reads them, how to put them there and go back. `cut`:
     the tokens leanagent cuts a state at (the index's `context_max_len`)."""
     where = f"stage {stage} of a lifelong run, index `{index}`" if stage else f"index `{index}`"
@@ -241,7 +241,7 @@ def readme(index: Path, meta: dict[str, Any], stage: str | None, premises: int, 
         "# A leanagent retriever for LeanCopilot",
         "",
         f"Exported from {where}: {premises:,} premises, embeddings {width} wide, model "
-        f"`{meta.get('checkpoint') or meta.get('model')}`.",
+        f"`{meta.named_model}`.",
         "",
         "LeanCopilot's `select_premises` reads two folders from its model cache, named by its built-in model",
         "URLs (`LeanCopilot/Models/Builtin.lean`). The cache is `$LEAN_COPILOT_CACHE_DIR`, or",

@@ -49,9 +49,9 @@ class ModelConfig(_Section):
     sort_by_length: bool = Field(
         True, description="encode a step's contexts, and its premises, as length-sorted sub-batches each padded to "
                           "its own longest (training, both Fisher estimators, evaluation's contexts): the same loss "
-                          "and embeddings to float rounding, ~2.5x fewer tokens processed on real lengths (6x faster "
-                          "steps on a CPU), but training's dropout draws its masks for other shapes (another dropout "
-                          "stream) and bf16 rounds embeddings differently. False: each pool padded to its longest, "
+                          "and embeddings to float rounding, far fewer tokens processed on real lengths (faster "
+                          "steps), but training's dropout draws its masks for other shapes (another dropout stream) "
+                          "and bf16 rounds embeddings differently. False: each pool padded to its longest, "
                           "as LeanAgent, whose padded batches it keeps bit for bit")
     token_budget: int = Field(
         16384, gt=0, description="most tokens (sequences x padded width) one sub-batch's encoder call may take")

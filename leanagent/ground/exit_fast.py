@@ -1,5 +1,5 @@
-"""Leave a process without the interpreter's final sweep of every object: ~2 s of a core after the imports of torch,
-Lightning and transformers, paid by each rank, each torchrun agent and each `leanagent` command, every job."""
+"""Leave a process without the interpreter's final sweep of every object: seconds of a core after the imports of
+torch, Lightning and transformers, paid by each rank, each torchrun agent and each `leanagent` command, every job."""
 
 from __future__ import annotations
 

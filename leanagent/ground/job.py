@@ -3,9 +3,10 @@
 A job is one rank program (train, fisher or evaluate) writing into one job folder. The two sides never
 share memory, only this folder, so its protocol lives here, on the ground floor, with nothing heavy:
 
-- the job itself (`JobRequest`): what the flow, a Prefect task, the CLI and `run_job` hand on as one typed value,
-  what the launcher starts (`to_argv`) and what the rank entry point reads back (`from_argv`);
-- the programs (`PROGRAMS`): one `ProgramSpec` each, naming the function that runs it inside a rank;
+- the job itself (`JobRequest`, its config included): what the flow, a Prefect task, the CLI and `run_job` hand on
+  as one typed value, what the launcher starts (`to_argv`) and what the rank entry point reads back (`from_argv`);
+- the programs (`PROGRAMS`): one `ProgramSpec` each, what the launcher side knows of it (its command, the fields
+  it takes, its result model); the function a rank runs for it is its entry of `leanagent.train.programs.RUNNERS`;
 - `result.json` (`result_filename`): written by rank 0 last, so its presence means the job is finished;
   `needs-resume.json` instead when the ranks were asked to stop (a time limit ahead) and saved a checkpoint;
 - `heartbeat/rankN.json` (`beat`, `stale_ranks`, `read_progress`): each rank's liveness, and rank 0's
@@ -26,23 +27,27 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from leanagent.ground.atomic import write_json_atomic
+from leanagent.ground.config import PipelineConfig, load_config
 from leanagent.ground.json_files import MIB, JsonFileError, read_json_file
 from leanagent.ground.ranks import global_rank
+from leanagent.ground.results import EvaluateResult, FisherResult, JobResult, TrainResult
 
 
 @dataclass(frozen=True)
 class ProgramSpec:
-    """One rank program, as every place that lists programs reads it: the CLI's command and flags, the checks before
-    a launch, the rank's entry point (which runs `runner`) and the disk estimate.
+    """One rank program, as every place that lists programs reads it without torch: the CLI's command and flags,
+    the checks before a launch, the disk estimate, and the model its result is read as.
 
-    `runner` is `module:function`, imported inside the ranks only (torch lives there): the function takes the
-    config, the `JobRequest` and the job's clock (`leanagent.ground.timings.JobClock`) and returns what rank 0
-    writes to result.json. Adding a program is adding its entry to `PROGRAMS` and writing that function.
+    The function that runs it inside a rank takes the `JobRequest` and the job's clock
+    (`leanagent.ground.timings.JobClock`) and returns its `result` model, which rank 0 writes to result.json; it is
+    the program's entry of `leanagent.train.programs.RUNNERS`, the table of functions (torch lives there), as a
+    Fisher estimator is its name in `leanagent.ground.names` and its class in its registry. Adding a program is its
+    spec here and its function there (tests/ddp/test_program_registry.py adds one from outside the package).
     """
 
     name: str
     summary: str  # the command's line in `leanagent --help`
-    runner: str
+    result: type[JobResult]  # what its result.json holds, as `run_job` returns it
     several_datasets: bool = False  # evaluate scores one model on several datasets, loaded once
     needs_checkpoint: bool = False
     checkpoint_help: str = "the checkpoint the job starts from (default: model.name_or_path)"
@@ -54,13 +59,13 @@ class ProgramSpec:
 PROGRAMS_MODULE = "leanagent.train.programs"  # what runs inside each rank: `python -m leanagent.train.programs ...`
 PROGRAMS: dict[str, ProgramSpec] = {spec.name: spec for spec in (
     ProgramSpec("train", "train the retriever on one repository (DDP under torchrun)",
-                f"{PROGRAMS_MODULE}:train_job", takes_fisher=True, writes="checkpoints",
+                TrainResult, takes_fisher=True, writes="checkpoints",
                 checkpoint_help="the checkpoint training starts from (default: model.name_or_path)"),
     ProgramSpec("fisher", "compute the diagonal Fisher of a checkpoint on a repository",
-                f"{PROGRAMS_MODULE}:fisher_job", needs_checkpoint=True, writes="fisher",
+                FisherResult, needs_checkpoint=True, writes="fisher",
                 checkpoint_help="the trained checkpoint whose Fisher is computed"),
     ProgramSpec("evaluate", "R@1, R@10, MRR of a checkpoint on a repository's test split",
-                f"{PROGRAMS_MODULE}:evaluate_job", several_datasets=True, takes_index=True,
+                EvaluateResult, several_datasets=True, takes_index=True,
                 checkpoint_help="the checkpoint scored (default: the base model, model.name_or_path)"),
 )}
 PROGRAMS_ENTRY = ("-m", PROGRAMS_MODULE)  # the rank program on a python command line (launchers may replace it)
@@ -90,17 +95,20 @@ class IndexRequest:
 
 
 class JobRequest(BaseModel):
-    """One job, declared once: the flow, a Prefect task, the CLI (its flags are these fields) and `run_job` pass it
-    on whole; the launcher starts the rank program with `to_argv()`, and each rank reads it back with `from_argv`.
+    """One job, declared once, its config included: the flow, a Prefect task, the CLI (its flags are these fields),
+    `run_job`, the checks and the launcher take it whole; the launcher starts the rank program with `to_argv()`, and
+    each rank reads it back with `from_argv`.
 
-    The deadlines and the label are the launcher's (the ranks never see them); every other field travels to the
-    ranks as an absolute path, since they may start in another folder, or on another node.
+    The deadlines, the label and `datasets_checked` are the launcher side's (the ranks never see them). The config
+    travels to the ranks as the YAML file the launcher writes for the job (`to_argv`'s `config_file`), every other
+    field as an absolute path, since they may start in another folder, or on another node.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True, validate_by_alias=True)
 
     program: str = Field(description="the rank program: a name of leanagent.ground.job.PROGRAMS")
-    config: Path = Field(description="the pipeline config YAML (model, data, trainer)")
+    config: PipelineConfig = Field(description="the pipeline config (model, data, trainer); on a command line, its "
+                                                "YAML file")
     datasets: tuple[Path, ...] = Field(alias="dataset", min_length=1, description="a LeanDojo dataset folder")
     out: Path = Field(description="job folder; result.json is written here")
     checkpoint: Path | None = Field(None, description="the checkpoint the job starts from")
@@ -118,11 +126,13 @@ class JobRequest(BaseModel):
                                                                     "(seconds)")
     label: str | None = Field(None, description="what the job's progress lines call it, e.g. `train PFR` (default: "
                                                 "the program and the dataset folders' names)")
+    datasets_checked: bool = Field(False, description="the datasets were validated already (the flow validates every "
+                                                      "one before its first job): the checks do not read them again")
 
     # Fields only some programs take, with the ProgramSpec flag that says which.
     TAKEN_IF: ClassVar[dict[str, str]] = {"fisher": "takes_fisher", "index": "takes_index",
                                           "index_datasets": "takes_index", "index_after": "takes_index"}
-    LAUNCHER_FIELDS: ClassVar[tuple[str, ...]] = ("timeout", "heartbeat_timeout", "label")
+    LAUNCHER_FIELDS: ClassVar[tuple[str, ...]] = ("timeout", "heartbeat_timeout", "label", "datasets_checked")
 
     @field_validator("program")
     @classmethod
@@ -160,12 +170,14 @@ class JobRequest(BaseModel):
 
     @classmethod
     def rank_fields(cls) -> list[str]:
-        """The fields the ranks receive, in their command line's order (the program is its first word)."""
-        return [name for name in cls.model_fields if name != "program" and name not in cls.LAUNCHER_FIELDS]
+        """The paths the ranks receive, in their command line's order (after the program and `--config`)."""
+        return [name for name in cls.model_fields
+                if name not in ("program", "config") and name not in cls.LAUNCHER_FIELDS]
 
-    def to_argv(self) -> list[str]:
-        """The rank program's command line: `train --config C --dataset D --out O ...`, every path absolute."""
-        argv = [self.program]
+    def to_argv(self, config_file: Path) -> list[str]:
+        """The rank program's command line: `train --config C --dataset D --out O ...`, every path absolute;
+        `config_file` holds `config` as YAML (the launcher writes it)."""
+        argv = [self.program, "--config", str(Path(config_file).resolve())]
         for name in self.rank_fields():
             value = getattr(self, name)
             for item in value if isinstance(value, tuple) else () if value is None else (value,):
@@ -174,15 +186,18 @@ class JobRequest(BaseModel):
 
     @classmethod
     def from_argv(cls, argv: Sequence[str] | None = None) -> JobRequest:
-        """The request `to_argv` wrote (a bad command line exits 2 with argparse's usage line, as any command)."""
+        """The request `to_argv` wrote, its config read from its file (a bad command line exits 2 with argparse's
+        usage line, as any command)."""
         parser = argparse.ArgumentParser(prog=f"python -m {PROGRAMS_MODULE}")
         parser.add_argument("program", choices=list(PROGRAMS))
+        parser.add_argument("--config", type=_absolute, required=True, help="the job's config, as YAML")
         for name in cls.rank_fields():
             field = cls.model_fields[name]
             several = typing.get_origin(field.annotation) is tuple
             parser.add_argument(f"--{_flag(cls, name)}", dest=name, type=_absolute, required=field.is_required(),
                                 action="append" if several else "store", help=field.description)
         args = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+        args["config"] = load_config(args["config"])
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
 
 

@@ -38,6 +38,8 @@ def describe_error(exc: ValidationError, prefix: str = "") -> str:
     message = re.sub(r"^Input should be a valid dictionary or instance of \w+", "must be an object", first["msg"])
     message = re.sub(r"^(Input|Value) should be ", "must be ", message).replace("Value error, ", "")
     found = "" if first["type"] == "value_error" else f" (found {shown})"  # a rule's own message says it
+    if key == "(top level)" and not found:  # a rule of the whole file's: its message names what is wrong
+        return f"{message.rstrip('.')}{more}"
     return f"{key}: {message.rstrip('.')}{found}{more}"
 
 

@@ -8,7 +8,8 @@ presets. A table kept on a higher floor (the presets' shapes, the estimators' cl
 here when it is imported, so the two cannot drift apart.
 
 Rank programs are the one table whose names are not here: `leanagent.ground.job.PROGRAMS` is their home (adding a
-program is adding its entry there), and every list of programs is read from it.
+program is adding its spec there and its function to `leanagent.train.programs.RUNNERS`), and every list of
+programs is read from it.
 """
 
 from __future__ import annotations

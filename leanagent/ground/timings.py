@@ -51,12 +51,9 @@ PARTS: tuple[Part, ...] = (
     Part(OTHER, "other", "everything else (the loops' own work, barriers, writing results)"),
 )
 PART_NAMES: tuple[str, ...] = tuple(p.name for p in PARTS)
-# Not a rank's part: the job's wall time as its launcher saw it (`leanagent.preflight.run_job`), less the ranks'
-# total.
+# Not a rank's part: the job's wall time as its launcher saw it (`leanagent.preflight.run_job`: a result's
+# `wall_seconds`), less the ranks' total.
 LAUNCH = Part("launch", "launch", "before the ranks started and after they ended: checks, torchrun, a SLURM queue")
-WALL_SECONDS = "wall_seconds"
-# What a job's result says about its cost: the flow records them for every stage, the report reads them.
-COST_KEYS = ("timings", "premises_embedded", "premises_in_corpora", "peak_rss_mb", WALL_SECONDS)
 
 
 def process_start_time() -> float:

@@ -40,7 +40,7 @@ def build_index(model: str | Path, dataset: str | Path, out: str | Path, device:
     model = model_path(model)  # a cached hub id as its snapshot folder
     identity = model_identity.identify(model)  # before loading: the bytes the embeddings come from
     loaded = load_model(model, device, base_model=base_model)
-    source = EncoderSource(None, {"base_model": base_model}, str(model), device, matches=False, _loaded=loaded)
+    source = EncoderSource(None, None, str(model), device, matches=False, base_model=base_model, _loaded=loaded)
     max_len = loaded.retriever.options.max_seq_len
     encoder = build_encoder(engine, source, dtype)  # ct2: converted for this process (no index folder yet)
     if batch_tokens is not None:

@@ -33,6 +33,7 @@ from leanagent.data.corpus import Corpus
 from leanagent.data.dataset import tokenize_premises
 from leanagent.ground import model_identity
 from leanagent.index.files import PremiseIndexError
+from leanagent.index.read import IndexMeta
 from leanagent.model.ct2 import Ct2Encoder, Ct2Missing, convert, read_meta
 from leanagent.model.dtypes import DtypeError, apply_dtype, precision
 from leanagent.model.engines import ENGINES
@@ -66,18 +67,23 @@ class EncoderSource:
     runs, and whether the model is the one index.json records (`matches`: a cached conversion may be used)."""
 
     folder: Path | None
-    meta: dict[str, Any]
+    meta: IndexMeta | None  # None: no index yet (`leanagent index` builds one)
     model: str
     device: str
     matches: bool
     warnings: list[str] = field(default_factory=list)
+    base_model: str | None = None  # a LeanAgent/ReProver checkpoint's base model (index.json's, when there is one)
     _loaded: LoadedModel | None = None
+
+    def __post_init__(self) -> None:
+        if self.meta is not None and self.base_model is None:
+            self.base_model = self.meta.base_model
 
     def loaded(self) -> LoadedModel:
         """The torch model, loaded on first use (one line naming index.json when it cannot be)."""
         if self._loaded is None:
             try:
-                self._loaded = load_model(self.model, self.device, base_model=self.meta.get("base_model"))
+                self._loaded = load_model(self.model, self.device, base_model=self.base_model)
             except (ModelSourceError, FileNotFoundError, ValueError) as exc:
                 where = self.folder / "index.json" if self.folder is not None else self.model
                 raise PremiseIndexError(f"{where}: its model cannot be loaded: {exc}") from None
@@ -169,7 +175,7 @@ def ct2_conversion(source: EncoderSource) -> Iterator[tuple[Path, int]]:
     """(folder, width) of the index's model converted to CTranslate2: the cached conversion next to the index when
     there is one of this model, else converted now (and cached there when it can be, else into a temporary folder
     that goes when the context ends). The torch model, if it had to be loaded, is let go of afterwards."""
-    digest = model_identity.digest(source.meta.get("model_identity")) if source.matches else None
+    digest = model_identity.digest(source.meta.identity()) if source.matches and source.meta is not None else None
     cached = source.folder / f"{CT2_FOLDER_PREFIX}{digest[:16]}" if digest and source.folder else None
     expected = {"format": CT2_FORMAT, "model_sha256": digest}
     if cached is not None and _is(cached, expected):

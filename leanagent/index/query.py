@@ -32,6 +32,7 @@ from leanagent.index.files import (
 from leanagent.index.read import (
     FileInfo,
     FileLine,
+    IndexMeta,
     PremiseLine,
     accessibility_corpus,
     check_model,
@@ -69,7 +70,7 @@ class Hit:
 class PremiseIndex:
     """A loaded index and its encoder: load once, query many times (each query is one encoder pass)."""
 
-    def __init__(self, folder: Path, meta: dict[str, Any], embeddings: torch.Tensor, premises: list[dict[str, Any]],
+    def __init__(self, folder: Path, meta: IndexMeta, embeddings: torch.Tensor, premises: list[dict[str, Any]],
                  files: dict[str, FileInfo], encoder: QueryEncoder, warnings: list[str] | None = None) -> None:
         self.folder = folder
         self.meta = meta
@@ -85,8 +86,8 @@ class PremiseIndex:
         # How a query's product with the rows runs (`leanagent.model.topk.SCORING`): exact products of the rows.
         self.scoring = scoring_path(embeddings, exact=True)
         # Where states and premise texts are cut, as the corpus was embedded (a state as evaluation cuts contexts).
-        self.state_max_len = int(meta.get("context_max_len") or CONTEXT_MAX_LEN)
-        self.premise_max_len = int(meta["max_seq_len"])
+        self.state_max_len = meta.context_max_len or CONTEXT_MAX_LEN
+        self.premise_max_len = meta.max_seq_len
         # The lists a server gives (`names.json`; None: built from the premises and files, as before it existed).
         self.names: dict[str, list[str]] | None = None
 
@@ -105,7 +106,7 @@ class PremiseIndex:
             engine, dtype = choose(engine, dtype, torch.device(device).type)
         except EngineError as exc:
             raise PremiseIndexError(str(exc)) from None
-        named = meta.get("checkpoint") or meta.get("model")
+        named = meta.named_model
         if not named and model is None:
             raise PremiseIndexError(f"{folder / INDEX_FILE}: names no checkpoint or model")
         model = str(model) if model is not None else named
@@ -116,9 +117,9 @@ class PremiseIndex:
                                                               sizes[PREMISES_FILE])]
         files = {r.path: FileInfo(list(r.imports), (r.premises[0], r.premises[1]), r.last_line)
                  for r in read_jsonl(folder / FILES_FILE, FileLine, sizes[FILES_FILE])}
-        if embeddings.shape[0] != len(premises) or len(premises) != meta.get("num_premises"):
+        if embeddings.shape[0] != len(premises) or len(premises) != meta.num_premises:
             raise PremiseIndexError(f"{folder}: {embeddings.shape[0]} embeddings, {len(premises)} premises and "
-                                    f"num_premises {meta.get('num_premises')} disagree; rebuild the index")
+                                    f"num_premises {meta.num_premises} disagree; rebuild the index")
         source = EncoderSource(folder, meta, model, device, matches=not warnings)
         encoder = build_encoder(engine, source, dtype)
         warnings += source.warnings
@@ -161,7 +162,7 @@ class PremiseIndex:
         """The corpus path of `file` (exact, or a unique suffix such as Mathlib/X.lean of a lake package's path)."""
         resolved = self.corpus.resolve_path(file[2:] if file.startswith("./") else file)
         if resolved is None:
-            raise PremiseIndexError(f"--file {file}: not a file of the indexed corpus ({self.meta.get('corpus')})")
+            raise PremiseIndexError(f"--file {file}: not a file of the indexed corpus ({self.meta.corpus})")
         return resolved
 
     def accessible_mask(self, file: str, line: int, column: int = 0) -> torch.Tensor:

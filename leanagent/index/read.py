@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 
 from leanagent.data.corpus import Corpus, FileRecord, Premise
 from leanagent.ground import model_identity
 from leanagent.ground.config import format_validation_error
-from leanagent.ground.json_files import MIB, read_json_file, validate_as
+from leanagent.ground.json_files import MIB, read_model
 from leanagent.index.files import (
     EMBEDDINGS_FILE,
     FILES_FILE,
@@ -42,12 +42,11 @@ class FileInfo:
 STALE_ADVICE = "Rebuild it with `leanagent index`, or pass --force to use it anyway"
 
 
-def check_model(folder: Path, meta: dict[str, Any], model: Path, force: bool, advice: str = STALE_ADVICE
-                ) -> list[str]:
+def check_model(folder: Path, meta: IndexMeta, model: Path, force: bool, advice: str = STALE_ADVICE) -> list[str]:
     """Refuse (or, with `force`, warn about) a model that is not the one the corpus was embedded with; `advice`
     ends the refusal (what the command can do about it)."""
-    recorded = meta.get("model_identity")
-    if not isinstance(recorded, dict):
+    recorded = meta.identity()
+    if recorded is None:
         return [f"{folder / INDEX_FILE}: records no model identity (built before leanagent recorded one), so a "
                 f"changed model cannot be detected; rebuild it with `leanagent index` to have that checked"]
     now = model_identity.mismatch(recorded, model)
@@ -115,6 +114,26 @@ class IndexMeta(BaseModel):
     model_identity: ModelIdentity | None = None
     embeddings_sha256: StrictStr | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     file_sizes: dict[StrictStr, Annotated[int, Field(ge=0, strict=True)]] | None = None
+    corpus: StrictStr | None = None
+    dataset: StrictStr | None = None  # an index of one dataset's corpus
+    datasets: list[StrictStr] | None = None  # a stage's: the union of its datasets' corpora, in curriculum order
+
+    @model_validator(mode="before")
+    @classmethod
+    def _an_index_of_ours(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("format") not in READABLE_FORMATS:
+            raise ValueError(f"not a format-{FORMAT_VERSION} leanagent index")
+        return data
+
+    @property
+    def named_model(self) -> str | None:
+        """The model the index was embedded with: its checkpoint, or the model folder."""
+        return self.checkpoint or self.model
+
+    def identity(self) -> dict[str, Any] | None:
+        """The model's identity as `leanagent.ground.model_identity` reads it."""
+        return None if self.model_identity is None else self.model_identity.model_dump(mode="json",
+                                                                                       exclude_unset=True)
 
 
 def read_regular(file: Path, size: int | None = None, limit: int | None = None) -> bytes:
@@ -143,25 +162,21 @@ def read_regular(file: Path, size: int | None = None, limit: int | None = None) 
             raise PremiseIndexError(f"{file}: cannot be read ({exc.strerror or exc}); rebuild the index") from None
 
 
-def read_meta(folder: Path) -> dict[str, Any]:
-    """index.json, checked against `IndexMeta`: one line naming the file and the key for anything else."""
+def read_meta(folder: Path) -> IndexMeta:
+    """index.json, as `IndexMeta`: one line naming the file and the key for anything else."""
     file = folder / INDEX_FILE
     if not folder.is_dir():
         raise PremiseIndexError(f"{folder}: no such index folder (build one with `leanagent index`)")
     if not file.exists():
         raise PremiseIndexError(f"{folder}: not a finished index (no {INDEX_FILE}); build it with `leanagent index`")
-    meta = read_json_file(file, MAX_META_BYTES, INDEX_FILE, PremiseIndexError, "rebuild the index")
-    if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
-        raise PremiseIndexError(f"{file}: not a format-{FORMAT_VERSION} leanagent index")
-    validate_as(meta, IndexMeta, str(file), INDEX_FILE, PremiseIndexError, "rebuild the index")
-    return meta
+    return read_model(file, IndexMeta, MAX_META_BYTES, INDEX_FILE, PremiseIndexError, "rebuild the index")
 
 
-def index_file_sizes(folder: Path, meta: dict[str, Any]) -> dict[str, int | None]:
+def index_file_sizes(folder: Path, meta: IndexMeta) -> dict[str, int | None]:
     """Each file of the index (names.json when present) checked before any is read: a regular file, of the size
     index.json records (an index written before it recorded sizes: the embeddings within what their count and
     width hold). {name: size to expect on reading}."""
-    recorded = meta.get("file_sizes") or {}
+    recorded = meta.file_sizes or {}
     wanted = [EMBEDDINGS_FILE, PREMISES_FILE, FILES_FILE, *([NAMES_FILE] if (folder / NAMES_FILE).exists() else [])]
     out: dict[str, int | None] = {}
     for name in wanted:
@@ -180,23 +195,22 @@ def index_file_sizes(folder: Path, meta: dict[str, Any]) -> dict[str, int | None
                                     f"damaged since the index was written; rebuild the index")
         out[name] = size
     if recorded.get(EMBEDDINGS_FILE) is None:
-        width = meta.get("embedding_dim") or MAX_WIDTH
-        most = meta["num_premises"] * width * 4 + HEADER_BYTES
+        most = meta.num_premises * (meta.embedding_dim or MAX_WIDTH) * 4 + HEADER_BYTES
         if (folder / EMBEDDINGS_FILE).stat().st_size > most:
-            raise PremiseIndexError(f"{folder / EMBEDDINGS_FILE}: larger than {meta['num_premises']:,} rows of "
-                                    f"{width} can be; rebuild the index")
+            raise PremiseIndexError(f"{folder / EMBEDDINGS_FILE}: larger than {meta.num_premises:,} rows of "
+                                    f"{meta.embedding_dim or MAX_WIDTH} can be; rebuild the index")
     return out
 
 
-def read_embeddings(folder: Path, meta: dict[str, Any], warnings: list[str]) -> torch.Tensor:
+def read_embeddings(folder: Path, meta: IndexMeta, warnings: list[str]) -> torch.Tensor:
     """The embeddings, after their bytes are checked against index.json's SHA-256, each row finite and of unit
     length."""
     from safetensors.torch import load
 
     file = folder / EMBEDDINGS_FILE
-    blob = read_regular(file, (meta.get("file_sizes") or {}).get(EMBEDDINGS_FILE),
-                        meta["num_premises"] * (meta.get("embedding_dim") or MAX_WIDTH) * 4 + HEADER_BYTES)
-    recorded = meta.get("embeddings_sha256")
+    blob = read_regular(file, (meta.file_sizes or {}).get(EMBEDDINGS_FILE),
+                        meta.num_premises * (meta.embedding_dim or MAX_WIDTH) * 4 + HEADER_BYTES)
+    recorded = meta.embeddings_sha256
     if recorded is None:
         warnings.append(f"{folder / INDEX_FILE}: records no digest of its embeddings (written before leanagent "
                         f"recorded one), so a changed file cannot be detected; rebuild it with `leanagent index`")

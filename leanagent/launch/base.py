@@ -11,7 +11,8 @@ every launcher:
   collective timeout only a file that stops changing reveals a hung rank) end the job;
 - an interrupt of the launching thread (Ctrl-C, SIGTERM, a Prefect cancel) ends the job before it
   propagates: nothing of a job outlives whoever launched it;
-- a failure names the failing rank with its last lines (`LaunchError`); success returns `result.json`.
+- a failure names the failing rank with its last lines (`LaunchError`); success returns `result.json`, read as the
+  job's program's result model.
 
 A launcher is one module: `leanagent/launch/NAME.py` (or an installed package's `leanagent.launchers` entry
 point) whose module-level `PLUGIN`, a `LauncherPlugin`, holds everything launcher-specific: its config section,
@@ -33,9 +34,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from leanagent.ground.config import PipelineConfig
-from leanagent.ground.job import heartbeat_dir, result_filename, stale_ranks
-from leanagent.ground.results import ResultUnreadableError, read_result
+from leanagent.ground.config import PipelineConfig, dump_config
+from leanagent.ground.job import JobRequest, heartbeat_dir, result_filename, stale_ranks
+from leanagent.ground.results import JobResult, ResultUnreadableError, read_result
 from leanagent.ground.supervision import SUPERVISION_ENV, pids_dir
 from leanagent.launch.output import JobOutput
 
@@ -52,6 +53,7 @@ GRACE_SECONDS = 30.0
 INTERRUPT_GRACE_SECONDS = 10.0
 POLL_SECONDS = 0.5  # how long one wait for output lasts: the deadline and heartbeat checks run this often
 OUTPUT_AFTER_EXIT_SECONDS = 5.0  # keep reading this long after the job ended, for output still on its way
+CONFIG_FILE = "config.yaml"  # the job's config as its ranks read it, in the attempt's log folder
 
 
 class LaunchError(RuntimeError):
@@ -101,13 +103,32 @@ class Launcher(ABC):
         whatever the launcher names after it (a SLURM job's name).
         """
 
-    def launch(self, program_args: Sequence[str], job_dir: Path, on_line: Callable[[str], None] | None = None,
-               timeout_s: float | None = None, heartbeat_timeout_s: float | None = None,
-               grace_s: float = GRACE_SECONDS, progress_interval_s: float | None = None,
-               label: str = "job") -> dict:
-        """Run one rank program to completion and return its `result.json` (see the module docstring).
+    def launch(self, job: JobRequest, on_line: Callable[[str], None] | None = None, grace_s: float = GRACE_SECONDS,
+               progress_interval_s: float | None = None) -> JobResult:
+        """Run `job` to completion, within its deadlines, and return its result as its program's model.
 
-        `label` names the job in its progress lines (`train repo_new`: `JobRequest.title`).
+        Its ranks read its config from the copy written for this attempt (`JOB/logs/attempt-.../config.yaml`): a
+        file the launcher owns, so nothing of the user's is overwritten, and a SLURM job requeued later still
+        finds the config it was started with."""
+        log_dir = attempt_dir(job.out)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(job.config, log_dir / CONFIG_FILE)
+        path = self.supervise(job.to_argv(log_dir / CONFIG_FILE), job.out, on_line, job.timeout,
+                              job.heartbeat_timeout, grace_s, progress_interval_s, job.title, log_dir)
+        try:
+            return read_result(path, job.spec.result)
+        except ResultUnreadableError as exc:
+            raise LaunchError(str(exc)) from None
+
+    def supervise(self, program_args: Sequence[str], job_dir: Path, on_line: Callable[[str], None] | None = None,
+                  timeout_s: float | None = None, heartbeat_timeout_s: float | None = None,
+                  grace_s: float = GRACE_SECONDS, progress_interval_s: float | None = None,
+                  label: str = "job", log_dir: Path | None = None) -> Path:
+        """Start the rank program `program_args` (`start`) and watch it to its end (see the module docstring); the
+        result file it wrote.
+
+        `label` names the job in its progress lines (`train repo_new`: `JobRequest.title`); each rank's log goes
+        into `log_dir` (default: a new `attempt-...` folder of `JOB/logs`).
         """
         job_dir = Path(job_dir)
         job_dir.mkdir(parents=True, exist_ok=True)
@@ -115,7 +136,7 @@ class Launcher(ABC):
         shutil.rmtree(heartbeat_dir(job_dir), ignore_errors=True)
         shutil.rmtree(pids_dir(job_dir), ignore_errors=True)
         output = JobOutput(label, on_line, progress_interval_s)
-        log_dir = job_dir / "logs" / f"attempt-{time.strftime('%Y%m%d-%H%M%S')}"
+        log_dir = log_dir or attempt_dir(job_dir)
         program = program_args[0] if program_args else "torchrun"
         started = time.monotonic()
         job = self.start(program_args, job_dir, log_dir, label)
@@ -162,10 +183,12 @@ class Launcher(ABC):
         if not result_path.is_file():
             raise LaunchError(f"{job_dir}: the job exited 0 but wrote no {result_path.name}", None,
                               output.launcher_tail)
-        try:
-            return read_result(result_path)
-        except ResultUnreadableError as exc:
-            raise LaunchError(str(exc), None, output.launcher_tail) from None
+        return result_path
+
+
+def attempt_dir(job_dir: Path) -> Path:
+    """The log folder of an attempt starting now."""
+    return Path(job_dir) / "logs" / f"attempt-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def child_environment(base: dict[str, str] | None = None) -> dict[str, str]:

@@ -8,15 +8,14 @@ Apple's M-series on `mps`); int8 dynamic quantization of the `Linear` layers use
 - `bf16`: `torch.autocast` in bfloat16 (the weights stay fp32; matmuls run in bf16, pooling and the norm in fp32).
 - `int8`: `torch.ao.quantization.quantize_dynamic` on the encoder's `Linear` layers (CPU only). Not torchao:
   torchao 0.18 installs from pip for torch 2.13 and runs on a CPU, but its int8 dynamic path ran a byt5-small
-  feed-forward pair (1,024 tokens) in 161 ms against `quantize_dynamic`'s 55 ms and bf16's 146 ms on this
-  machine kind, and it logs a failed CUDA-kernel load at import; so the deprecated API, its warning silenced.
+  feed-forward pair slower than `quantize_dynamic` and than bf16 on this machine kind (docs/performance.md), and it
+  logs a failed CUDA-kernel load at import; so the deprecated API, its warning silenced.
 - `auto`: bf16 on `cuda` (as evaluation runs under bf16-mixed; what `index` and `serve` did there before) and on
   `mps`; on a CPU the entry of `AUTO_CPU`: the fastest dtype that agreed with fp32 (top-10 overlap >= 0.9, R@10
-  within 0.5 points on the trained model, tests/unit/test_export_index_retrieve.py) in a recorded measurement.
-  Recorded on 2026-12-02 (this machine kind, the test's trained tiny model, 32 validation states, fp32 R@10
-  73.44): bf16 top-10 overlap 0.997, R@10 +0.00 (agrees); int8 overlap 0.981, R@10 -1.56 (does not). So a bf16
-  CPU takes bf16, and a CPU without bf16 matmuls fp32 (autocast there emulates bf16, slower than fp32). The
-  suite asserts the choice agrees on every run (that test), and compares batched with unbatched answers in fp32.
+  within 0.5 points on the trained model, tests/unit/test_export_index_retrieve.py) in a recorded measurement
+  (docs/performance.md): bf16 agreed, int8 did not. So a bf16 CPU takes bf16, and a CPU without bf16 matmuls fp32
+  (autocast there emulates bf16, slower than fp32). The suite asserts the choice agrees on every run (that test),
+  and compares batched with unbatched answers in fp32.
 
 An index's stored rows are bf16 whatever the dtype they were embedded at, and a query at any dtype is scored
 against them: a dtype changes a state's embedding by its rounding, so scores move by about that much (bf16:
@@ -57,9 +56,9 @@ def cpu_has_bf16() -> bool:
     on Linux and macOS.
 
     Why AMX, not AVX-512 BF16 alone: a byt5-small-shaped training step (`leanagent bench precision`, figures in
-    docs/performance.md) ran 2.1x faster in bf16 than in fp32 with AMX, but 2.0x slower with oneDNN limited to
-    AVX-512 BF16 (as on CPUs with those instructions and no AMX), and slower still on AVX-512 or AVX2 alone, where
-    bf16 is emulated. `ONEDNN_MAX_CPU_ISA=AVX2` (oneDNN's own variable) makes a CPU with AMX answer no here and run
+    docs/performance.md) ran faster in bf16 than in fp32 with AMX, but slower with oneDNN limited to AVX-512 BF16
+    (as on CPUs with those instructions and no AMX), and slower still on AVX-512 or AVX2 alone, where bf16 is
+    emulated. `ONEDNN_MAX_CPU_ISA=AVX2` (oneDNN's own variable) makes a CPU with AMX answer no here and run
     its kernels as an AVX2-only one does: how the tests see both kinds of CPU on one machine."""
     try:
         if not torch.ops.mkldnn._is_mkldnn_bf16_supported():

@@ -38,7 +38,7 @@ from leanagent.checkpoints.foreign import (
 from leanagent.ground.config import PipelineConfig
 from leanagent.ground.json_files import MIB, read_json_file
 from leanagent.ground.names import BYT5_SMALL
-from leanagent.ground.results import ResultUnreadableError, read_result
+from leanagent.ground.results import ResultUnreadableError, TrainResult, read_result
 from leanagent.model.options import RetrieverOptions, stored_encoder_config
 from leanagent.model.presets import encoder_config
 from leanagent.model.progress_bars import no_progress_bars
@@ -241,7 +241,7 @@ def _job_dataset(path: Path) -> str | None:
     if path.resolve().parent.name != "checkpoints" or not result.is_file():
         return None
     try:
-        dataset = read_result(result).get("dataset")
+        dataset = read_result(result, TrainResult).dataset
     except ResultUnreadableError:
         return None
     return str(dataset) if dataset else None

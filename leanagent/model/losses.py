@@ -41,7 +41,7 @@ class LossOptions(Protocol):
     temperature: float
 
 # The options check `model.loss` against `LOSSES`, and the checks before a launch read the options: naming the
-# losses must not import torch (2 s of a core, which a refused input never pays), so each loss imports it when it
+# losses must not import torch (seconds of a core, which a refused input never pays), so each loss imports it when it
 # is computed, inside a rank that has imported it already.
 
 

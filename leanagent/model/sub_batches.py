@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 WIDTH_MULTIPLE = 8
 # What one more encoder call costs, in tokens of compute, by device type. On a CPU a call's overhead
-# (Python, 12 layers of small ops) is a few milliseconds while a token of byt5-small costs about as
-# much, so cutting often pays (64: 96% of processed tokens real on LeanDojo lengths, ~11 calls a step
-# for batch 4). On a GPU a token costs microseconds and a call of a few hundred tokens is bound by
-# kernel launches, so cuts must save more (512: 83% real, ~5 calls). The GPU figure is an estimate
-# until measured (README, Performance; `scripts/gpu_run.sh` times both).
+# (Python, 12 layers of small ops) costs about as much as a token of byt5-small, so cutting often pays (nearly
+# every processed token real on LeanDojo lengths, at about a dozen calls a step for batch 4). On a GPU a token
+# costs far less and a call of a few hundred tokens is bound by kernel launches, so cuts must save more (fewer
+# calls, more padding). The GPU figure is an estimate until measured (`scripts/gpu_run.sh` times both; the
+# figures: docs/measurements.md).
 CALL_COST_TOKENS = {"cpu": 64, "cuda": 512}
 DEFAULT_CALL_COST_TOKENS = 512
 

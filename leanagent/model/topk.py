@@ -20,8 +20,8 @@ its sort), and a ranking must not depend on where a premise's row happens to be:
 together with other corpora's (`evaluation.CorpusEmbedding`) or alone, rank the same.
 
 The product itself (`score_matrix`) takes one of the `SCORING` paths. bf16 rows on a CPU without bf16 matmuls (AVX2
-only, as on most laptops) make oneDNN emulate the bf16 product: measured 3.6x slower than fp32 at width 1,472 and
-7x at 64 (76k premises, an AMD EPYC with AVX2 only). There the rows are upcast to fp32 a chunk at a time, into one
+only, as on most laptops) make oneDNN emulate the bf16 product, several times slower than fp32 (docs/differences.md
+gives the figures). There the rows are upcast to fp32 a chunk at a time, into one
 reused buffer of `CHUNK_ELEMENTS` floats (memory stays bounded: no fp32 copy of the whole corpus), and multiplied
 in fp32. `exact` says what the caller's scores are:
 

@@ -30,13 +30,13 @@ from pydantic import ValidationError
 from leanagent.data.validate import dataset_problems
 from leanagent.ground.atomic import format_bytes, out_folder_problem
 from leanagent.ground.config import PipelineConfig, RepoConfig
-from leanagent.ground.job import PROGRAMS, JobInputError
+from leanagent.ground.job import JobInputError, JobRequest
 from leanagent.ground.json_files import MIB, JsonFileError, read_json_file
 from leanagent.launch.registry import launch_problems
 from leanagent.model.options import RetrieverOptions, stored_encoder_config
 
 # A checkpoint holds the fp32 weights (4 bytes per parameter) and AdamW's two moments (8 bytes), plus
-# loop/callback state, hparams and zip records (measured: 32 KB over 12 bytes per parameter on the tiny model).
+# loop/callback state, hparams and zip records: a few tens of kB (docs/measurements.md), within the overheads below.
 CHECKPOINT_BYTES_PER_PARAMETER = 12
 CHECKPOINT_OVERHEAD = 0.02
 CHECKPOINT_OVERHEAD_BYTES = 1 << 20
@@ -229,12 +229,12 @@ def estimate_run(cfg: PipelineConfig, parameters: int, repos: int | None = None)
     return DiskEstimate(parameters, checkpoints, repos, _written(cfg.run_dir / "jobs"))
 
 
-def estimate_job(cfg: PipelineConfig, program: str, out: Path, parameters: int) -> DiskEstimate:
-    writes = PROGRAMS[program].writes
+def estimate_job(job: JobRequest, parameters: int) -> DiskEstimate:
+    writes = job.spec.writes
     if writes == "checkpoints":
-        return DiskEstimate(parameters, checkpoints_per_training(cfg), 0, _written(Path(out) / "checkpoints"))
+        return DiskEstimate(parameters, checkpoints_per_training(job.config), 0, _written(job.out / "checkpoints"))
     if writes == "fisher":
-        return DiskEstimate(parameters, 0, 1, _written(Path(out)))
+        return DiskEstimate(parameters, 0, 1, _written(job.out))
     return DiskEstimate(parameters, 0, 0)
 
 
@@ -275,12 +275,12 @@ def check_disk(estimate: DiskEstimate, where: Path, free_bytes: int | None = Non
 
 # ---- the two entry points ---------------------------------------------------------------------------
 
-def preflight_job(cfg: PipelineConfig, program: str, datasets: Sequence[Path], out: Path | None = None,
-                  checkpoint: Path | None = None, fisher: Path | None = None, validate: bool = True,
-                  free_bytes: int | None = None, device_count: int | None = None) -> None:
-    """Everything one job needs, checked before it is launched; raises PreflightError listing each problem."""
+def preflight_job(job: JobRequest, free_bytes: int | None = None, device_count: int | None = None) -> None:
+    """Everything one job needs, checked before it is launched; raises PreflightError listing each problem. Its
+    datasets are read unless the request says they were checked already (`datasets_checked`)."""
+    cfg, checkpoint, fisher = job.config, job.checkpoint, job.fisher
     problems = check_launcher(cfg, device_count) + check_options(cfg)
-    folder = out_folder_problem(out) if out is not None else None
+    folder = out_folder_problem(job.out)
     if folder is not None:
         problems.append(f"job folder {folder}")
     checkpoint_config: dict[str, Any] | None = None
@@ -307,17 +307,17 @@ def preflight_job(cfg: PipelineConfig, program: str, datasets: Sequence[Path], o
         if problem:
             problems.append(problem)
     parameters = count_parameters(model_config)
-    if out is not None and parameters and not unknown:
+    if parameters and not unknown:
         remedy = (", or keep fewer epoch checkpoints (trainer.save_top_k: 1 keeps the best and last.ckpt)"
-                  if PROGRAMS[program].writes == "checkpoints" and cfg.trainer.save_top_k != 1 else "")
-        problems += check_disk(estimate_job(cfg, program, Path(out), parameters), Path(out), free_bytes, remedy)
-    if validate:
-        problems += dataset_problems(datasets, cfg.data.split)
+                  if job.spec.writes == "checkpoints" and cfg.trainer.save_top_k != 1 else "")
+        problems += check_disk(estimate_job(job, parameters), job.out, free_bytes, remedy)
+    if not job.datasets_checked:
+        problems += dataset_problems(list(job.datasets), cfg.data.split)
     _raise_if(problems)
 
 
-# Reading a checkpoint or a Fisher file needs torch (~2 s of a core to import), and looking up a LeanAgent/ReProver
-# checkpoint's architecture transformers too (~3 s more). These checks import them when they have such a file to
+# Reading a checkpoint or a Fisher file needs torch (seconds of a core to import), and looking up a
+# LeanAgent/ReProver checkpoint's architecture transformers too. These checks import them when they have such a file to
 # read: a job that starts from the base model, and `leanagent run`'s checks (a bad input answered before Prefect
 # starts), pay nothing; the job's ranks import both anyway.
 

@@ -31,13 +31,12 @@ from leanagent.report.png import write_png
 from leanagent.report.run import (
     MATRIX_METRIC,
     UNTRAINED,
-    VAL_METRIC,
     RunReport,
     glossary_text,
     report_from_manifest,
 )
 from leanagent.report.timing import JobCost, job_costs, time_markdown, time_text
 
-__all__ = ["MATRIX_METRIC", "UNTRAINED", "VAL_METRIC", "JobCost", "LifelongRun", "RunReport", "SourceError", "compare",
+__all__ = ["MATRIX_METRIC", "UNTRAINED", "JobCost", "LifelongRun", "RunReport", "SourceError", "compare",
            "comparison_json", "comparison_text", "glossary_text", "job_costs", "load_run", "report_from_manifest",
            "run_setup", "time_markdown", "time_text", "write_png"]

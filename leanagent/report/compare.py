@@ -79,7 +79,7 @@ def load_run(path: str | Path) -> LifelongRun:
         val = report.val_r10  # None where a train result has no Recall@10_val: IP is then None
         return LifelongRun(str(path), path.name, list(report.names[: len(report.matrix)]), check_matrix(report.matrix),
                            val if any(v is not None for v in val) else None, None, lm["final_R@1"], lm["final_MRR"],
-                           report, run_setup(data.get("config")))
+                           report, run_setup(data.config))
     if not path.is_file():
         raise SourceError(f"{path}: no such run_dir or JSON file")
     return _run_from_json(path, read_json_file(path, MAX_MANIFEST_BYTES, "report", SourceError))

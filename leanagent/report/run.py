@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from leanagent.ground.names import AUTO
+from leanagent.ground.results import EvaluateResult, Metrics, TrainResult
 from leanagent.report.cells import fit, mean, mean_of, metric, mrr, pct
 from leanagent.report.metrics import REGISTRY, check_matrix, glossary, lifelong_metrics, metric_names
 from leanagent.report.timing import JobCost, job_costs, time_markdown, time_summary, time_text
-from leanagent.run.manifest import EVAL_UNTRAINED, TRAIN, eval_stage, stage_result
+from leanagent.run.manifest import EVAL_UNTRAINED, TRAIN, ConfigRecord, ManifestRecord, eval_stage, stage_result
 
-MATRIX_METRIC = "Recall@10"
-VAL_METRIC = "Recall@10_val"  # the train stage's best validation Recall@10, percent
-CHECKPOINT_VAL_METRIC = "checkpoint_Recall@10_val"  # that of the checkpoint the next repository starts from
+MATRIX_METRIC = "Recall@10"  # the matrix's metric (`Metrics.recall_10`)
 COLUMNS_NOTE = ("val R@10: the best epoch's validation R@10 (what IP reads); next starts from: the checkpoint the "
                 "next repository trains from (lifelong.checkpoint), with its own validation R@10 in brackets.")
 UNTRAINED = "(untrained)"
@@ -48,30 +47,31 @@ class RunReport:
     # The run's setup (`run_setup`: strategy, curriculum, EWC, recipe, precision), when read from a manifest.
     setup: str | None = None
 
-    def set_baseline(self, evaluations: list[dict]) -> None:
-        self.baseline = [e["metrics"][MATRIX_METRIC] for e in evaluations]
+    def set_baseline(self, evaluations: list[EvaluateResult]) -> None:
+        self.baseline = [_metrics(e).recall_10 for e in evaluations]
 
-    def add_repository(self, index: int, train: dict, evaluations: list[dict]) -> None:
+    def add_repository(self, index: int, train: TrainResult, evaluations: list[EvaluateResult]) -> None:
         """Record repository `index` after its training and its evaluations on repositories 0..index."""
-        own = evaluations[index]["metrics"]
-        seen = [e["metrics"] for e in evaluations]
-        self.matrix.append([m[MATRIX_METRIC] for m in seen] + [None] * (len(self.names) - len(seen)))
-        val = (train.get("metrics") or {}).get(VAL_METRIC)
+        own = _metrics(evaluations[index])
+        seen = [_metrics(e) for e in evaluations]
+        self.matrix.append([m.recall_10 for m in seen] + [None] * (len(self.names) - len(seen)))
+        trained = train.metrics or Metrics()
+        val = trained.recall_10_val
         row = {
             "repository": self.names[index],
-            "R@1": own.get("Recall@1"),
-            "R@10": own.get("Recall@10"),
-            "MRR": own.get("MRR"),
+            "R@1": own.recall_1,
+            "R@10": own.recall_10,
+            "MRR": own.mrr,
             "val R@10": val,
-            "avg R@1 (seen)": mean_of(m.get("Recall@1") for m in seen),
-            "avg R@10 (seen)": mean_of(m.get(MATRIX_METRIC) for m in seen),
-            "avg MRR (seen)": mean_of(m.get("MRR") for m in seen),
+            "avg R@1 (seen)": mean_of(m.recall_1 for m in seen),
+            "avg R@10 (seen)": mean_of(m.recall_10 for m in seen),
+            "avg MRR (seen)": mean_of(m.mrr for m in seen),
         }
         metrics = lifelong_metrics(self._triangle(), [*self.val_r10, val])
         row.update({m: metrics[m] for m in metric_names()})
         # Epochs trained so far, counted from 1 (the checkpoint's own name holds the 0-based index of its epoch).
-        row.update({"epochs": train.get("epoch"), "checkpoint": train.get("checkpoint"),
-                    "checkpoint val R@10": (train.get("metrics") or {}).get(CHECKPOINT_VAL_METRIC)})
+        row.update({"epochs": train.epoch, "checkpoint": train.checkpoint,
+                    "checkpoint val R@10": trained.checkpoint_recall_10_val})
         self.rows.append(row)
 
     @property
@@ -178,54 +178,57 @@ class RunReport:
                 + ", ".join(f"{name} {metric(name, lm[name])}" for name in REGISTRY))
 
 
-def report_from_manifest(manifest: dict) -> RunReport:
+def report_from_manifest(manifest: ManifestRecord) -> RunReport:
     """Rebuild the report of a run (finished or not) from its manifest, as `leanagent report` prints it."""
-    names = list(manifest.get("order") or [])
-    report = RunReport(names, costs=job_costs(manifest), setup=run_setup(manifest.get("config")))
+    names = list(manifest.order or [])
+    report = RunReport(names, costs=job_costs(manifest), setup=run_setup(manifest.config))
     baseline = [stage_result(manifest, j, name, EVAL_UNTRAINED) for j, name in enumerate(names)]
-    if names and all(b is not None for b in baseline):
+    if names and all(isinstance(b, EvaluateResult) for b in baseline):
         report.set_baseline(baseline)
     for i, name in enumerate(names):
         train = stage_result(manifest, i, name, TRAIN)
         evaluations = [stage_result(manifest, i, name, eval_stage(j, names[j])) for j in range(i + 1)]
-        if train is None or any(e is None for e in evaluations):
+        if not isinstance(train, TrainResult) or not all(isinstance(e, EvaluateResult) for e in evaluations):
             break  # the run stopped here; later repositories have nothing to report yet
         report.add_repository(i, train, evaluations)
     return report
 
 
+def _metrics(evaluation: EvaluateResult) -> Metrics:
+    """An evaluation stage's metrics (the manifest refuses a finished one without them)."""
+    return evaluation.metrics or Metrics()
 
 
-def run_setup(config: Any) -> str | None:
+def run_setup(config: ConfigRecord | None) -> str | None:
     """`merge_all, curriculum, EWC 0.1, precision bf16-mixed`: LeanAgent's three switches (replay with its fraction:
     `replay 0.5`), from a manifest's config (a run recorded before `dataset_strategy` existed ran `single`, the
     default), the training recipe when it is another one (`infonce + mined negatives`), and the precision the run's
     jobs ran in (`trainer.precision`, as the run recorded it: `auto` resolved by its first job; left out while no
     job has)."""
-    lifelong = config.get("lifelong") if isinstance(config, dict) else None
-    if not isinstance(lifelong, dict):
+    lifelong = config.lifelong if config is not None else None
+    if lifelong is None:
         return None
-    ewc = lifelong.get("ewc_lambda") or 0
-    strategy = str(lifelong.get("dataset_strategy", "single"))
-    if lifelong.get("replay_fraction") is not None:
-        strategy += f" {lifelong['replay_fraction']:g}"
+    ewc = lifelong.ewc_lambda or 0
+    strategy = lifelong.dataset_strategy or "single"
+    if lifelong.replay_fraction is not None:
+        strategy += f" {lifelong.replay_fraction:g}"
     return ", ".join([strategy,
-                      "curriculum" if lifelong.get("curriculum", True) else "given order",
+                      "curriculum" if lifelong.curriculum is not False else "given order",
                       f"EWC {ewc:g}" if ewc else "no EWC", *_recipe(config), *_precision(config)])
 
 
-def _recipe(config: dict[str, Any]) -> list[str]:
+def _recipe(config: ConfigRecord) -> list[str]:
     """The training recipe where it is not LeanAgent's (`model.loss`, `data.negatives`); nothing for LeanAgent's,
     and for a run recorded before the keys existed (it trained LeanAgent's)."""
-    model, data = config.get("model") or {}, config.get("data") or {}
+    model, data = config.model or {}, config.data or {}
     loss, negatives = model.get("loss", "mse"), data.get("negatives", "random")
     if (loss, negatives) == ("mse", "random"):
         return []
     return [f"{loss} + {negatives} negatives"]
 
 
-def _precision(config: dict[str, Any]) -> list[str]:
-    precision = (config.get("trainer") or {}).get("precision")
+def _precision(config: ConfigRecord) -> list[str]:
+    precision = (config.trainer or {}).get("precision")
     return [f"precision {precision}"] if isinstance(precision, str) and precision != AUTO else []
 
 

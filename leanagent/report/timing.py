@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
-from leanagent.ground.timings import LAUNCH, PARTS, WALL_SECONDS
-from leanagent.run.manifest import EVAL_UNTRAINED, FISHER, TRAIN, eval_stage, stage_name, stage_result
+from leanagent.ground.results import EvaluateResult, JobResult, StageResult
+from leanagent.ground.timings import LAUNCH, PARTS
+from leanagent.run.manifest import EVAL_UNTRAINED, FISHER, TRAIN, ManifestRecord, eval_stage, stage_name, stage_result
 
 TITLE = "Where the time went"
 _PARTS = {p.name: p for p in (*PARTS, LAUNCH)}
@@ -32,35 +33,35 @@ class JobCost:
     peak_rss_mb: float | None = None
 
     @classmethod
-    def of(cls, job: str, result: dict[str, Any]) -> JobCost | None:
-        timings = result.get("timings")
-        if not isinstance(timings, dict) or "total" not in timings:
+    def of(cls, job: str, result: JobResult) -> JobCost | None:
+        timings = result.timings
+        if timings is None or "total" not in timings:
             return None  # a job recorded before timings existed
         seconds = {k: float(v) for k, v in timings.items() if k != "total"}
         total = float(timings["total"])
-        wall = result.get(WALL_SECONDS)
-        if isinstance(wall, (int, float)) and wall > total:
+        wall = result.wall_seconds
+        if wall is not None and wall > total:
             seconds[LAUNCH.name] = float(wall) - total
             total = float(wall)
-        return cls(job, seconds, total, result.get("premises_embedded"), result.get("premises_in_corpora"),
-                   result.get("peak_rss_mb"))
+        return cls(job, seconds, total, result.premises_embedded, result.premises_in_corpora, result.peak_rss_mb)
 
     def share(self, part: str) -> float:
         return self.seconds.get(part, 0.0) / self.total if self.total else 0.0
 
 
-def job_costs(manifest: dict[str, Any]) -> list[JobCost]:
+def job_costs(manifest: ManifestRecord) -> list[JobCost]:
     """Every finished job of a run, in the order they ran: the untrained evaluation, then per repository its
     training, Fisher pass and evaluation."""
-    names = list(manifest.get("order") or [])
+    names = list(manifest.order or [])
     costs: list[JobCost] = []
     seen: set[str] = set()
 
-    def add(job: str, result: dict[str, Any] | None) -> None:
-        if result is None:
+    def add(job: str, result: StageResult | None) -> None:
+        if not isinstance(result, JobResult):
             return
-        if isinstance(result.get("job"), dict):  # an evaluation stage: its job's cost, once per job
-            result, job = result["job"], str(result["job"].get("out", job))
+        if isinstance(result, EvaluateResult) and result.out is not None:  # an evaluation stage: its job's cost,
+            folder = Path(result.out)  # once per job, named by its folder (`untrained/evaluate-00-01`)
+            job = f"{folder.parent.name}/{folder.name}"
             if job in seen:
                 return
             seen.add(job)

@@ -20,7 +20,7 @@ from typing import Any
 
 from leanagent.ground.config import ABSENT_MEANS, PipelineConfig
 from leanagent.ground.names import AUTO
-from leanagent.run.manifest import ManifestMismatchError
+from leanagent.run.manifest import ManifestMismatchError, ManifestRecord
 
 # Where the run's repositories come from: the sequence, which may grow, not the experiment.
 SEQUENCE_KEYS = ("repos", "repos_dir")
@@ -79,6 +79,22 @@ def recorded_setting(config: dict[str, Any], dotted: str) -> Any:
     return node
 
 
+def continued(path: Path, recorded: dict[str, Any] | None, cfg: PipelineConfig
+              ) -> tuple[dict[str, Any], PipelineConfig]:
+    """What a run continues in, given the config its manifest (`path`) `recorded` (None: a new run): the fields to
+    record, and the config its jobs get. Both are `cfg`'s, with each setting the run decided (DECIDED_BY_THE_RUN:
+    the precision its first job ran under `trainer.precision: auto`) at the recorded value where `cfg` says auto,
+    so that a run goes on in its precision on a CPU that would resolve auto otherwise. A recorded config of
+    another experiment is refused (`check_config`)."""
+    fields = fingerprint_fields(cfg)
+    if recorded is None:
+        return fields, cfg
+    check_config(path, recorded, fields)
+    data = cfg.model_dump(mode="json")
+    kept = keep_decided(recorded, data)
+    return keep_decided(recorded, fields), cfg if kept == data else PipelineConfig.model_validate(kept)
+
+
 def keep_decided(recorded: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
     """`fields` with each DECIDED_BY_THE_RUN key that says `auto` set to the value `recorded` holds, if any: what
     the run continues in."""
@@ -134,14 +150,15 @@ def describe_differences(old: dict[str, Any], new: dict[str, Any], limit: int = 
     return "; ".join(diffs[:limit]) + more
 
 
-def check_experiment(path: Path, manifest: dict[str, Any], cfg: PipelineConfig) -> None:
+def check_experiment(path: Path, manifest: ManifestRecord, cfg: PipelineConfig) -> None:
     """Refuse a manifest of another experiment (`path` names it in the message); reads nothing itself."""
-    check_config(path, manifest, fingerprint_fields(cfg))
+    check_config(path, manifest.config.fields(), fingerprint_fields(cfg))
 
 
-def check_config(path: Path, manifest: dict[str, Any], fields: dict[str, Any]) -> None:
+def check_config(path: Path, recorded: dict[str, Any], fields: dict[str, Any]) -> None:
+    """Refuse the config a manifest `recorded` (`path`) when `fields` (today's) differ from it in what matters."""
     # A version 1 manifest's config holds the repositories: they are the sequence, checked on their own.
-    old = {k: v for k, v in manifest.get("config", {}).items() if k not in SEQUENCE_KEYS}
+    old = {k: v for k, v in recorded.items() if k not in SEQUENCE_KEYS}
     if config_changes(old, fields):
         raise ManifestMismatchError(
             f"{path} belongs to a run of a different config ({describe_differences(old, fields)}); resuming it would "

@@ -16,8 +16,8 @@ from typing import Any, Self
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from leanagent.data.strategies import merges
-from leanagent.ground.json_files import MIB, read_json_file, validate_as
-from leanagent.ground.results import JobResult
+from leanagent.ground.json_files import MIB, read_model
+from leanagent.ground.results import EvaluateResult, StageResult
 
 MANIFEST_NAME = "manifest.json"
 JOBS_DIR = "jobs"  # run_dir/jobs/STAGE: each stage's job folder
@@ -26,7 +26,9 @@ MAX_MANIFEST_BYTES = 64 * MIB
 
 
 # 2: the repositories left the fingerprint, each recorded with its dataset's digests; version 1 manifests load.
-MANIFEST_VERSION = 2
+# 3: a stage's result is its job's result model, named by `program` (an evaluation stage's: its job's result for its
+# repository alone); the results of version 1 and 2 manifests are read as such.
+MANIFEST_VERSION = 3
 
 
 class ManifestMismatchError(ValueError):
@@ -38,13 +40,18 @@ class ManifestUnreadableError(ManifestMismatchError):
     """The run_dir's manifest.json is cut short, not JSON, or not a manifest; nothing was written."""
 
 
+def _dump(model: BaseModel) -> dict[str, Any]:
+    """A record as its file holds it: the keys it was given, under their file names."""
+    return model.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
 class StageRecord(BaseModel):
     """A stage as the manifest records it (`leanagent.run.state.RunState`): a finished one holds its result."""
 
     model_config = ConfigDict(extra="allow")
 
     status: StrictStr
-    result: JobResult | None = None
+    result: StageResult | None = None
     error: StrictStr | None = None
     reason: StrictStr | None = None
 
@@ -55,8 +62,26 @@ class StageRecord(BaseModel):
         return self
 
 
-# What each finished stage's readers take from its result: the flow the next stage's inputs, the report its rows.
-REQUIRED_RESULT_KEYS = {"train": ("checkpoint",), "fisher": ("fisher",), "merge": ("dataset",)}
+def stage_program(stage: str) -> str | None:
+    """The program whose result a stage records, by its name (`train`, `fisher`, `merge`, `eval-...`)."""
+    if stage.startswith("eval-"):
+        return EVALUATE
+    return stage if stage in (TRAIN, FISHER, MERGE) else None
+
+
+def _named_result(stage: str, result: dict[str, Any]) -> dict[str, Any]:
+    """A stage's result as a version 1 or 2 manifest holds it, in today's terms: named by its program (from the
+    stage's name), and an evaluation's its job's result for its repository alone (the job's folder, cost and index
+    were under `job`)."""
+    program = stage_program(stage)
+    if program is None or "program" in result:
+        return result
+    if program != EVALUATE:
+        return {"program": program, **result}
+    job = result.get("job") if isinstance(result.get("job"), dict) else {}
+    own = {key: value for key, value in result.items() if key != "job"}
+    evaluations = [{"dataset": result.get("dataset"), "metrics": result["metrics"]}] if "metrics" in result else []
+    return {**job, **own, "program": EVALUATE, "evaluations": evaluations}
 
 
 class RepoRecord(BaseModel):
@@ -65,19 +90,35 @@ class RepoRecord(BaseModel):
     index: StrictInt | None = Field(None, ge=0, le=10**6)
     name: StrictStr | None = None
     path: StrictStr | None = None
+    given_by: StrictStr | None = None  # the config file that added it to the run
     dataset: dict[StrictStr, StrictStr] | None = None
     stages: dict[StrictStr, StageRecord] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _results_of_older_versions(cls, data: Any) -> Any:
+        stages = data.get("stages") if isinstance(data, dict) else None
+        if not isinstance(stages, dict):
+            return data
+        named = {}
+        for name, entry in stages.items():
+            if isinstance(entry, dict) and isinstance(entry.get("result"), dict):
+                entry = {**entry, "result": _named_result(str(name), entry["result"])}
+            named[name] = entry
+        return {**data, "stages": named}
 
     @model_validator(mode="after")
     def _finished_results_hold_what_is_read(self) -> Self:
         for name, stage in self.stages.items():
-            if stage.status != "done" or stage.result is None:
+            result = stage.result
+            if stage.status != "done" or result is None:
                 continue
-            if name.startswith("eval-") and (stage.result.metrics is None or stage.result.metrics.recall_10 is None):
+            program = stage_program(name)
+            if program is not None and result.program != program:
+                raise ValueError(f"stages.{name}.result.program: a {name} stage holds a {program} result, not a "
+                                 f"{result.program} one")
+            if isinstance(result, EvaluateResult) and (result.metrics is None or result.metrics.recall_10 is None):
                 raise ValueError(f"stages.{name}.result.metrics: a finished evaluation without its Recall@10")
-            for key in REQUIRED_RESULT_KEYS.get(name, ()):
-                if getattr(stage.result, key) is None:
-                    raise ValueError(f"stages.{name}.result.{key}: missing from a finished {name} stage")
         return self
 
 
@@ -104,6 +145,10 @@ class ConfigRecord(BaseModel):
     trainer: dict[StrictStr, Any] | None = None
     repos: list[dict[StrictStr, Any]] | None = None
 
+    def fields(self) -> dict[str, Any]:
+        """The config as the manifest holds it, for the fingerprint's comparisons."""
+        return _dump(self)
+
 
 class ManifestRecord(BaseModel):
     """manifest.json: every key a reader takes (the flow resuming a run, `report`, the server following it),
@@ -120,11 +165,8 @@ class ManifestRecord(BaseModel):
     created_at: StrictStr | None = None
     updated_at: StrictStr | None = None
 
-
-def check_manifest(data: Any, path: Path) -> dict[str, Any]:
-    """`data` when it is a run manifest (`ManifestRecord`); ManifestUnreadableError naming the file and the key."""
-    validate_as(data, ManifestRecord, str(path), "run manifest", ManifestUnreadableError, _UNREADABLE)
-    return data
+    def as_json(self) -> dict[str, Any]:
+        return _dump(self)
 
 
 def not_a_run(path: Path) -> str | None:
@@ -141,12 +183,11 @@ def not_a_run(path: Path) -> str | None:
     return None
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: Path) -> ManifestRecord:
     """A run's manifest.json, or ManifestUnreadableError naming the file, what is wrong (the key, for a manifest
     of the wrong shape) and what to do (a file cut short by a full disk or a copy, or edited by hand, is never
     overwritten). Refused from its size alone past `MAX_MANIFEST_BYTES`."""
-    return check_manifest(read_json_file(path, MAX_MANIFEST_BYTES, "run manifest", ManifestUnreadableError,
-                                         _UNREADABLE), path)
+    return read_model(path, ManifestRecord, MAX_MANIFEST_BYTES, "run manifest", ManifestUnreadableError, _UNREADABLE)
 
 
 _UNREADABLE = ("it was cut short or edited. Restore it from a copy, or move the run_dir aside to start the run "
@@ -169,6 +210,7 @@ def repo_key(index: int, name: str) -> str:
 
 
 TRAIN, FISHER, EVAL_UNTRAINED, MERGE = "train", "fisher", "eval-untrained", "merge"
+EVALUATE = "evaluate"  # the program of every `eval-...` stage
 
 
 def eval_stage(target_index: int, target_name: str) -> str:
@@ -190,62 +232,61 @@ def repo_stages(index: int, names: list[str], merged: bool = False) -> list[str]
     return [stage_name(index, name, stage) for stage in stages]
 
 
-def recorded_sequence(manifest: dict[str, Any]) -> list[RepoEntry]:
+def recorded_sequence(manifest: ManifestRecord) -> list[RepoEntry]:
     """The repositories a manifest has recorded, in their order (a version 1 manifest's have no digests)."""
-    repos = manifest.get("repos", {})
     out = []
-    for i, name in enumerate(manifest.get("order") or []):
-        repo = repos.get(repo_key(i, name), {})
-        out.append(RepoEntry(name, Path(repo.get("path", "")), repo.get("dataset")))
+    for i, name in enumerate(manifest.order or []):
+        repo = manifest.repos.get(repo_key(i, name)) or RepoRecord()
+        out.append(RepoEntry(name, Path(repo.path or ""), repo.dataset))
     return out
 
 
-def given_before(manifest: dict[str, Any]) -> list[str]:
+def given_before(manifest: ManifestRecord) -> list[str]:
     """The names in the order the run's config gave them (a version 1 manifest has them in its config)."""
-    if manifest.get("given") is not None:
-        return list(manifest["given"])
-    listed = manifest.get("config", {}).get("repos") or []
-    return [r.get("name") or Path(r.get("path", "")).name for r in listed if isinstance(r, dict)]
+    if manifest.given is not None:
+        return list(manifest.given)
+    listed = manifest.config.repos or []
+    return [r.get("name") or Path(r.get("path", "")).name for r in listed]
 
 
-def waiting_repositories(manifest: dict[str, Any]) -> list[str]:
+def waiting_repositories(manifest: ManifestRecord) -> list[str]:
     """The repositories of a manifest's sequence with a stage still to run (not finished, failed or interrupted)."""
-    names = list(manifest.get("order") or [])
-    merged = merges(((manifest.get("config") or {}).get("lifelong") or {}).get("dataset_strategy"))
+    names = list(manifest.order or [])
+    lifelong = manifest.config.lifelong
+    merged = lifelong is not None and merges(lifelong.dataset_strategy)
     return [names[i] for i in range(len(names))
             if any(finished_result(stage_entry(manifest, stage)) is None for stage in repo_stages(i, names, merged))]
 
 
-def stage_entry(manifest: dict[str, Any], stage: str) -> dict[str, Any] | None:
+def stage_entry(manifest: ManifestRecord, stage: str) -> StageRecord | None:
     key, _, name = stage.partition("/")
-    return manifest.get("repos", {}).get(key, {}).get("stages", {}).get(name)
+    repo = manifest.repos.get(key)
+    return repo.stages.get(name) if repo is not None else None
 
 
-def stage_result(manifest: dict[str, Any], index: int, name: str, stage: str) -> dict | None:
+def stage_result(manifest: ManifestRecord, index: int, name: str, stage: str) -> StageResult | None:
     """A finished stage's result from a manifest read from disk; None if it has not finished."""
     return finished_result(stage_entry(manifest, stage_name(index, name, stage)))
 
 
-def finished_result(entry: dict[str, Any] | None) -> dict | None:
+def finished_result(entry: StageRecord | None) -> StageResult | None:
     """What "finished" means, for the flow resuming a run and for a report read from disk alike."""
-    return entry["result"] if entry and entry.get("status") == "done" else None
+    return entry.result if entry is not None and entry.status == "done" else None
 
 
 INDEX_DIR = "index"  # run_dir/index/00-name: the premise index of the stage trained through that repository
 
 
-def stage_indexes(manifest: dict[str, Any]) -> list[tuple[int, str, str]]:
+def stage_indexes(manifest: ManifestRecord) -> list[tuple[int, str, str]]:
     """(position, repository, index folder) of every finished stage whose evaluation wrote a premise index, in
     the run's order: a stage is finished when its evaluations of every repository seen so far are done."""
-    names = list(manifest.get("order") or [])
+    names = list(manifest.order or [])
     out = []
     for i, name in enumerate(names):
         evaluations = [stage_result(manifest, i, name, eval_stage(j, names[j])) for j in range(i + 1)]
         if any(e is None for e in evaluations):
             continue
-        jobs = [e.get("job") for e in evaluations if isinstance(e, dict)]
-        folder = next((job["index"] for job in jobs if isinstance(job, dict) and isinstance(job.get("index"), str)),
-                      None)
+        folder = next((e.index for e in evaluations if isinstance(e, EvaluateResult) and e.index is not None), None)
         if folder is not None:
             out.append((i, name, folder))
     return out

@@ -32,6 +32,7 @@ from leanagent.data.merge import digests
 from leanagent.data.validate import validate_dataset
 from leanagent.ground.config import ConfigError, PipelineConfig, RepoConfig
 from leanagent.ground.job import JobInputError
+from leanagent.ground.results import ResultUnreadableError
 from leanagent.preflight.checks import PreflightError, preflight_run
 from leanagent.run.fingerprint import check_experiment
 from leanagent.run.manifest import (
@@ -47,8 +48,9 @@ from leanagent.run.manifest import (
 from leanagent.run.state import RunLockedError, RunStateWriteError, check_sequence
 
 # What a refused run raises, each with one message naming the file, key or repository (PreflightError is a
-# JobInputError): no traceback, nothing written.
-BAD_INPUT = (ConfigError, ManifestMismatchError, RunLockedError, JobInputError)
+# JobInputError; a finished job's result.json that is not one, a ResultUnreadableError): no traceback, nothing
+# written.
+BAD_INPUT = (ConfigError, ManifestMismatchError, RunLockedError, JobInputError, ResultUnreadableError)
 # What ends a run in one line though nothing was wrong with its input: the manifest could not be written.
 UNRECORDED = (RunStateWriteError,)
 INLINE = "a config given inline"  # where a config handed over as a value (the UI form, Python) came from
@@ -143,7 +145,8 @@ def plan_run(cfg: PipelineConfig, source: str = INLINE, free_bytes: int | None =
     recorded = recorded_sequence(manifest) if manifest is not None else []
     given_before_now = given_before(manifest) if manifest is not None else []
     waiting = waiting_repositories(manifest) if manifest is not None else []
-    given_by = {e.name: (manifest or {}).get("repos", {}).get(repo_key(i, e.name), {}).get("given_by")
+    records = manifest.repos if manifest is not None else {}
+    given_by = {e.name: record.given_by if (record := records.get(repo_key(i, e.name))) else None
                 for i, e in enumerate(recorded)}
     if manifest is not None:
         check_experiment(manifest_path, manifest, cfg)

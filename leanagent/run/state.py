@@ -21,20 +21,23 @@ from leanagent.ground.atomic import write_json_atomic
 from leanagent.ground.config import PipelineConfig
 from leanagent.ground.names import AUTO
 from leanagent.ground.pid_lock import LockHeld, PidLock
+from leanagent.ground.results import StageResult
 from leanagent.run.fingerprint import (
     DECIDED_BY_THE_RUN,
-    check_config,
+    continued,
     fields_fingerprint,
-    fingerprint_fields,
-    keep_decided,
     recorded_setting,
     set_setting,
 )
 from leanagent.run.manifest import (
     MANIFEST_NAME,
     MANIFEST_VERSION,
+    ConfigRecord,
     ManifestMismatchError,
+    ManifestRecord,
     RepoEntry,
+    RepoRecord,
+    StageRecord,
     finished_result,
     given_before,
     read_manifest,
@@ -83,41 +86,37 @@ class RunLock(PidLock):
 
 
 class RunState:
-    """The manifest of one run_dir. Open it while holding the RunLock; every change is written at once."""
+    """The manifest of one run_dir (`manifest`, a `ManifestRecord`). Open it while holding the RunLock; every change
+    is written at once."""
 
     def __init__(self, run_dir: Path, cfg: PipelineConfig) -> None:
+        """Open the run in `run_dir` for `cfg`: refused if its manifest records another experiment. `config` is the
+        config the run's jobs get (`continued`: what the run decided, such as its precision, where `cfg` says
+        auto)."""
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / MANIFEST_NAME
-        self._stored: str | None = None  # the manifest as read: `extend` writes only what differs from it
         stored = read_manifest(self.path) if self.path.is_file() else None
         given = given_before(stored) if stored is not None else []  # a version 1 manifest has it in its config
-        fields = fingerprint_fields(cfg)
-        if stored is not None:
-            self.data: dict[str, Any] = stored
-            self._stored = json.dumps(self.data, sort_keys=True)
-            check_config(self.path, self.data, fields)
-            self.data["given"] = given
-            # Only knobs added since, at their defaults (or none): the same experiment, in today's terms; what the
-            # run decided (its precision) where the config says auto.
-            fields = keep_decided(self.data.get("config") or {}, fields)
-            self.data["fingerprint"], self.data["config"] = fields_fingerprint(fields), fields
-        else:
-            self.data = {"version": MANIFEST_VERSION, "fingerprint": fields_fingerprint(fields), "config": fields,
-                         "order": None, "repos": {}, "created_at": _now()}
+        # Only knobs added since, at their defaults (or none): the same experiment, in today's terms.
+        fields, self.config = continued(self.path, stored.config.fields() if stored is not None else None, cfg)
+        self.manifest = stored or ManifestRecord(version=MANIFEST_VERSION, order=None, repos={}, created_at=_now())
+        # The manifest as read: `extend` writes only what differs from it.
+        self._stored: str | None = self._text() if stored is not None else None
+        self.manifest.given = given
+        self._set_config(fields)
 
-    def decided(self, cfg: PipelineConfig) -> PipelineConfig:
-        """`cfg` as this run continues it, the config its jobs get: each setting the run decided (DECIDED_BY_THE_RUN:
-        the precision its first job ran under `trainer.precision: auto`) at the recorded value where `cfg` says
-        auto, so that a run goes on in its precision on a CPU that would resolve auto otherwise."""
-        data = cfg.model_dump(mode="json")
-        kept = keep_decided(self.data["config"], data)
-        return cfg if kept == data else PipelineConfig.model_validate(kept)
+    def _set_config(self, fields: dict[str, Any]) -> None:
+        self.manifest.config = ConfigRecord.model_validate(fields)
+        self.manifest.fingerprint = fields_fingerprint(fields)
+
+    def _text(self) -> str:
+        return json.dumps(self.manifest.as_json(), sort_keys=True)
 
     def extend(self, ordered: list[RepoEntry], given: list[RepoEntry], given_by: str | None = None) -> None:
         """Record the run's sequence: the recorded repositories (checked against `given` again, under the lock),
         then the new ones of `ordered`, each with the config that gave it (`given_by`, its file). The manifest is
         written only when something changed; a config the run is ahead of changes nothing."""
-        recorded = check_sequence(self.path, recorded_sequence(self.data), self.data.get("given") or [], given)
+        recorded = check_sequence(self.path, recorded_sequence(self.manifest), self.manifest.given or [], given)
         beyond = ahead_of(recorded, given)
         if beyond:
             if [e.name for e in ordered] != [e.name for e in recorded[: len(recorded) - len(beyond)]]:
@@ -129,66 +128,65 @@ class RunState:
                 f"{self.path}: another run recorded the repositories {[e.name for e in recorded]} while this one was "
                 f"being checked (it ordered {[e.name for e in ordered]}); nothing was written: run it again")
         for i, entry in enumerate(ordered):
-            repo = self.data["repos"].setdefault(repo_key(i, entry.name), {"index": i, "name": entry.name,
-                                                                           "given_by": given_by, "stages": {}})
-            repo["path"] = str(entry.path)  # a folder moved with its data unchanged is the same repository
+            repo = self.manifest.repos.setdefault(repo_key(i, entry.name), RepoRecord(
+                index=i, name=entry.name, given_by=given_by, stages={}))
+            repo.path = str(entry.path)  # a folder moved with its data unchanged is the same repository
             if entry.dataset is not None:
-                repo["dataset"] = dict(entry.dataset)
-        self.data["order"] = [e.name for e in ordered]
-        self.data["given"] = [e.name for e in given]
-        if json.dumps(self.data, sort_keys=True) != self._stored:
+                repo.dataset = dict(entry.dataset)
+        self.manifest.order = [e.name for e in ordered]
+        self.manifest.given = [e.name for e in given]
+        if self._text() != self._stored:
             self._write()
 
     def waiting(self) -> list[str]:
         """The repositories of the recorded sequence with a stage still to run."""
-        return waiting_repositories(self.data)
+        return waiting_repositories(self.manifest)
 
-    def _stage(self, name: str) -> dict[str, Any] | None:
-        return stage_entry(self.data, name)
-
-    def stage_done(self, name: str) -> dict | None:
+    def stage_done(self, name: str) -> StageResult | None:
         """The result of a finished stage, or None when it still has to run."""
-        return finished_result(self._stage(name))
+        return finished_result(stage_entry(self.manifest, name))
 
     def start(self, name: str) -> None:
-        self._set(name, {"status": "running", "started_at": _now()})
+        self._update(name, fresh=True, status="running", started_at=_now())
 
-    def record(self, name: str, result: dict) -> None:
+    def record(self, name: str, result: StageResult) -> None:
         """The stage is done with `result`; the first result of a run whose config says `auto` for a setting the run
         decides (DECIDED_BY_THE_RUN) records what that job ran as the run's value."""
         for dotted, key in DECIDED_BY_THE_RUN.items():
-            if recorded_setting(self.data["config"], dotted) == AUTO and isinstance(result.get(key), str):
-                set_setting(self.data["config"], dotted, result[key])
-                self.data["fingerprint"] = fields_fingerprint(self.data["config"])
-        entry = self._stage(name) or {}
-        self._set(name, {**entry, "status": "done", "result": result, "finished_at": _now()})
+            config, value = self.manifest.config.fields(), getattr(result, key, None)
+            if recorded_setting(config, dotted) == AUTO and isinstance(value, str):
+                set_setting(config, dotted, value)
+                self._set_config(config)
+        self._update(name, status="done", result=result, finished_at=_now())
 
     def fail(self, name: str, error: str) -> None:
-        entry = self._stage(name) or {}
-        self._set(name, {**entry, "status": "failed", "error": error, "failed_at": _now()})
+        self._update(name, status="failed", error=error, failed_at=_now())
 
     def interrupt(self, name: str, reason: str) -> None:
         """The stage was stopped from outside (Ctrl-C, SIGTERM, a cancelled flow run): not done, it reruns."""
-        entry = self._stage(name) or {}
-        self._set(name, {**entry, "status": "interrupted", "reason": reason, "interrupted_at": _now()})
+        self._update(name, status="interrupted", reason=reason, interrupted_at=_now())
 
-    def _set(self, name: str, entry: dict[str, Any]) -> None:
+    def _update(self, name: str, fresh: bool = False, **changes: Any) -> None:
+        """The stage `name`'s record becomes its current one with `changes` (a new one, when `fresh`); written at
+        once."""
         key, _, stage = name.partition("/")
-        if key not in self.data["repos"] or not stage:
-            raise KeyError(f"{name}: not a stage of this run (known repositories: {list(self.data['repos'])})")
-        self.data["repos"][key]["stages"][stage] = entry
+        if key not in self.manifest.repos or not stage:
+            raise KeyError(f"{name}: not a stage of this run (known repositories: {list(self.manifest.repos)})")
+        stages = self.manifest.repos[key].stages
+        entry = None if fresh else stages.get(stage)
+        stages[stage] = entry.model_copy(update=changes) if entry is not None else StageRecord(**changes)
         self._write()
 
     def _write(self) -> None:
-        self.data["version"] = MANIFEST_VERSION
-        self.data["updated_at"] = _now()
+        self.manifest.version = MANIFEST_VERSION
+        self.manifest.updated_at = _now()
         try:
-            write_json_atomic(self.path, self.data)
+            write_json_atomic(self.path, self.manifest.as_json())
         except OSError as exc:  # the atomic write leaves the manifest as it was
             raise RunStateWriteError(f"{self.path}: could not be written ({exc.strerror or exc}); free space on its "
                                      f"disk (or make its folder writable) and rerun the same command: what the "
                                      f"manifest holds is kept, and an unrecorded stage runs again") from None
-        self._stored = json.dumps(self.data, sort_keys=True)
+        self._stored = self._text()
 
 
 def check_sequence(path: Path, recorded: list[RepoEntry], old_given: list[str], given: list[RepoEntry]

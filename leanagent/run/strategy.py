@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from leanagent.data.errors import DatasetError
 from leanagent.data.merge import MERGE_FILE, dataset_files, digests, merge_datasets
@@ -31,7 +30,8 @@ from leanagent.data.strategies import DATASET_STRATEGIES
 from leanagent.data.validate import validate_dataset
 from leanagent.ground.atomic import format_bytes
 from leanagent.ground.config import PipelineConfig
-from leanagent.ground.json_files import MIB, read_json_file
+from leanagent.ground.json_files import MIB, read_json_file, validate_as
+from leanagent.ground.results import MergeResult, ReplayDraw
 from leanagent.preflight.checks import PreflightError, free_space
 from leanagent.run.manifest import MERGE, ManifestMismatchError, repo_key, stage_name
 from leanagent.run.state import RunState
@@ -55,7 +55,7 @@ def training_datasets(cfg: PipelineConfig, names: Sequence[str], paths: Sequence
     sources = [[Path(paths[j]) for j, _ in stage] for stage in parts]
     stages = [stage_name(i, name, MERGE) for i, name in enumerate(names)]
     outs = [cfg.run_dir / MERGED_DIR / repo_key(i, name) for i, name in enumerate(names)]
-    done = [state.stage_done(stage) for stage in stages]
+    done = [_recorded(state, stage) for stage in stages]
     pending = [i for i, out in enumerate(outs) if done[i] is None and not out.exists()]
     free = free_space(cfg.run_dir / MERGED_DIR)
     files = dataset_files(split)
@@ -72,52 +72,62 @@ def training_datasets(cfg: PipelineConfig, names: Sequence[str], paths: Sequence
     draws = [[None if share is None else Draw(share, replay_key(cfg.trainer.seed, i, read[Path(paths[i])],
                                                                 read[Path(paths[j])]))
               for j, share in stage] for i, stage in enumerate(parts)]
-    kept = [Path(d["dataset"]) if d is not None else out if out.exists() else None
+    kept = [Path(d.dataset) if d is not None else out if out.exists() else None
             for d, out in zip(done, outs, strict=True)]
     written = [digests(k, split) if k is not None else None for k in kept]
-    found = [read_json_file(k / MERGE_FILE, MIB, "merge record", PreflightError)
-             if d is None and k is not None and (k / MERGE_FILE).is_file() else None
+    found = [_merge_record(k) if d is None and k is not None and (k / MERGE_FILE).is_file() else None
              for d, k in zip(done, kept, strict=True)]
     for i, (d, k) in enumerate(zip(done, kept, strict=True)):
         if d is not None:  # recorded: reused only if what it read and what it wrote are as they were
             _refuse_if_changed(state.path, stages[i], d, inputs[i], written[i], files)
-        elif k is not None and (not found[i] or found[i].get("inputs") != inputs[i]
-                                or found[i].get("outputs") != written[i]
-                                or _draws_of(found[i]) != _draws_of(_planned(sources[i], draws[i]))):
+        elif k is not None and (not found[i] or found[i].inputs != inputs[i] or found[i].outputs != written[i]
+                                or _draws_of(found[i]) != _planned(sources[i], draws[i])):
             raise PreflightError(f"{k}: exists but is not a merge of {[str(p) for p in sources[i]]} that this run "
                                  f"wrote; move it away to have it rebuilt (nothing was changed)")
     return [_merged(state, stages[i], sources[i], draws[i], outs[i], split, done[i], found[i], log)
             for i in range(len(names))]
 
 
-def _planned(sources: list[Path], draws: list[Draw | None]) -> dict[str, Any]:
-    """What merge.json says of draws, for the draws this run makes (to compare with a merge found on disk)."""
-    return {"replay": {str(s): {"fraction": d.fraction, "key": d.key} for s, d in zip(sources, draws, strict=True)
-                       if d is not None}}
+def _planned(sources: list[Path], draws: list[Draw | None]) -> dict[str, tuple[float, str]]:
+    """{source: (fraction, key)} of the draws this run makes (to compare with a merge found on disk)."""
+    return {str(s): (d.fraction, d.key) for s, d in zip(sources, draws, strict=True) if d is not None}
 
 
-def _draws_of(info: dict[str, Any]) -> Any:
-    """{source: (fraction, key)} of a merge's draws ({} for merge_all's); anything else as it is (no match)."""
-    replay = info.get("replay", {})
-    if not isinstance(replay, dict) or not all(isinstance(d, dict) for d in replay.values()):
-        return replay
-    return {s: (d.get("fraction"), d.get("key")) for s, d in replay.items()}
+def _draws_of(info: MergeResult) -> dict[str, tuple[float, str]]:
+    """{source: (fraction, key)} of a merge's draws ({} for merge_all's)."""
+    return {s: (d.fraction, d.key) for s, d in info.replay.items()}
 
 
-def _recorded(info: dict[str, Any], out: Path) -> dict[str, Any]:
+def _without_positions(info: MergeResult) -> MergeResult:
     """A merge's record in the manifest: merge.json's, less the positions drawn (merge.json keeps them; the
-    output's digests pin them), plus where the dataset is."""
-    replay = {s: {k: v for k, v in d.items() if k != "positions"} for s, d in (info.get("replay") or {}).items()}
-    return {**info, **({"replay": replay} if replay else {}), "dataset": str(out)}
+    output's digests pin them)."""
+    if not info.replay:
+        return info
+    return info.model_copy(update={"replay": {s: ReplayDraw(fraction=d.fraction, key=d.key, of=d.of, kept=d.kept)
+                                              for s, d in info.replay.items()}})
+
+
+def _recorded(state: RunState, stage: str) -> MergeResult | None:
+    """A merge stage's record (the manifest holds a merge's result under a merge stage's name, or refuses to load)."""
+    done = state.stage_done(stage)
+    return done if isinstance(done, MergeResult) else None
+
+
+def _merge_record(folder: Path) -> MergeResult:
+    """The `merge.json` a merge wrote into its folder, as the merge stage records it."""
+    data = read_json_file(folder / MERGE_FILE, MIB, "merge record", PreflightError)
+    if isinstance(data, dict):
+        data = {**data, "program": MERGE, "dataset": str(folder)}
+    return validate_as(data, MergeResult, str(folder / MERGE_FILE), "merge record", PreflightError)
 
 
 def _merged(state: RunState, stage: str, sources: list[Path], draws: list[Draw | None], out: Path, split: str,
-            done: dict[str, Any] | None, found: dict[str, Any] | None, log: Callable[[str], None]) -> Path:
+            done: MergeResult | None, found: MergeResult | None, log: Callable[[str], None]) -> Path:
     """The merged dataset of one stage: reused when recorded, taken when written just before a crash (both checked
     already), else written now; validated and recorded in either of the last two cases."""
     if done is not None:
-        log(f"{stage}: merged dataset {done['dataset']} ({_summary(done)}) recorded in an earlier run; reused")
-        return Path(done["dataset"])
+        log(f"{stage}: merged dataset {done.dataset} ({_summary(done)}) recorded in an earlier run; reused")
+        return Path(done.dataset)
     info = found
     if info is not None:
         log(f"{stage}: merged dataset {out} found complete, not yet recorded; taken")
@@ -125,7 +135,8 @@ def _merged(state: RunState, stage: str, sources: list[Path], draws: list[Draw |
         state.start(stage)
     problems: list = []
     try:
-        info = info or merge_datasets(sources, out, split, draws)
+        info = info or MergeResult.model_validate({**merge_datasets(sources, out, split, draws), "program": MERGE,
+                                                   "dataset": str(out)})
         problems = validate_dataset(out, split)
     except (DatasetError, OSError) as exc:
         failure, refusal = f"{type(exc).__name__}: {exc}", [f"{stage}: merging {len(sources)} repositories into "
@@ -141,14 +152,14 @@ def _merged(state: RunState, stage: str, sources: list[Path], draws: list[Draw |
     if failure is not None:
         state.fail(stage, failure)
         raise PreflightError(refusal)
-    state.record(stage, _recorded(info, out))
+    state.record(stage, _without_positions(info))
     return out
 
 
-def _refuse_if_changed(manifest: Path, stage: str, done: dict[str, Any], inputs: dict[str, dict[str, str]],
+def _refuse_if_changed(manifest: Path, stage: str, done: MergeResult, inputs: dict[str, dict[str, str]],
                        written: dict[str, str] | None, files: list[str]) -> None:
     """A recorded merge is reused only if what it read and what it wrote are as they were."""
-    recorded = done.get("inputs", {})
+    recorded = done.inputs
     for source in sorted(recorded.keys() | inputs.keys()):
         before, now = recorded.get(source, {}), inputs.get(source, {})
         for name in files:
@@ -157,24 +168,23 @@ def _refuse_if_changed(manifest: Path, stage: str, done: dict[str, Any], inputs:
                     f"{manifest}: {stage} merged {Path(source) / name} (sha256 {_short(before.get(name))}), which "
                     f"is now sha256 {_short(now.get(name))}; resuming would train later repositories on other data. "
                     f"Restore it or choose another run_dir.")
-    for name, digest in done.get("outputs", {}).items():
+    for name, digest in done.outputs.items():
         if (written or {}).get(name) != digest:
             raise ManifestMismatchError(
-                f"{manifest}: {stage}'s merged dataset {Path(done['dataset']) / name} changed since it was written "
+                f"{manifest}: {stage}'s merged dataset {Path(done.dataset) / name} changed since it was written "
                 f"(sha256 {_short(digest)}, now {_short((written or {}).get(name))}); restore it or choose another "
                 f"run_dir.")
 
 
-def _summary(info: dict[str, Any]) -> str:
-    t = info.get("theorems", {})
-    text = (f"{info.get('files')} files, {t.get('train')}/{t.get('val')}/{t.get('test')} train/val/test theorems, "
-            f"{info.get('duplicate_theorems')} duplicate theorem(s) dropped")
-    if info.get("corpus_conflicts"):
-        text += f", {info['corpus_conflicts']} path(s) whose later copies differ (first kept)"
-    replay = info.get("replay") or {}
-    if replay:
+def _summary(info: MergeResult) -> str:
+    t = info.theorems or {}
+    text = (f"{info.files} files, {t.get('train')}/{t.get('val')}/{t.get('test')} train/val/test theorems, "
+            f"{info.duplicate_theorems} duplicate theorem(s) dropped")
+    if info.corpus_conflicts:
+        text += f", {info.corpus_conflicts} path(s) whose later copies differ (first kept)"
+    if info.replay:
         text += ", training theorems replayed: " + ", ".join(
-            f"{d.get('kept')}/{d.get('of')} of {Path(s).name}" for s, d in replay.items() if isinstance(d, dict))
+            f"{d.kept}/{d.of} of {Path(s).name}" for s, d in info.replay.items())
     return text
 
 

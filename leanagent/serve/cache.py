@@ -2,9 +2,10 @@
 
 Bounded in bytes as they are, not as estimated: a text is kept by its digest (16 bytes), never whole (a declaration
 may be 100 kB), and the rows live in a few preallocated blocks (`CHUNKS` of them at most), not one tensor each. A
-tensor per row cost 8.6-18.9 kB for a 1,472-wide row of 5.9 kB (its object, its storage, the allocator's
-rounding), so `--cache-mb 8` held 2.2-3.1 times its budget. Here `bytes` is the blocks' own size plus a measured
-186 bytes per entry (its digest, its slot number, the ordered dict's node), and stays within `capacity_bytes`.
+tensor per row costs several times the row's own bytes (its object, its storage, the allocator's rounding), so a
+budget counted in rows held several times its size (figures: docs/measurements.md). Here `bytes` is the blocks' own
+size plus `ENTRY_OVERHEAD` per entry (its digest, its slot number, the ordered dict's node), and stays within
+`capacity_bytes`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-ENTRY_OVERHEAD = 200  # bytes of one entry's digest, slot number and dict node (measured with tracemalloc: 186)
+ENTRY_OVERHEAD = 200  # bytes of one entry's digest, slot number and dict node, rounded up from tracemalloc's count
 CHUNKS = 16  # the rows' blocks: allocated one at a time as the cache fills, so an idle cache costs nothing
 
 

@@ -92,7 +92,8 @@ def count_values(text: str, limits: ServeLimits) -> int:
         return bound
     # At least this many: every string is a value or a key (a key's member is a value), so the values are at least
     # a quarter of the quotes that are not escaped. Refuses a body of millions of names without taking it apart
-    # (one regex pass over 16 MB holds the interpreter's lock for half a second, and /health waits for it).
+    # (one regex pass over a body at its cap holds the interpreter's lock for a large part of a second, and /health
+    # waits for it).
     if (text.count('"') - text.count('\\"')) // 4 <= limit:
         bare = _STRING.sub('""', text)
         bound = bare.count(",") + bare.count("[") + bare.count("{") + 1
@@ -135,7 +136,7 @@ def _is_new_premise(entry: Any) -> bool:
 def check_lists(payload: dict[str, Any], limits: ServeLimits) -> None:
     """The list fields before the model sees them: their sizes against the limits, then their entries, one error
     per field with a short sample of the bad entries (validating a list of a million wrong entries one by one
-    built a million errors: 2.5 GB)."""
+    built a million errors: gigabytes, docs/measurements.md)."""
     problems = []
     positions = 0
     for field in POSITION_FIELDS:

@@ -220,7 +220,7 @@ class PremiseServer:
 
     def health(self) -> dict[str, Any]:
         """What GET /health says: the stage and model served, sizes and counts; no path of this machine's."""
-        model = model_identity.digest(self.index.meta.get("model_identity"))
+        model = model_identity.digest(self.index.meta.identity())
         return {"status": "ok", "stage": self.stage.name if self.stage else None,
                 "stage_number": self.stage.position + 1 if self.stage else None,
                 "model": {"sha256": model}, "premises": len(self.premise_names), "modules": len(self.module_names),

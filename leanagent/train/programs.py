@@ -1,7 +1,7 @@
 """The programs that run inside each DDP rank: train, fisher, evaluate (`python -m leanagent.train.programs`).
 
 Started by torchrun (a launcher in `leanagent/launch/`), never imported by a launcher. The entry point reads its
-`JobRequest` back from the command line and runs the function its `ProgramSpec` names. Each creates
+`JobRequest` back from the command line and runs its program's function (`RUNNERS`). Each creates
 the process group first so that the seed's barriers (before loading data, before and after fit)
 really synchronize, and rank 0 writes `JOB_DIR/result.json` atomically at the end, with where the job's
 time went (`timings`, `leanagent.ground.timings`), the premises it embedded and its peak memory.
@@ -9,7 +9,6 @@ time went (`timings`, `leanagent.ground.timings`), the premises it embedded and 
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 from collections.abc import Callable
@@ -25,10 +24,11 @@ from leanagent.data.datamodule import RetrievalDataModule, union_table
 from leanagent.data.errors import DatasetError
 from leanagent.ground import model_identity, supervision
 from leanagent.ground.atomic import write_json_atomic
-from leanagent.ground.config import PipelineConfig, load_config
+from leanagent.ground.config import PipelineConfig
 from leanagent.ground.exit_fast import freeze_for_exit
-from leanagent.ground.job import NEEDS_RESUME_FILE, IndexRequest, JobRequest, ProgramSpec, beat, result_filename
+from leanagent.ground.job import NEEDS_RESUME_FILE, JobRequest, beat, result_filename
 from leanagent.ground.ranks import global_rank, local_rank, node_rank
+from leanagent.ground.results import EvaluateResult, Evaluation, FisherResult, JobResult, Metrics, TrainResult
 from leanagent.ground.timings import JobClock, peak_rss_mb
 from leanagent.index.files import read_names
 from leanagent.index.stage import StageIndex
@@ -58,8 +58,10 @@ def make_datamodule(cfg: PipelineConfig, dataset: Path, model: PremiseRetriever)
 
 # ---- train ----------------------------------------------------------------------------------
 
-def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path | None,
-              fisher: Path | None, clock: JobClock | None = None) -> dict:
+def run_train(job: JobRequest, clock: JobClock | None = None) -> TrainResult:
+    """Train on the job's dataset from its checkpoint (the base model without one), EWC-anchored by its Fisher when
+    `lifelong.ewc_lambda > 0`; a retry of the job resumes from its newest readable checkpoint."""
+    cfg, dataset, job_dir, checkpoint, fisher = job.config, job.datasets[0], job.out, job.checkpoint, job.fisher
     clock = clock or JobClock()
     plan = plan_training(job_dir, checkpoint, cfg.lifelong.epochs_per_repo)
     if plan.unreadable and global_rank() == 0:
@@ -111,31 +113,32 @@ def run_train(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pat
     # Real tokens over tokens processed (padding included) in this job's training steps; rank 0's, as loss_train.
     tokens = model.token_count_since(plan.start_epochs)
     metrics["train_token_efficiency"] = tokens.efficiency if tokens.processed else None
-    return {
+    return TrainResult(
+        program="train",
         # What the next repository starts from and what is evaluated: LeanAgent takes the newest.
-        "checkpoint": chosen,
-        "best_checkpoint": ckpt.best_model_path,
-        "latest_checkpoint": latest,
-        "last_checkpoint": ckpt.last_model_path,
-        "epoch": trainer.current_epoch,
-        "global_step": trainer.global_step,
-        "world_size": trainer.world_size,
-        "target_epochs": plan.target_epochs,
-        "start_epochs": plan.start_epochs,  # epochs the start checkpoint had trained (ours or a reference's)
-        "resumed_from": plan.resume_from,
+        checkpoint=chosen,
+        best_checkpoint=ckpt.best_model_path,
+        latest_checkpoint=latest,
+        last_checkpoint=ckpt.last_model_path,
+        epoch=trainer.current_epoch,
+        global_step=trainer.global_step,
+        world_size=trainer.world_size,
+        target_epochs=plan.target_epochs,
+        start_epochs=plan.start_epochs,  # epochs the start checkpoint had trained (ours or a reference's)
+        resumed_from=plan.resume_from,
         # The optimizer step training (re)started at: 0 from the base model, the step of resumed_from otherwise.
-        "start_global_step": next((cb.start_global_step for cb in trainer.callbacks
-                                   if hasattr(cb, "start_global_step")), 0),
-        "unreadable_checkpoints": list(plan.unreadable),
-        "dataset": str(dataset),
-        "ewc": bool(fisher is not None and cfg.lifelong.ewc_lambda > 0),
-        "metrics": metrics,
+        start_global_step=next((cb.start_global_step for cb in trainer.callbacks
+                                if hasattr(cb, "start_global_step")), 0),
+        unreadable_checkpoints=list(plan.unreadable),
+        dataset=str(dataset),
+        ewc=bool(fisher is not None and cfg.lifelong.ewc_lambda > 0),
+        metrics=Metrics.model_validate(metrics),
         **model.compile_status(),
-        "history": history,
-        "num_train_examples": len(datamodule.train_examples),
-        "fit_seconds": fit_seconds,
-        "first_train_batch_time": heartbeat.first_train_batch_time,
-    }
+        history=history,
+        num_train_examples=len(datamodule.train_examples),
+        fit_seconds=fit_seconds,
+        first_train_batch_time=heartbeat.first_train_batch_time,
+    )
 
 
 def latest_epoch_checkpoint(callback) -> str:
@@ -148,10 +151,10 @@ def latest_epoch_checkpoint(callback) -> str:
 
 # ---- fisher ---------------------------------------------------------------------------------
 
-def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Path,
-               clock: JobClock | None = None) -> dict:
-    """`lifelong.fisher_estimator` (`leanagent.model.fisher.registry`): per_example (the empirical Fisher) or
-    reference (LeanAgent's compute_fisher), each fitted on its own loader."""
+def run_fisher(job: JobRequest, clock: JobClock | None = None) -> FisherResult:
+    """The job's checkpoint's Fisher on its dataset, by `lifelong.fisher_estimator` (`leanagent.model.fisher.registry`):
+    per_example (the empirical Fisher) or reference (LeanAgent's compute_fisher), each fitted on its own loader."""
+    cfg, dataset, job_dir, checkpoint = job.config, job.datasets[0], job.out, job.checkpoint
     clock = clock or JobClock()
     estimator = fisher_estimator(cfg.lifelong.fisher_estimator)
     model = load_retriever(cfg, checkpoint)
@@ -174,14 +177,13 @@ def run_fisher(cfg: PipelineConfig, dataset: Path, job_dir: Path, checkpoint: Pa
     if global_rank() == 0:
         with clock.part("checkpoints"):
             save_fisher(out, module.fisher, metadata)
-    return {"fisher": str(out), "fit_seconds": fit_seconds, **metadata}
+    return FisherResult(program="fisher", fisher=str(out), fit_seconds=fit_seconds, **metadata)
 
 
 # ---- evaluate -------------------------------------------------------------------------------
 
-def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, checkpoint: Path | None,
-                 clock: JobClock | None = None, index: IndexRequest | None = None) -> dict:
-    """Score one model on the test split of every dataset given, loading it once.
+def run_evaluate(job: JobRequest, clock: JobClock | None = None) -> EvaluateResult:
+    """Score one model (the job's checkpoint) on the test split of every dataset of the job, loading it once.
 
     The lifelong flow evaluates every repository seen so far after each one: one job (one torchrun
     start, one model load) per repository stage, not one per (model, dataset) pair. Without a
@@ -191,6 +193,7 @@ def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, check
     writes the premise index of its model over the union of the index's datasets (`StageIndex`): the premises it
     embedded for the tests are not embedded again, only the rest.
     """
+    cfg, datasets, job_dir, checkpoint, index = job.config, job.datasets, job.out, job.checkpoint, job.index_request()
     clock = clock or JobClock()
     model = load_retriever(cfg, checkpoint)
     model.clock = clock
@@ -219,9 +222,8 @@ def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, check
             model.evaluation.share(shared, k)
         trainer.strategy.barrier()
         trainer.test(model, datamodule=datamodule, verbose=False)
-        evaluations.append({"dataset": str(dataset), "metrics": model.eval_metrics})
-    result = {"evaluations": evaluations, "world_size": trainer.world_size,
-              "checkpoint": str(checkpoint) if checkpoint else cfg.model.name_or_path}
+        evaluations.append(Evaluation(dataset=str(dataset), metrics=Metrics.model_validate(model.eval_metrics)))
+    written = None
     if stage is not None:
         embedding = model.evaluation.kept_embedding(model)  # on every rank: the rows no test embedded, if any
         if global_rank() == 0:
@@ -232,32 +234,20 @@ def run_evaluate(cfg: PipelineConfig, datasets: list[Path], job_dir: Path, check
                         "max_seq_len": model.options.max_seq_len, "context_max_len": cfg.data.max_seq_len}
                 stage.write(index.out, embedding, kept, meta,
                             read_names(index.after) if index.after else None)
-        result["index"] = str(index.out)
+        written = str(index.out)
     model.evaluation.release()
     trainer.strategy.barrier()
-    if len(evaluations) == 1:
-        result.update(evaluations[0])
-    return result
+    result = EvaluateResult(program="evaluate", evaluations=evaluations, world_size=trainer.world_size,
+                            checkpoint=str(checkpoint) if checkpoint else cfg.model.name_or_path,
+                            **({"index": written} if written is not None else {}))
+    return result.one(0) if len(evaluations) == 1 else result
 
 
-# ---- the programs as PROGRAMS names them: a JobRequest in, what result.json says out -------------------------
-
-def train_job(cfg: PipelineConfig, job: JobRequest, clock: JobClock) -> dict:
-    return run_train(cfg, job.datasets[0], job.out, job.checkpoint, job.fisher, clock)
-
-
-def fisher_job(cfg: PipelineConfig, job: JobRequest, clock: JobClock) -> dict:
-    return run_fisher(cfg, job.datasets[0], job.out, job.checkpoint, clock)
-
-
-def evaluate_job(cfg: PipelineConfig, job: JobRequest, clock: JobClock) -> dict:
-    return run_evaluate(cfg, list(job.datasets), job.out, job.checkpoint, clock, job.index_request())
-
-
-def runner(spec: ProgramSpec) -> Callable[[PipelineConfig, JobRequest, JobClock], dict]:
-    """The function `spec.runner` names (`module:function`), imported here, inside the rank."""
-    module, _, name = spec.runner.partition(":")
-    return getattr(importlib.import_module(module), name)
+# The rank programs, one entry each: the function a rank runs for a program of `leanagent.ground.job.PROGRAMS` (its
+# spec: the command, the fields it takes, its result model). A program registered from outside the package adds its
+# spec there and its function here.
+Runner = Callable[[JobRequest, JobClock], JobResult]
+RUNNERS: dict[str, Runner] = {"train": run_train, "fisher": run_fisher, "evaluate": run_evaluate}
 
 
 # ---- entry point ----------------------------------------------------------------------------
@@ -287,8 +277,8 @@ def job_account(clock: JobClock) -> dict:
 def main(argv: list[str] | None = None) -> None:
     clock = JobClock()  # first: the job's time is counted from this process's start (`leanagent.ground.timings`)
     supervision.start()  # record this rank's pid; end it if the launcher or torchrun dies (supervision.py)
-    job = JobRequest.from_argv(argv)
-    cfg = load_config(job.config)
+    job = JobRequest.from_argv(argv)  # its config read from the file the launcher wrote
+    cfg = job.config
     clock.sync = device_sync(cfg)
     job_dir = job.out
     job_dir.mkdir(parents=True, exist_ok=True)
@@ -301,21 +291,23 @@ def main(argv: list[str] | None = None) -> None:
     cfg.trainer.precision = job_precision(cfg.trainer)  # `auto` resolved once, alike on every rank; in result.json
     pl.seed_everything(cfg.trainer.seed, workers=True)
     refusal = job.refusal()
+    if refusal is None and job.program not in RUNNERS:
+        refusal = f"{job.program}: no function runs it in this rank (leanagent.train.programs.RUNNERS)"
     if refusal is not None:
         raise SystemExit(refusal)
     try:
-        result = runner(job.spec)(cfg, job, clock)
+        result = RUNNERS[job.program](job, clock)
     except StopRequested as stopped:
         # Asked to stop before a time limit: the step checkpoint is written; a rerun resumes from it.
         if global_rank() == 0:
             write_json_atomic(job_dir / NEEDS_RESUME_FILE, {"checkpoint": str(stopped), "time": time.time()})
         shutdown_process_group()
         return
-    result.update(job_account(clock))
+    result = result.model_copy(update={"program": job.program, "precision": cfg.trainer.precision,
+                                       "out": str(job_dir), **job_account(clock)})
     if local_rank() == 0:
         node = 0 if global_rank() == 0 else node_rank()
-        write_json_atomic(job_dir / result_filename(node), {"program": job.program,
-                                                            "precision": cfg.trainer.precision, **result})
+        write_json_atomic(job_dir / result_filename(node), result.as_json())
     shutdown_process_group()
 
 
@@ -342,4 +334,8 @@ def run_main() -> None:
 
 
 if __name__ == "__main__":
-    run_main()
+    # `python -m` runs this file as `__main__`, a second copy of the module: run the module's own entry point, whose
+    # `RUNNERS` is the table a program registered from outside (on import, as a `sitecustomize` does) was added to.
+    from leanagent.train import programs
+
+    programs.run_main()

@@ -160,7 +160,7 @@ def _starts(procs: list[psutil.Process]) -> dict[int, float]:
 
 def test_a_stopped_rank_that_ignores_sigterm_is_killed_before_launch_returns(tmp_path, probe, leftovers):
     """SIGSTOP on rank 1 (as a rank stuck in a collective): the heartbeat watchdog ends the job, and the
-    stopped rank (in its own session, out of reach of torchrun's group) is gone when launch() returns."""
+    stopped rank (in its own session, out of reach of torchrun's group) is gone when supervise() returns."""
     out = tmp_path / "job"
 
     def stop_rank_1() -> None:
@@ -177,13 +177,13 @@ def test_a_stopped_rank_that_ignores_sigterm_is_killed_before_launch_returns(tmp
     started = time.monotonic()
     # timeout_s only guards the test against a hang; the heartbeat is what must end the job.
     with pytest.raises(LaunchError, match=r"no heartbeat for 10 s from rank1"):
-        LocalLauncher(CPU2, entry=[str(probe), "beat,ignore-term", str(out)]).launch(
+        LocalLauncher(CPU2, entry=[str(probe), "beat,ignore-term", str(out)]).supervise(
             [], out, heartbeat_timeout_s=10, grace_s=2, timeout_s=STARTUP_S + 60)
     returned = time.monotonic() - started
     stopper.join(timeout=5)
     procs = _rank_pids(out)
-    assert not _running(procs), f"ranks outlived launch(): {_running(procs)}"
-    print(f"\n[faults] stopped rank: launch() returned {returned:.1f} s after the start, no rank left")
+    assert not _running(procs), f"ranks outlived supervise(): {_running(procs)}"
+    print(f"\n[faults] stopped rank: supervise() returned {returned:.1f} s after the start, no rank left")
 
 
 def _pid_of_rank(out: Path, rank: int) -> int:
@@ -195,11 +195,11 @@ def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_not_orphaned(tmp_p
     the ranks behind: it SIGKILLs the ranks themselves after its own grace (2 s here)."""
     out = tmp_path / "job"
     with pytest.raises(LaunchError, match=r"no heartbeat for 20 s"):
-        LocalLauncher(CPU2, entry=[str(probe), "beat-once,ignore-term", str(out)]).launch(
+        LocalLauncher(CPU2, entry=[str(probe), "beat-once,ignore-term", str(out)]).supervise(
             [], out, heartbeat_timeout_s=20, grace_s=2, timeout_s=STARTUP_S + 60)
     procs = _rank_pids(out)
     leftovers.update(procs)
-    assert not _running(procs), f"ranks outlived launch(): {_running(procs)}"
+    assert not _running(procs), f"ranks outlived supervise(): {_running(procs)}"
 
 
 # --- the supervisor dies ----------------------------------------------------------------------------------
@@ -209,7 +209,7 @@ SUPERVISOR = (
     "from leanagent.ground.config import TrainerConfig; from leanagent.launch.local import LocalLauncher;"
     "out = Path(sys.argv[1]);"
     "LocalLauncher(TrainerConfig(accelerator='cpu', devices=2), entry=[sys.argv[2], sys.argv[3], str(out)])"
-    ".launch([], out)"
+    ".supervise([], out)"
 )
 
 

@@ -48,7 +48,7 @@ def test_failing_rank_is_named_with_its_last_lines(tmp_path):
     lines: list[str] = []
     started = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        LocalLauncher(CPU2, entry=_probe("fail", tmp_path)).launch([], tmp_path, on_line=lines.append)
+        LocalLauncher(CPU2, entry=_probe("fail", tmp_path)).supervise([], tmp_path, on_line=lines.append)
     err = info.value
     assert err.failing_rank == 1
     assert "rank 1" in str(err) and "boom on rank 1" in str(err) and "the data on this rank is bad" in str(err)
@@ -60,14 +60,15 @@ def test_failing_rank_is_named_with_its_last_lines(tmp_path):
 def test_deadline_ends_the_whole_process_group(tmp_path):
     # 30 s: torchrun and both ranks must have started before the deadline, even on a loaded machine.
     with pytest.raises(LaunchError, match="deadline of 30 s"):
-        LocalLauncher(CPU2, entry=_probe("hang", tmp_path)).launch([], tmp_path, timeout_s=30, grace_s=2)
+        LocalLauncher(CPU2, entry=_probe("hang", tmp_path)).supervise([], tmp_path, timeout_s=30, grace_s=2)
     assert len(list(tmp_path.glob("pid*"))) == 2
     _assert_all_gone(tmp_path)
 
 
 def test_stale_heartbeat_ends_the_job(tmp_path):
     with pytest.raises(LaunchError, match="no heartbeat for 2 s from rank"):
-        LocalLauncher(CPU2, entry=_probe("stale", tmp_path)).launch([], tmp_path, heartbeat_timeout_s=2, grace_s=2)
+        LocalLauncher(CPU2, entry=_probe("stale", tmp_path)).supervise([], tmp_path, heartbeat_timeout_s=2,
+                                                                       grace_s=2)
     _assert_all_gone(tmp_path)
 
 
@@ -77,8 +78,9 @@ def test_heartbeats_of_an_earlier_attempt_do_not_count(tmp_path):
     old.parent.mkdir()
     old.write_text("{}")
     os.utime(old, (time.time() - 3600, time.time() - 3600))
-    outcome = LocalLauncher(CPU2, entry=_probe("ok", tmp_path)).launch([], tmp_path, heartbeat_timeout_s=30, grace_s=2)
-    assert outcome == {"ok": True}
+    written = LocalLauncher(CPU2, entry=_probe("ok", tmp_path)).supervise([], tmp_path, heartbeat_timeout_s=30,
+                                                                          grace_s=2)
+    assert json.loads(written.read_text()) == {"ok": True}
 
 
 def test_interrupt_of_the_supervisor_ends_the_job(tmp_path):
@@ -88,7 +90,7 @@ def test_interrupt_of_the_supervisor_ends_the_job(tmp_path):
         "from leanagent.ground.config import TrainerConfig; from leanagent.launch.local import LocalLauncher;"
         "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143));"
         f"LocalLauncher(TrainerConfig(accelerator='cpu', devices=2), entry=[{str(SCRIPTS / 'fail_probe.py')!r}, 'hang',"
-        f" {str(tmp_path)!r}]).launch([], Path({str(tmp_path)!r}), grace_s=2)"
+        f" {str(tmp_path)!r}]).supervise([], Path({str(tmp_path)!r}), grace_s=2)"
     )
     sup = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180

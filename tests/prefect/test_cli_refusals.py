@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from leanagent.flows.lifelong import REFUSED, lifelong_retrieval
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.sorting import FlowRunSort
 from prefect.settings import PREFECT_API_URL
 
+from leanagent.flows.lifelong import REFUSED, lifelong_retrieval
 from leanagent.run.state import RunLock
 
 pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect_harness")]

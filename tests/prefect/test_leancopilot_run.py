@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from leanagent.data.theorems import load_states, strip_goal_count
-from leanagent.ground.atomic import read_json
 from leanagent.index.query import PremiseIndex
 from leanagent.serve import resolve_source
-from tests.conftest import DemoAssets, FinishedRun
+from tests.conftest import DemoAssets, FinishedRun, read_json
 from tests.leancopilot_standin import PREMISES_FOLDER, SPECIAL_STATES, LeanCopilot
 from tests.unit.test_leancopilot_export import REPO_ROOT
 

@@ -23,12 +23,11 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
 from leanagent.flows.artifacts import SUMMARY_KEY, TABLE_KEY
 from leanagent.flows.lifelong import lifelong_retrieval
-
-from leanagent.ground.atomic import read_json
 from leanagent.run.manifest import ManifestMismatchError
-from tests.conftest import FinishedRun, file_times
+from tests.conftest import FinishedRun, file_times, read_json
 from tests.prefect.prefect_api import flow_run_artifacts, wait_for_logs
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]
@@ -190,8 +189,9 @@ def test_leanagent_run_with_nothing_new_answers_without_prefect(continued, tmp_p
 
 
 def _deployment_run(parameters: dict, name: str) -> subprocess.CompletedProcess:
-    """A run of a deployment of the flow, as a worker (or `deployments/serve.py`) runs it: `python -m prefect.engine`
-    in its own process, on the session's Prefect server. What it prints is what the worker's console shows."""
+    """A run of a deployment of the flow, as a worker (or `leanagent.deployments.serve`) runs it: `python -m
+    prefect.engine` in its own process, on the session's Prefect server. What it prints is what the worker's console
+    shows."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
 

@@ -23,11 +23,11 @@ import math
 from pathlib import Path
 
 import pytest
-from leanagent.tasks.data import order_curriculum
 from prefect import flow
 
 from leanagent.cli import build_parser
 from leanagent.ground.config import RepoConfig
+from leanagent.tasks.data import order_curriculum
 from tests.prefect.prefect_api import wait_for_logs
 
 pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect_harness")]

@@ -13,17 +13,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from leanagent.flows.artifacts import PROGRESS_KEY, SUMMARY_KEY, TABLE_KEY
-from leanagent.flows.lifelong import lifelong_retrieval
 
 from leanagent.data.corpus import Corpus
-from leanagent.ground.atomic import read_json
+from leanagent.flows.artifacts import PROGRESS_KEY, SUMMARY_KEY, TABLE_KEY
+from leanagent.flows.lifelong import lifelong_retrieval
 from leanagent.index.files import read_names
 from leanagent.index.query import PremiseIndex
 from leanagent.model.dtypes import resolve_precision
 from leanagent.report import RunReport, run_setup
-from leanagent.run.manifest import ManifestMismatchError, stage_indexes
-from tests.conftest import FinishedRun, file_times
+from leanagent.run.manifest import ManifestMismatchError, read_manifest, stage_indexes
+from tests.conftest import FinishedRun, file_times, read_json
 from tests.prefect.prefect_api import flow_run_artifacts, wait_for_logs
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]
@@ -86,7 +85,7 @@ def test_three_repositories_train_fisher_and_evaluate(run3: FinishedRun) -> None
 
 def test_report_command_rebuilds_the_run_report_from_the_manifest(run3: FinishedRun) -> None:
     summary = run3.summary
-    setup = run_setup(read_json(Path(summary["manifest"]))["config"])
+    setup = run_setup(read_manifest(Path(summary["manifest"])).config)
     assert setup == f"single, curriculum, EWC 0.1, precision {resolve_precision('auto', 'cpu')}"
     expected = RunReport(summary["order"], summary["rows"], summary["matrix"], summary["baseline"],
                          setup=setup).text()
@@ -221,7 +220,7 @@ def test_the_last_evaluation_embeds_each_shared_premise_once_and_scores_as_each_
 def test_each_stage_keeps_the_index_a_server_answers_from(run3: FinishedRun) -> None:
     """Each stage's evaluation writes its model's premise index over every repository seen so far, from the
     embeddings it computed for its tests and the rest once; the lists of each extend the previous one's."""
-    manifest = read_json(run3.run_dir / "manifest.json")
+    manifest = read_manifest(run3.run_dir / "manifest.json")
     names = run3.summary["order"]
     stages = stage_indexes(manifest)
     assert [(position, name) for position, name, _ in stages] == list(enumerate(names))
@@ -231,7 +230,7 @@ def test_each_stage_keeps_the_index_a_server_answers_from(run3: FinishedRun) -> 
         for key in ("premises", "modules"):
             assert later[key][: len(earlier[key])] == earlier[key]
     last = PremiseIndex.load(stages[-1][2])  # checked as a server loads it: digest, rows, the model's own
-    assert last.meta["checkpoint"] == results[f"02-{names[2]}/train"]["checkpoint"]
+    assert last.meta.checkpoint == results[f"02-{names[2]}/train"]["checkpoint"]
     corpora = [Corpus.from_jsonl(Path(e["dataset"]) / "corpus.jsonl")
                for e in results[f"02-{names[2]}/evaluate-00-01-02"]["evaluations"]]
     assert set(last.files) == {path for c in corpora for path in c.paths}

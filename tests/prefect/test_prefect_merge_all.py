@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from leanagent.flows.lifelong import lifelong_retrieval
 
-from leanagent.ground.atomic import read_json
+from leanagent.flows.lifelong import lifelong_retrieval
 from leanagent.run.manifest import ManifestMismatchError
-from tests.conftest import FinishedRun, file_times
+from tests.conftest import FinishedRun, file_times, read_json
 from tests.prefect.prefect_api import wait_for_logs
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]

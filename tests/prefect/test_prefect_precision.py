@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from leanagent.flows.lifelong import lifelong_retrieval
 
-from leanagent.ground.atomic import read_json
-from tests.conftest import FinishedRun
+from leanagent.flows.lifelong import lifelong_retrieval
+from tests.conftest import FinishedRun, read_json
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]
 

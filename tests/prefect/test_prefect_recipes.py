@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from leanagent.flows.lifelong import lifelong_retrieval
 
-from leanagent.ground.atomic import read_json
-from tests.conftest import FinishedRun, file_times
+from leanagent.flows.lifelong import lifelong_retrieval
+from tests.conftest import FinishedRun, file_times, read_json
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]
 

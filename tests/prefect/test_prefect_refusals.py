@@ -10,9 +10,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from leanagent.flows.command import run_from_cli
 from leanagent.flows.lifelong import lifelong_retrieval
-
 from leanagent.preflight.checks import PreflightError
 from leanagent.run.state import RunLock, RunLockedError
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from leanagent.flows.lifelong import lifelong_retrieval
 
 from leanagent.data.example_files import write_example_files
 from leanagent.data.replay import kept_count
+from leanagent.flows.lifelong import lifelong_retrieval
 from leanagent.ground.atomic import read_json
 from leanagent.ground.config import DataConfig
 from leanagent.report import run_setup

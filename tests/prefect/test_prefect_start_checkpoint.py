@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from leanagent.flows.lifelong import lifelong_retrieval
 from transformers import T5Config, T5EncoderModel
 
 from leanagent.checkpoints.ours import read_checkpoint
-from leanagent.ground.atomic import read_json
+from leanagent.flows.lifelong import lifelong_retrieval
+from tests.conftest import read_json
 from tests.reference_layout import save_reference
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from leanagent.tasks.jobs import rank_job, retry_unless_bad_input
-from leanagent.tasks.options import JobOptions
 from prefect.states import Failed
 
 from leanagent.ground.job import JobFinishedError, JobInputError
 from leanagent.launch.base import LaunchError
+from leanagent.tasks.jobs import rank_job, retry_unless_bad_input
+from leanagent.tasks.options import JobOptions
 
 
 def test_retries_are_not_spent_on_refused_input() -> None:

@@ -12,8 +12,9 @@ import pytest
 
 from leanagent.ground.config import PipelineConfig, RepoConfig
 from leanagent.run.fingerprint import config_fingerprint
-from leanagent.run.manifest import ManifestMismatchError, RepoEntry, stage_name
+from leanagent.run.manifest import MANIFEST_VERSION, ManifestMismatchError, RepoEntry, stage_name
 from leanagent.run.state import RunLock, RunLockedError, RunState, check_sequence
+from tests.stage_results import finished
 
 
 def _cfg(tmp_path: Path, **lifelong: float) -> PipelineConfig:
@@ -43,12 +44,12 @@ def test_record_survives_a_reopen(tmp_path: Path) -> None:
     assert name == "00-a/train"
     state.start(name)
     assert state.stage_done(name) is None
-    state.record(name, {"checkpoint": "x.ckpt"})
+    state.record(name, finished("train"))
     reopened = RunState(cfg.run_dir, cfg)
-    assert reopened.stage_done(name) == {"checkpoint": "x.ckpt"}
+    assert reopened.stage_done(name) == finished("train")
     assert reopened.stage_done("01-b/train") is None
     with pytest.raises(KeyError, match="not a stage"):
-        reopened.record("07-z/train", {})
+        reopened.record("07-z/train", finished("train"))
 
 
 def test_failed_stage_is_not_done(tmp_path: Path) -> None:
@@ -68,13 +69,13 @@ def test_a_knob_added_by_a_later_version_at_its_default_is_not_a_change(tmp_path
     """A run_dir started by an older leanagent, whose config lacked a key now at its default, resumes."""
     cfg = _cfg(tmp_path)
     state = _started(cfg)
-    state.record("00-a/train", {"checkpoint": "a.ckpt"})
+    state.record("00-a/train", finished("train", checkpoint="a.ckpt"))
     data = json.loads(state.path.read_text())
     del data["config"]["lifelong"]["keep_checkpoints"]
     data["fingerprint"] = "from-an-older-version"
     state.path.write_text(json.dumps(data))
     reopened = RunState(cfg.run_dir, cfg)  # no ManifestMismatchError
-    assert reopened.stage_done("00-a/train") == {"checkpoint": "a.ckpt"}
+    assert reopened.stage_done("00-a/train") == finished("train", checkpoint="a.ckpt")
     # The same missing key at a non-default value is a change, and is refused.
     other = _cfg(tmp_path)
     other.lifelong.keep_checkpoints = "best_and_last"
@@ -111,7 +112,7 @@ def test_a_sequence_grows_at_its_end_and_writes_only_what_changed(tmp_path: Path
     # c is listed first, yet appended: a new repository goes after those of the run.
     reopened.extend([a, b, c], [c, a, b])
     data = json.loads(state.path.read_text())
-    assert data["order"] == ["a", "b", "c"] and data["version"] == 2
+    assert data["order"] == ["a", "b", "c"] and data["version"] == MANIFEST_VERSION
     assert data["repos"]["02-c"]["dataset"] == c.dataset
     moved = RepoEntry("a", tmp_path / "elsewhere" / "a", a.dataset)  # the same files in another folder
     recorded = [RepoEntry(n, Path(data["repos"][f"{i:02d}-{n}"]["path"]), data["repos"][f"{i:02d}-{n}"]["dataset"])
@@ -143,9 +144,10 @@ def test_a_version_1_manifest_continues(tmp_path: Path) -> None:
     """A run started before the repositories left the fingerprint: its config holds them, its entries no digest."""
     cfg = _cfg(tmp_path)
     state = _started(cfg)
-    state.record("00-a/train", {"checkpoint": "a.ckpt"})
+    state.record("00-a/train", finished("train", checkpoint="a.ckpt"))
     data = json.loads(state.path.read_text())
     data["version"] = 1
+    del data["repos"]["00-a"]["stages"]["train"]["result"]["program"]  # a version 1 result names no program
     data.pop("given")
     data["config"]["repos"] = [{"path": str(tmp_path / "a"), "name": None}, {"path": str(tmp_path / "b"), "name": None}]
     for repo in data["repos"].values():
@@ -157,14 +159,14 @@ def test_a_version_1_manifest_continues(tmp_path: Path) -> None:
         reopened.extend([a, b, c], [b, a, c])  # the order of its config's list is kept as the given one
     reopened.extend([a, b, c], [a, b, c])
     upgraded = json.loads(state.path.read_text())
-    assert upgraded["version"] == 2 and "repos" not in upgraded["config"]
+    assert upgraded["version"] == MANIFEST_VERSION and "repos" not in upgraded["config"]
     assert upgraded["repos"]["00-a"]["dataset"] == a.dataset and reopened.stage_done("00-a/train")
 
 
 def test_waiting_lists_the_repositories_with_a_stage_to_run(tmp_path: Path) -> None:
     state = _started(_cfg(tmp_path))
     for stage in ("00-a/eval-untrained", "00-a/train", "00-a/fisher", "00-a/eval-00-a", "01-b/eval-untrained"):
-        state.record(stage, {})
+        state.record(stage, finished(stage))
     assert state.waiting() == ["b"]
     state.fail("00-a/fisher", "boom")
     assert state.waiting() == ["a", "b"]
@@ -206,18 +208,18 @@ def test_a_run_under_auto_keeps_the_precision_its_first_job_ran_on_any_machine(t
     reopened with `auto` (on a CPU that would resolve it otherwise) it continues in it, and its jobs are told so."""
     cfg = _on_cpu(_cfg(tmp_path), "auto")
     state = _started(cfg)
-    assert state.data["config"]["trainer"]["precision"] == "auto"  # nothing has run yet
-    assert state.decided(cfg) is cfg
-    state.record("00-a/eval-untrained", {"metrics": {"Recall@10": 50.0}, "precision": "32-true"})
-    state.record("00-a/train", {"checkpoint": "a.ckpt", "precision": "32-true"})
+    assert state.manifest.config.trainer["precision"] == "auto"  # nothing has run yet
+    assert state.config is cfg  # what its jobs get
+    state.record("00-a/eval-untrained", finished("evaluate", precision="32-true"))
+    state.record("00-a/train", finished("train", checkpoint="a.ckpt", precision="32-true"))
     on_disk = json.loads(state.path.read_text())
     assert on_disk["config"]["trainer"]["precision"] == "32-true"
     reopened = RunState(cfg.run_dir, cfg)  # not refused: auto agrees with what the run recorded
-    assert reopened.data["config"]["trainer"]["precision"] == "32-true"
-    assert reopened.decided(cfg).trainer.precision == "32-true"
-    assert reopened.decided(cfg).model_dump(exclude={"trainer"}) == cfg.model_dump(exclude={"trainer"})
-    assert RunState(cfg.run_dir, _on_cpu(cfg, "32-true")).stage_done("00-a/train") == {"checkpoint": "a.ckpt",
-                                                                                        "precision": "32-true"}
+    assert reopened.manifest.config.trainer["precision"] == "32-true"
+    assert reopened.config.trainer.precision == "32-true"
+    assert reopened.config.model_dump(exclude={"trainer"}) == cfg.model_dump(exclude={"trainer"})
+    assert RunState(cfg.run_dir, _on_cpu(cfg, "32-true")).stage_done("00-a/train") == finished(
+        "train", checkpoint="a.ckpt", precision="32-true")
     with pytest.raises(ManifestMismatchError, match=r"trainer\.precision: '32-true' -> 'bf16-mixed'"):
         RunState(cfg.run_dir, _on_cpu(cfg, "bf16-mixed"))
 
@@ -227,11 +229,12 @@ def test_a_run_recorded_before_auto_continues_in_its_bf16_under_auto(tmp_path: P
     results without one: a config that now says auto continues it in bf16-mixed, whatever this CPU would take."""
     old = _on_cpu(_cfg(tmp_path), "bf16-mixed")
     state = _started(old)
-    state.record("00-a/train", {"checkpoint": "a.ckpt"})
+    state.record("00-a/train", finished("train", checkpoint="a.ckpt"))
     written = json.loads(state.path.read_text())
     auto = _on_cpu(old, "auto")
     reopened = RunState(old.run_dir, auto)
-    assert reopened.decided(auto).trainer.precision == "bf16-mixed"
-    assert reopened.data["config"] == written["config"] and reopened.data["fingerprint"] == written["fingerprint"]
-    reopened.record("00-a/fisher", {"fisher": "a.safetensors", "precision": "bf16-mixed"})
+    assert reopened.config.trainer.precision == "bf16-mixed"
+    assert reopened.manifest.config.fields() == written["config"]
+    assert reopened.manifest.fingerprint == written["fingerprint"]
+    reopened.record("00-a/fisher", finished("fisher", fisher="a.safetensors", precision="bf16-mixed"))
     assert json.loads(state.path.read_text())["config"]["trainer"]["precision"] == "bf16-mixed"

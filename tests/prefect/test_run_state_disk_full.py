@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from leanagent.flows.stages import recording
 
+from leanagent.flows.stages import recording
 from leanagent.run.manifest import stage_name
 from leanagent.run.state import RunState, RunStateWriteError
 from tests.prefect.test_run_state import _cfg, _started

@@ -13,10 +13,10 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from leanagent.flows.temporary_server import STARTUP_FLOOR_S, ServerOutput, startup_timeout
 from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
 from leanagent.data.synthetic import write_demo_repos
+from leanagent.flows.temporary_server import STARTUP_FLOOR_S, ServerOutput, startup_timeout
 from leanagent.ground.pid_lock import PidLock
 from tests.waiting import wait_for
 

@@ -21,12 +21,14 @@ import yaml
 from leanagent.cli.main import main
 from leanagent.data.merge import digests
 from leanagent.ground.config import PipelineConfig, RepoConfig, TrainerConfig
+from leanagent.ground.results import EvaluateResult, FisherResult, TrainResult
 from leanagent.run.manifest import EVAL_UNTRAINED, FISHER, TRAIN, RepoEntry, eval_stage, stage_name
 from leanagent.run.state import RunState
 
 from .conftest import STATE, command_alone
 
-EVAL = {"metrics": {"Recall@1": 10.0, "Recall@10": 50.0, "MRR": 0.25, "num_contexts": 7}, "world_size": 1}
+METRICS = {"Recall@1": 10.0, "Recall@10": 50.0, "MRR": 0.25, "num_contexts": 7}
+EVAL = {"program": "evaluate", "metrics": METRICS, "evaluations": [{"metrics": METRICS}], "world_size": 1}
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +44,13 @@ def run(built, tmp_path_factory) -> dict[str, Any]:
     entry = RepoEntry("repo_0", built["repo"], digests(built["repo"], "random"))
     state.extend([entry], [entry])
     job = {"out": "00-repo_0/evaluate-00", "index": str(index), "timings": {"embed": 0.1, "total": 1.0}}
-    state.record(stage_name(0, "repo_0", EVAL_UNTRAINED), {**EVAL, "checkpoint": cfg.model.name_or_path})
-    state.record(stage_name(0, "repo_0", TRAIN), {"checkpoint": "ckpt", "epoch": 1, "metrics": {"Recall@10_val": 60.0}})
-    state.record(stage_name(0, "repo_0", FISHER), {"fisher": "fisher.safetensors"})
-    state.record(stage_name(0, "repo_0", eval_stage(0, "repo_0")), {**EVAL, "checkpoint": "ckpt", "job": job})
+    state.record(stage_name(0, "repo_0", EVAL_UNTRAINED),
+                 EvaluateResult.model_validate({**EVAL, "checkpoint": cfg.model.name_or_path}))
+    state.record(stage_name(0, "repo_0", TRAIN), TrainResult(program="train", checkpoint="ckpt", epoch=1,
+                                                             metrics={"Recall@10_val": 60.0}))
+    state.record(stage_name(0, "repo_0", FISHER), FisherResult(program="fisher", fisher="fisher.safetensors"))
+    state.record(stage_name(0, "repo_0", eval_stage(0, "repo_0")),
+                 EvaluateResult.model_validate({**EVAL, **job, "checkpoint": "ckpt"}))
     config = root / "config.yaml"
     config.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json())))
     return {"config": config, "run_dir": cfg.run_dir, "manifest": json.loads(state.path.read_text())}
@@ -78,8 +83,8 @@ DAMAGED: list[tuple[str, Callable[[dict], Any], str]] = [
     ("a finished stage without result", _set(lambda m: _stages(m)["fisher"].pop("result")), "stages.fisher: "),
     ("a recall a string", _set(lambda m: _stages(m)["eval-00-repo_0"]["result"]["metrics"].update(
         {"Recall@10": "high"})), "result.metrics.Recall@10: "),
-    ("the index a number", _set(lambda m: _stages(m)["eval-00-repo_0"]["result"]["job"].update(index=5)),
-     "result.job.index: "),
+    ("the index a number", _set(lambda m: _stages(m)["eval-00-repo_0"]["result"].update(index=5)),
+     "result.index: "),
     ("an epoch below 0", _set(lambda m: _stages(m)["train"]["result"].update(epoch=-3)), "result.epoch: "),
 ]
 

@@ -139,7 +139,7 @@ def test_a_failing_rank_is_named_with_its_lines(cluster, ddp_assets, tmp_path):
     cfg = load_config(write_config(tmp_path / "cfg.yaml", ddp_assets["model"]))
     launcher = SlurmLauncher(cfg, entry=[str(SCRIPTS / "fail_probe.py"), "fail", str(tmp_path / "job")])
     with pytest.raises(LaunchError) as info:
-        launcher.launch([], tmp_path / "job", on_line=lambda line: None, timeout_s=STARTUP_S)
+        launcher.supervise([], tmp_path / "job", on_line=lambda line: None, timeout_s=STARTUP_S)
     message = str(info.value)
     assert info.value.failing_rank == 1, message
     assert "last lines of rank 1" in message and "RuntimeError: boom on rank 1" in message, message

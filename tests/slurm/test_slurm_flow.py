@@ -15,8 +15,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from leanagent.flows.lifelong import lifelong_retrieval
 
+from leanagent.flows.lifelong import lifelong_retrieval
 from leanagent.ground.supervision import descendants, find_process, running
 from tests.prefect.prefect_api import served_deployment, stop_serving
 from tests.slurm.cluster import Cluster

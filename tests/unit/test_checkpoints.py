@@ -23,6 +23,7 @@ from leanagent.checkpoints.ours import check_checkpoint, read_checkpoint, read_f
 from leanagent.data.datamodule import RetrievalDataModule
 from leanagent.ground.atomic import write_json_atomic
 from leanagent.ground.config import DataConfig, PipelineConfig
+from leanagent.ground.results import TrainResult
 from leanagent.model.loading import load_model, load_retriever
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
@@ -238,8 +239,8 @@ def test_prune_keeps_the_next_start_the_best_and_last(tmp_path):
         (folder / name).write_bytes(b"x")
     outside = tmp_path / "run" / "jobs" / "00-a-train" / "epoch=0-step=1.ckpt"
     outside.write_bytes(b"x")
-    result = {"checkpoint": str(folder / names[3]), "best_checkpoint": str(folder / names[1]),
-              "latest_checkpoint": str(folder / names[3]), "last_checkpoint": str(folder / "last.ckpt")}
+    result = TrainResult(program="train", checkpoint=str(folder / names[3]), best_checkpoint=str(folder / names[1]),
+                         latest_checkpoint=str(folder / names[3]), last_checkpoint=str(folder / "last.ckpt"))
     assert prune_checkpoints(result, keep="all") == []
     assert len(list(folder.iterdir())) == 7
 
@@ -256,8 +257,11 @@ def test_prune_touches_nothing_it_cannot_place(tmp_path):
     stray.mkdir()
     (stray / "epoch=0-step=1.ckpt").write_bytes(b"x")
     (stray / "epoch=1-step=2.ckpt").write_bytes(b"x")
-    assert prune_checkpoints({"checkpoint": str(stray / "epoch=1-step=2.ckpt")}) == []  # not a checkpoints folder
-    assert prune_checkpoints({"last_checkpoint": str(stray / "last.ckpt")}) == []  # no next start named
+    # not a checkpoints folder
+    assert prune_checkpoints(TrainResult(program="train", checkpoint=str(stray / "epoch=1-step=2.ckpt"))) == []
+    # no next start named
+    unnamed = TrainResult(program="train", checkpoint="", last_checkpoint=str(stray / "last.ckpt"))
+    assert prune_checkpoints(unnamed) == []
     assert len(list(stray.iterdir())) == 2
 
 

@@ -62,7 +62,8 @@ def trained(tmp_path_factory) -> dict:
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint])
     trainer.fit(model, datamodule=data)
     # The job folder's result.json is where export learns the dataset, as for a real training job.
-    (root / "job" / "result.json").write_text(json.dumps({"dataset": str(repo)}))
+    (root / "job" / "result.json").write_text(json.dumps({"program": "train", "dataset": str(repo),
+                                                          "checkpoint": checkpoint.best_model_path}))
     corpus = Corpus.from_jsonl(repo / "corpus.jsonl")
     val = build_eval_examples(corpus, load_split(repo / "random" / "val.json"))
     assert len(val) >= 20, len(val)

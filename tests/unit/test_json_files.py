@@ -12,7 +12,7 @@ import pytest
 from pydantic import BaseModel, StrictInt
 
 from leanagent.ground.json_files import JsonFileError, read_capped, read_json_file, read_model
-from leanagent.ground.results import ResultUnreadableError, read_result
+from leanagent.ground.results import ResultUnreadableError, TrainResult, read_result
 from leanagent.index.read import PremiseIndexError, read_meta
 from leanagent.run.manifest import MAX_MANIFEST_BYTES, ManifestUnreadableError, read_manifest
 
@@ -33,7 +33,7 @@ def _peak_rss_mb() -> float:
 
 @pytest.mark.parametrize("reader, name, error", [
     (read_manifest, "manifest.json", ManifestUnreadableError),
-    (read_result, "result.json", ResultUnreadableError),
+    (lambda p: read_result(p, TrainResult), "result.json", ResultUnreadableError),
     (lambda p: read_meta(p.parent), "index.json", PremiseIndexError),
 ])
 def test_a_two_gigabyte_file_is_refused_from_its_size_in_one_line(tmp_path, reader, name, error):

@@ -43,6 +43,18 @@ def test_the_tables_hold_the_names_of_their_home() -> None:
     assert tuple(schema["enum"]) == names.FISHER_ESTIMATORS  # the Prefect form's choices
 
 
+def test_every_rank_program_has_its_function_and_every_function_its_program() -> None:
+    """The rank programs' table (`RUNNERS`, where torch lives) names a function for each spec the launcher side
+    reads (`PROGRAMS`), each returning its spec's result model."""
+    import typing
+
+    from leanagent.ground.job import PROGRAMS
+    from leanagent.train.programs import RUNNERS
+
+    assert RUNNERS.keys() == PROGRAMS.keys()
+    assert all(typing.get_type_hints(run)["return"] is PROGRAMS[name].result for name, run in RUNNERS.items())
+
+
 def test_a_table_that_drifts_from_its_names_is_refused_at_import() -> None:
     with pytest.raises(RuntimeError, match="add or remove the name on both sides"):
         names.check_table("a table", ("a", "b"), {"a": 1})

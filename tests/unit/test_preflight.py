@@ -47,6 +47,10 @@ def cpu_config(assets, tmp_path: Path, **sections) -> PipelineConfig:
     return PipelineConfig.model_validate(raw)
 
 
+def _job(cfg: PipelineConfig, program: str, dataset: Path, out: Path, **fields) -> JobRequest:
+    return JobRequest(program=program, config=cfg, datasets=(dataset,), out=out, **fields)
+
+
 def refusal(call, *args, **kwargs) -> str:
     with pytest.raises(PreflightError) as info:
         call(*args, **kwargs)
@@ -56,7 +60,7 @@ def refusal(call, *args, **kwargs) -> str:
 
 def test_a_good_job_and_run_pass(assets, tmp_path):
     cfg = cpu_config(assets, tmp_path)
-    preflight_job(cfg, "train", [assets["repo"]], tmp_path / "job", free_bytes=BIG)
+    preflight_job(_job(cfg, "train", assets["repo"], tmp_path / "job"), free_bytes=BIG)
     preflight_run(cfg, free_bytes=BIG)
     assert not (tmp_path / "job").exists() and not (tmp_path / "run").exists()  # nothing written
 
@@ -65,7 +69,7 @@ def test_too_few_gpus_names_both_numbers(assets, tmp_path):
     visible = torch.cuda.device_count()  # 0 on this machine
     devices = max(4, visible + 1)
     cfg = cpu_config(assets, tmp_path, trainer={"accelerator": "gpu", "devices": devices})
-    message = refusal(preflight_job, cfg, "evaluate", [assets["repo"]], tmp_path / "job")
+    message = refusal(preflight_job, _job(cfg, "evaluate", assets["repo"], tmp_path / "job"))
     assert f"trainer.devices: {devices}" in message and f"torch sees {visible}" in message
     assert len(message.splitlines()) == 1
     assert f"torch sees {visible}" in refusal(preflight_run, cfg)
@@ -77,7 +81,8 @@ def test_too_few_gpus_names_both_numbers(assets, tmp_path):
 @pytest.mark.parametrize("endpoint", ["host0", "host0:port", "host0:70000", ":29500", "host0:29500/x"])
 def test_bad_rendezvous_endpoint_is_refused(assets, tmp_path, endpoint):
     trainer = {"num_nodes": 2, "rdzv_endpoint": endpoint}
-    message = refusal(preflight_job, cpu_config(assets, tmp_path, trainer=trainer), "evaluate", [assets["repo"]])
+    message = refusal(preflight_job, _job(cpu_config(assets, tmp_path, trainer=trainer), "evaluate", assets["repo"],
+                                          tmp_path / "job"))
     assert f"trainer.rdzv_endpoint {endpoint!r} is not host:port" in message
 
 
@@ -90,7 +95,7 @@ def test_good_rendezvous_endpoints_pass():
 def test_missing_model_folder_is_refused(assets, tmp_path):
     missing = tmp_path / "models" / "byt5"
     cfg = cpu_config(assets, tmp_path, model={"name_or_path": str(missing)})
-    message = refusal(preflight_job, cfg, "train", [assets["repo"]], tmp_path / "job")
+    message = refusal(preflight_job, _job(cfg, "train", assets["repo"], tmp_path / "job"))
     assert message == f"model.name_or_path {missing}: no such model folder; point it at a folder holding " \
                       f"config.json, or at a hub id"
     empty = tmp_path / "empty_model"
@@ -113,7 +118,7 @@ def test_unknown_hub_id_offline_is_refused_with_the_fix(assets, tmp_path, monkey
     checkpoint = tmp_path / "start.ckpt"
     torch.save({"state_dict": {}, "hyper_parameters": {"encoder_config": encoder_config("tiny").to_dict()}},
                checkpoint)
-    preflight_job(cfg, "evaluate", [assets["repo"]], tmp_path / "job", checkpoint=checkpoint, free_bytes=BIG)
+    preflight_job(_job(cfg, "evaluate", assets["repo"], tmp_path / "job", checkpoint=checkpoint), free_bytes=BIG)
 
 
 def test_a_cached_hub_id_resolves_offline(tmp_path, monkeypatch):
@@ -156,7 +161,7 @@ def test_too_little_disk_says_needed_free_and_the_option(assets, tmp_path):
     preflight_run(pruned, free_bytes=smaller.total)
 
     # One training job: its epoch checkpoints and last.ckpt in --out's filesystem.
-    message = refusal(preflight_job, cfg, "train", [assets["repo"]], tmp_path / "job", free_bytes=1000)
+    message = refusal(preflight_job, _job(cfg, "train", assets["repo"], tmp_path / "job"), free_bytes=1000)
     assert "4 checkpoint(s) at once" in message and "1.0 KB free" in message and "trainer.save_top_k" in message
     assert not (tmp_path / "job").exists() and not cfg.run_dir.exists()
 
@@ -165,10 +170,9 @@ def test_invalid_dataset_is_refused_naming_the_file(assets, tmp_path):
     broken = shutil.copytree(assets["repo"], tmp_path / "broken")
     (broken / "corpus.jsonl").write_text((broken / "corpus.jsonl").read_text() + "{not json\n")
     cfg = cpu_config(assets, tmp_path)
-    message = refusal(check_job, cfg, JobRequest(program="train", config=tmp_path / "c.yaml", datasets=(broken,),
-                                                out=tmp_path / "job"))
+    message = refusal(check_job, _job(cfg, "train", broken, tmp_path / "job"))
     assert message.startswith(f"{broken}: ") and "corpus.jsonl" in message and "nothing was launched" in message
-    preflight_job(cfg, "train", [broken], tmp_path / "job", validate=False, free_bytes=BIG)  # the flow's jobs
+    preflight_job(_job(cfg, "train", broken, tmp_path / "job", datasets_checked=True), free_bytes=BIG)  # the flow's
 
 
 def test_every_problem_at_once_one_message_each(assets, tmp_path):

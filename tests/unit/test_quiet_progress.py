@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from leanagent.ground.config import PipelineConfig
 from leanagent.ground.job import JobRequest
 from leanagent.launch.progress_view import PlainProgress, describe
 from leanagent.launch.quiet import NoiseFilter, quiet_environment, verbose
@@ -56,7 +57,7 @@ def test_progress_text():
     assert describe("train repo_1", {**p, "stage": "validate", "epochs": None}).startswith(
         "train repo_1 (validate): step 120/400")
     # A job's name in its progress lines is its request's: the label the flow gives, or the program and datasets.
-    job = JobRequest(program="evaluate", config=Path("c"), datasets=(Path("/d/repo_0"), Path("/d/repo_1")),
+    job = JobRequest(program="evaluate", config=PipelineConfig(), datasets=(Path("/d/repo_0"), Path("/d/repo_1")),
                      out=Path("o"))
     assert job.title == "evaluate repo_0,repo_1"
     assert job.model_copy(update={"label": "evaluate PFR"}).title == "evaluate PFR"

@@ -16,6 +16,7 @@ from leanagent.checkpoints.files import CheckpointError
 from leanagent.checkpoints.foreign import read_any_checkpoint
 from leanagent.checkpoints.ours import epochs_completed, read_checkpoint
 from leanagent.ground.config import PipelineConfig
+from leanagent.ground.job import JobRequest
 from leanagent.model.loading import load_retriever, reference_encoder_config
 from leanagent.model.presets import encoder_config
 from leanagent.preflight.checks import PreflightError, preflight_job
@@ -150,7 +151,8 @@ def test_epochs_count_on_from_the_reference(assets, tmp_path, which):
 def test_preflight_accepts_a_reference_file_and_folder_that_fit_the_model_and_refuses_one_that_does_not(
         assets, tmp_path):
     for which in ("ckpt", "folder"):
-        preflight_job(config(assets), "evaluate", [assets["repo"]], checkpoint=assets[which], validate=False)
+        preflight_job(JobRequest(program="evaluate", config=config(assets), datasets=(assets["repo"],),
+                                 out=tmp_path / "job", checkpoint=assets[which], datasets_checked=True))
     narrower = tmp_path / "narrower"  # an architecture the reference weights do not fit: config.json is enough
     narrower.mkdir()
     encoder_config("tiny").__class__(**{**encoder_config("tiny").to_dict(), "d_model": 32}).to_json_file(
@@ -159,28 +161,30 @@ def test_preflight_accepts_a_reference_file_and_folder_that_fit_the_model_and_re
         update={"name_or_path": str(narrower)})})
     for which in ("ckpt", "folder"):
         with pytest.raises(PreflightError, match="has shape") as info:
-            preflight_job(cfg, "evaluate", [assets["repo"]], checkpoint=assets[which], validate=False)
+            preflight_job(JobRequest(program="evaluate", config=cfg, datasets=(assets["repo"],), out=tmp_path / "job",
+                                     checkpoint=assets[which], datasets_checked=True))
         assert str(assets[which]) in str(info.value) and "\n" not in str(info.value)
 
 
 def test_the_train_program_trains_one_repository_from_a_reference(assets, tmp_path):
     cfg = config(assets)
     job = tmp_path / "job"
-    result = run_train(cfg, assets["repo"], job, assets["ckpt"], None)
-    assert result["start_epochs"] == REFERENCE_EPOCH + 1
-    assert result["target_epochs"] == REFERENCE_EPOCH + 1 + cfg.lifelong.epochs_per_repo
-    assert result["start_global_step"] == 0  # our optimizer and schedule, from their start
-    final = read_checkpoint(Path(result["checkpoint"]))  # ours now: the standard weights-only reader takes it
+    result = run_train(JobRequest(program="train", config=cfg, datasets=(assets["repo"],), out=job,
+                                  checkpoint=assets["ckpt"]))
+    assert result.start_epochs == REFERENCE_EPOCH + 1
+    assert result.target_epochs == REFERENCE_EPOCH + 1 + cfg.lifelong.epochs_per_repo
+    assert result.start_global_step == 0  # our optimizer and schedule, from their start
+    final = read_checkpoint(Path(result.checkpoint))  # ours now: the standard weights-only reader takes it
     assert final["epoch"] == REFERENCE_EPOCH + cfg.lifelong.epochs_per_repo
-    assert epochs_completed(final) == result["target_epochs"]
-    assert Path(result["checkpoint"]).name.startswith(f"epoch={REFERENCE_EPOCH + 1}-")
+    assert epochs_completed(final) == result.target_epochs
+    assert Path(result.checkpoint).name.startswith(f"epoch={REFERENCE_EPOCH + 1}-")
     assert "encoder_config" in final["hyper_parameters"]
     # Trained: the weights moved away from the reference's.
     moved = final["state_dict"]["encoder.shared.weight"] - assets["encoder"].state_dict()["shared.weight"]
     assert moved.abs().max() > 0
     # The next repository counts on from there, through the ordinary path.
-    plan = plan_training(tmp_path / "next", Path(result["checkpoint"]), epochs_per_repo=1)
-    assert not plan.from_reference and plan.start_epochs == result["target_epochs"]
+    plan = plan_training(tmp_path / "next", Path(result.checkpoint), epochs_per_repo=1)
+    assert not plan.from_reference and plan.start_epochs == result.target_epochs
 
 
 def test_lifelong_start_checkpoint_is_validated_and_resolved_against_the_config_file(assets, tmp_path):

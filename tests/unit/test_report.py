@@ -10,18 +10,22 @@ import pytest
 
 from leanagent.cli import main
 from leanagent.ground.config import PipelineConfig, RepoConfig
+from leanagent.ground.results import EvaluateResult, TrainResult
 from leanagent.report import UNTRAINED, RunReport, load_run, report_from_manifest
-from leanagent.run.manifest import EVAL_UNTRAINED, TRAIN, RepoEntry, eval_stage, stage_name
+from leanagent.run.manifest import EVAL_UNTRAINED, TRAIN, RepoEntry, eval_stage, read_manifest, stage_name
 from leanagent.run.state import RunState
 
 
-def _eval(r10: float) -> dict:
-    """An evaluate result: recalls in percent, MRR a fraction."""
-    return {"metrics": {"Recall@1": r10 / 2, "Recall@10": r10, "MRR": r10 / 300}}
+def _eval(r10: float) -> EvaluateResult:
+    """An evaluation stage's result: recalls in percent, MRR a fraction."""
+    metrics = {"Recall@1": r10 / 2, "Recall@10": r10, "MRR": r10 / 300}
+    return EvaluateResult.model_validate({"program": "evaluate", "checkpoint": "c", "metrics": metrics,
+                                          "evaluations": [{"metrics": metrics}]})
 
 
-def _train(epoch: int, val: float | None) -> dict:
-    return {"epoch": epoch, "checkpoint": f"{epoch}.ckpt", "metrics": {"Recall@10_val": val}}
+def _train(epoch: int, val: float | None, **more: object) -> TrainResult:
+    return TrainResult.model_validate({"program": "train", "epoch": epoch, "checkpoint": f"{epoch}.ckpt",
+                                       "metrics": {"Recall@10_val": val}, **more})
 
 
 def _three_repositories() -> RunReport:
@@ -86,7 +90,7 @@ def test_the_flow_summary_rebuilds_the_same_report() -> None:
 
 def test_a_train_result_without_validation_recall_leaves_ip_unknown() -> None:
     report = RunReport(["a", "b"])
-    report.add_repository(0, {"epoch": 1, "checkpoint": "a.ckpt"}, [_eval(80.0)])
+    report.add_repository(0, TrainResult(program="train", epoch=1, checkpoint="a.ckpt"), [_eval(80.0)])
     report.add_repository(1, _train(2, 75.0), [_eval(60.0), _eval(90.0)])
     assert report.lifelong_metrics()["IP"] is None and report.lifelong_metrics()["FM"] == pytest.approx(20.0)
 
@@ -202,7 +206,7 @@ def _run_dir(tmp_path: Path) -> Path:
 def test_report_of_a_run_dir_prints_its_full_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = _run_dir(tmp_path)
     assert _report(str(run_dir)) == 0
-    expected = report_from_manifest(json.loads((run_dir / "manifest.json").read_text())).text()
+    expected = report_from_manifest(read_manifest(run_dir / "manifest.json")).text()
     assert capsys.readouterr().out.strip() == expected.strip()
     assert _report(str(run_dir), "--markdown") == 0
     assert "## Lifelong metrics after each repository" in capsys.readouterr().out
@@ -279,8 +283,8 @@ def test_the_png_has_recalls_whole_axis_the_metrics_and_the_runs_setup() -> None
 
 def test_the_table_says_which_checkpoint_the_next_repository_starts_from_and_its_own_recall() -> None:
     report = RunReport(["a"])
-    train = {"epoch": 9, "checkpoint": "epoch=8-step=90-Recall@10_val=86.00.ckpt",
-             "metrics": {"Recall@10_val": 87.0, "checkpoint_Recall@10_val": 86.0}}
+    train = _train(9, 87.0, checkpoint="epoch=8-step=90-Recall@10_val=86.00.ckpt")
+    train.metrics.checkpoint_recall_10_val = 86.0
     report.add_repository(0, train, [_eval(80.0)])
     text = report.text()
     assert "next starts from" in text and "87.00" in text

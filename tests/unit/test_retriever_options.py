@@ -29,8 +29,9 @@ from leanagent.model.loading import load_retriever
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
 from leanagent.run.fingerprint import check_experiment
-from leanagent.run.manifest import MANIFEST_NAME, ManifestMismatchError, RepoEntry
+from leanagent.run.manifest import MANIFEST_NAME, ManifestMismatchError, RepoEntry, read_manifest
 from leanagent.run.state import RunState
+from tests.stage_results import finished
 
 MAX_LEN = 256
 BUDGET = 600  # small enough that length-sorted groups of a batch's examples are cut
@@ -129,7 +130,7 @@ def _manifest_without(tmp_path: Path, sort_by_length: bool | None) -> PipelineCo
     state = RunState(cfg.run_dir, cfg)
     entry = RepoEntry("a", tmp_path / "a")
     state.extend([entry], [entry])
-    state.record("00-a/train", {"checkpoint": "a.ckpt"})
+    state.record("00-a/train", finished("train", checkpoint="a.ckpt"))
     data = json.loads(state.path.read_text())
     if sort_by_length is None:
         del data["config"]["model"]["sort_by_length"]
@@ -147,17 +148,17 @@ def test_a_padded_run_is_not_continued_under_the_new_default(tmp_path: Path, sto
     with pytest.raises(ManifestMismatchError, match=rf"model\.sort_by_length: {re.escape(was)} -> True"):
         RunState(cfg.run_dir, cfg)
     with pytest.raises(ManifestMismatchError):  # the read-only check the run's plan makes first
-        check_experiment(cfg.run_dir / MANIFEST_NAME, json.loads((cfg.run_dir / MANIFEST_NAME).read_text()), cfg)
+        check_experiment(cfg.run_dir / MANIFEST_NAME, read_manifest(cfg.run_dir / MANIFEST_NAME), cfg)
     padded = cfg.model_copy(update={"model": cfg.model.model_copy(update={"sort_by_length": False})})
     reopened = RunState(padded.run_dir, padded)  # the run's own setting: it continues
-    assert reopened.stage_done("00-a/train") == {"checkpoint": "a.ckpt"}
-    reopened.record("00-a/fisher", {"fisher": "f"})
+    assert reopened.stage_done("00-a/train") == finished("train", checkpoint="a.ckpt")
+    reopened.record("00-a/fisher", finished("fisher"))
     assert json.loads(reopened.path.read_text())["config"]["model"]["sort_by_length"] is False
 
 
 def test_a_sorted_run_continues_under_the_default(tmp_path: Path) -> None:
     cfg = _manifest_without(tmp_path, True)
-    assert RunState(cfg.run_dir, cfg).stage_done("00-a/train") == {"checkpoint": "a.ckpt"}
+    assert RunState(cfg.run_dir, cfg).stage_done("00-a/train") == finished("train", checkpoint="a.ckpt")
 
 
 def test_a_run_from_before_the_recipe_keys_continues_under_their_defaults(tmp_path: Path) -> None:
@@ -168,7 +169,7 @@ def test_a_run_from_before_the_recipe_keys_continues_under_their_defaults(tmp_pa
     for section, key in (("model", "loss"), ("model", "temperature"), ("data", "negatives"), ("data", "mined_pool")):
         del data["config"][section][key]
     (cfg.run_dir / MANIFEST_NAME).write_text(json.dumps(data))
-    assert RunState(cfg.run_dir, cfg).stage_done("00-a/train") == {"checkpoint": "a.ckpt"}
+    assert RunState(cfg.run_dir, cfg).stage_done("00-a/train") == finished("train", checkpoint="a.ckpt")
     infonce = cfg.model_copy(update={"model": cfg.model.model_copy(update={"loss": "infonce"})})
     with pytest.raises(ManifestMismatchError, match=r"model\.loss: '\(absent\)' -> 'infonce'"):
         RunState(infonce.run_dir, infonce)

@@ -19,6 +19,7 @@ from leanagent.ground.config import ConfigError, PipelineConfig, RepoConfig, Tra
 from leanagent.run.manifest import RepoEntry, repo_stages
 from leanagent.run.plan import plan_run, progress_line
 from leanagent.run.state import RunState
+from tests.stage_results import finished
 
 
 def _cfg(demo_assets, tmp_path: Path, repos: list[Path], **update) -> PipelineConfig:
@@ -192,13 +193,6 @@ def test_a_replay_fraction_outside_zero_one_is_one_line_before_any_job(demo_asse
     assert not cfg.run_dir.exists()
 
 
-def _finished(stage: str) -> dict:
-    """What a finished stage's result holds at least (the manifest refuses a finished stage without it)."""
-    kind = stage.split("/")[-1]
-    if kind.startswith("eval-"):
-        return {"metrics": {"Recall@10": 50.0}}
-    return {"train": {"checkpoint": "c.ckpt"}, "fisher": {"fisher": "f.safetensors"}}.get(kind, {})
-
 
 def test_a_config_the_run_is_ahead_of_has_nothing_new_and_one_that_contradicts_it_is_refused(
         demo_assets, tmp_path: Path) -> None:
@@ -212,7 +206,7 @@ def test_a_config_the_run_is_ahead_of_has_nothing_new_and_one_that_contradicts_i
     state.extend(entries, entries, "demo/more.yaml")
     names = [e.name for e in entries]
     for stage in (stage for i in range(len(names)) for stage in repo_stages(i, names)):
-        state.record(stage, _finished(stage))  # every stage finished, as a run of the three leaves it
+        state.record(stage, finished(stage))  # every stage finished, as a run of the three leaves it
     behind = plan_run(_cfg(demo_assets, tmp_path, demo_assets.repos[:2]), source="configs/demo.yaml")
     assert behind.nothing_new() == "nothing new: the run is ahead of this config (repo_2, from demo/more.yaml)"
     assert behind.kept == ["repo_0", "repo_1"] and behind.new == []

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from leanagent.ground import model_identity
-from leanagent.ground.results import ResultUnreadableError, read_result
+from leanagent.ground.results import EvaluateResult, ResultUnreadableError, read_result
 from leanagent.index.files import INDEX_FILE, PremiseIndexError
 from leanagent.index.read import check_model, read_meta
 from leanagent.report import report_from_manifest
@@ -22,6 +22,7 @@ from leanagent.report.compare import run_setup
 from leanagent.run.fingerprint import check_config
 from leanagent.run.manifest import (
     ManifestMismatchError,
+    ManifestRecord,
     ManifestUnreadableError,
     given_before,
     read_manifest,
@@ -93,16 +94,16 @@ def _one_line(exc: Exception, path: Path) -> None:
     assert "\n" not in message and str(path) in message, message
 
 
-def _use_manifest(data: dict, path: Path) -> None:
+def _use_manifest(data: ManifestRecord, path: Path) -> None:
     """What the flow, the report and the server read of a manifest."""
     report_from_manifest(data).text()
     stage_indexes(data)
     waiting_repositories(data)
     recorded_sequence(data)
     given_before(data)
-    run_setup(data.get("config"))
+    run_setup(data.config)
     try:
-        check_config(path, data, {"lifelong": {}})
+        check_config(path, data.config.fields(), {"lifelong": {}})
     except ManifestMismatchError:
         pass
 
@@ -140,8 +141,8 @@ def test_an_index_json_reads_as_one_its_readers_can_use_or_one_line(tmp_path: Pa
         _one_line(exc, folder)
         return
     # What loading reads of it before any model: the lengths, the model named, its identity.
-    assert 1 <= int(meta["max_seq_len"]) <= 1 << 16 and int(meta.get("context_max_len") or 1024) >= 1
-    model_identity.digest(meta.get("model_identity"))
+    assert 1 <= meta.max_seq_len <= 1 << 16 and (meta.context_max_len or 1024) >= 1
+    model_identity.digest(meta.identity())
     try:
         check_model(folder, meta, tmp_path / "model", force=True)
     except PremiseIndexError as exc:
@@ -159,14 +160,14 @@ def test_a_result_json_reads_as_one_its_readers_can_use_or_one_line(tmp_path: Pa
     path = tmp_path / "result.json"
     _write(path, value)
     try:
-        result = read_result(path)
+        result = read_result(path, EvaluateResult)
     except ResultUnreadableError as exc:
         _one_line(exc, path)
         return
     # What the flow reads of an evaluation's result (flows/stages.py) and the report of any job's.
-    for evaluation in result.get("evaluations") or []:
-        assert isinstance(evaluation["metrics"], dict)
-    for seconds in (result.get("timings") or {}).values():
+    for k in range(len(result.evaluations)):
+        assert result.one(k).metrics is not None
+    for seconds in (result.timings or {}).values():
         assert float(seconds) >= 0
 
 
@@ -181,5 +182,5 @@ def test_a_result_json_of_the_wrong_shape_is_one_line_naming_the_key(tmp_path: P
     edit(value)
     _write(tmp_path / "result.json", value)
     with pytest.raises(ResultUnreadableError, match=match.replace("(", r"\(").replace(".", r"\.")) as refused:
-        read_result(tmp_path / "result.json")
+        read_result(tmp_path / "result.json", EvaluateResult)
     _one_line(refused.value, tmp_path / "result.json")

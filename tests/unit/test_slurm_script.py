@@ -30,8 +30,8 @@ CONFIG = {
 def render(config: dict) -> str:
     cfg = PipelineConfig.model_validate(config)
     job = RUN / "jobs" / "01-PFR" / "train"
-    argv = JobRequest(program="train", config=RUN / "config.yaml", datasets=(Path("/shared/data/pfr"),), out=job,
-                      checkpoint=RUN / "jobs" / "00-mathlib4" / "train" / "last.ckpt").to_argv()
+    argv = JobRequest(program="train", config=cfg, datasets=(Path("/shared/data/pfr"),), out=job,
+                      checkpoint=RUN / "jobs" / "00-mathlib4" / "train" / "last.ckpt").to_argv(RUN / "config.yaml")
     return render_script(cfg, slurm_settings(cfg), argv, job, "train PFR", python="/shared/leanagent/.venv/bin/python",
                          workdir=Path("/shared/leanagent"))
 

@@ -7,9 +7,10 @@ import time
 
 import pytest
 
+from leanagent.ground.results import TrainResult
 from leanagent.ground.timings import PART_NAMES, JobClock
 from leanagent.report.timing import JobCost, job_costs, time_markdown, time_text
-from leanagent.run.manifest import stage_name
+from leanagent.run.manifest import ManifestRecord, stage_name
 
 
 class Ticks:
@@ -86,22 +87,26 @@ def test_a_clock_syncs_the_device_at_every_switch(ticks: Ticks) -> None:
     assert len(calls) == 2
 
 
-def _manifest() -> dict:
+def _manifest() -> ManifestRecord:
+    """A version 2 manifest (an evaluation stage's job under `job`), read as today's."""
     evaluation = {"out": "00-a/evaluate-00", "timings": {"embed": 3.0, "rank": 1.0, "startup": 2.0, "total": 6.0},
                   "premises_embedded": 150, "premises_in_corpora": 400, "wall_seconds": 8.0}
     untrained = {**evaluation, "out": "untrained/evaluate-00-01"}
+    scored = {"metrics": {"Recall@10": 50.0}, "checkpoint": "c"}
     stages = {
-        "eval-untrained": {"status": "done", "result": {"metrics": {}, "job": untrained}},
-        "train": {"status": "done", "result": {"timings": {"startup": 2.0, "train_steps": 5.0, "embed": 1.0,
+        "eval-untrained": {"status": "done", "result": {**scored, "job": untrained}},
+        "train": {"status": "done", "result": {"checkpoint": "a.ckpt",
+                                               "timings": {"startup": 2.0, "train_steps": 5.0, "embed": 1.0,
                                                            "total": 8.0},
                                                "premises_embedded": 100, "premises_in_corpora": 200,
                                                "wall_seconds": 10.0}},
-        "fisher": {"status": "done", "result": {"timings": {"fisher": 3.0, "total": 4.0}}},
-        "eval-00-a": {"status": "done", "result": {"metrics": {}, "job": evaluation}},
+        "fisher": {"status": "done", "result": {"fisher": "a.safetensors", "timings": {"fisher": 3.0, "total": 4.0}}},
+        "eval-00-a": {"status": "done", "result": {**scored, "job": evaluation}},
     }
-    second = {"eval-untrained": {"status": "done", "result": {"metrics": {}, "job": untrained}},
+    second = {"eval-untrained": {"status": "done", "result": {**scored, "job": untrained}},
               "train": {"status": "running"}}
-    return {"order": ["a", "b"], "repos": {"00-a": {"stages": stages}, "01-b": {"stages": second}}}
+    return ManifestRecord.model_validate({"version": 2, "order": ["a", "b"],
+                                          "repos": {"00-a": {"stages": stages}, "01-b": {"stages": second}}})
 
 
 def test_the_time_table_has_each_job_once_in_the_order_they_ran() -> None:
@@ -124,5 +129,5 @@ def test_the_time_table_has_each_job_once_in_the_order_they_ran() -> None:
 
 
 def test_jobs_recorded_before_timings_existed_are_left_out() -> None:
-    assert JobCost.of("old", {"metrics": {}}) is None
+    assert JobCost.of("old", TrainResult(program="train", checkpoint="a.ckpt")) is None
     assert time_text([]) == "" and time_markdown([]) == ""

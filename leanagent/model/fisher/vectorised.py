@@ -93,7 +93,7 @@ class PerExampleGrads:
     """
 
     # Devices where sum_e g_e^2 is one reduction over the examples rather than k in-place products:
-    # that reduction was 10-30x slower than the products on the CPU.
+    # on a CPU that reduction was many times slower than the products (docs/measurements.md).
     reduce_on: tuple[str, ...] = ("cuda",)
     # At most about this many per-example gradient entries at a time: a group's parameters are cut to fit.
     chunk_entries: int = 2**28
