@@ -77,7 +77,7 @@ def test_replay_at_one_trains_on_exactly_the_examples_merge_all_trains_on(repos:
         assert len(examples["train.jsonl"].splitlines()) > 0
         # The draw is recorded even when it keeps everything: each earlier repository, all of its theorems.
         record = replay_state.stage_done(f"{i:02d}-{names[i]}/{MERGE}")
-        assert {Path(s).name: (d["kept"], d["of"]) for s, d in record.get("replay", {}).items()} == {
+        assert {Path(s).name: (d.kept, d.of) for s, d in record.replay.items()} == {
             n: (len(load_json(p / "random" / "train.json")),) * 2 for n, p in zip(names[:i], repos[:i], strict=True)}
 
 
@@ -108,7 +108,8 @@ def test_replay_trains_on_its_repository_and_a_share_of_each_earlier_one_drawn_o
                     assert draw["positions"] == positions and (draw["kept"], draw["of"]) == (
                         kept_count(len(theorems), 0.5), len(theorems))
                     # The manifest records the draw without its positions (merge.json has them).
-                    assert record["replay"][str(repo)] == {k: v for k, v in draw.items() if k != "positions"}
+                    recorded = record.replay[str(repo)].model_dump(exclude_none=True)
+                    assert recorded == {k: v for k, v in draw.items() if k != "positions"}
                     samples[(i, repo.name)] = positions
                 for k in positions:
                     chosen[_key(theorems[k])] = part

@@ -15,9 +15,10 @@ import pytest
 from leanagent.data.example_files import write_example_files
 from leanagent.data.replay import kept_count
 from leanagent.flows.lifelong import lifelong_retrieval
-from leanagent.ground.atomic import read_json
 from leanagent.ground.config import DataConfig
 from leanagent.report import run_setup
+from leanagent.run.manifest import read_manifest
+from tests.conftest import read_json
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]
 
@@ -36,16 +37,16 @@ def test_replay_trains_on_its_draw_with_ewc_and_infonce(prefect_harness: None, d
     run_dir, summary = tmp_path / "replay", state.result()
     names = summary["order"]
     by_name = {r.name: r for r in repos}
-    manifest = read_json(run_dir / "manifest.json")
-    assert run_setup(manifest["config"]).startswith("replay 0.5, curriculum, EWC 0.1, infonce + random negatives")
+    manifest = read_manifest(run_dir / "manifest.json")
+    assert run_setup(manifest.config).startswith("replay 0.5, curriculum, EWC 0.1, infonce + random negatives")
     key = f"01-{names[1]}"
     merged = run_dir / "merged" / key
     train, fisher = (read_json(run_dir / "jobs" / key / part / "result.json") for part in ("train", "fisher"))
     assert Path(train["dataset"]) == merged and Path(fisher["dataset"]) == merged and train["ewc"] is True
     # The draw: half of the first repository's training theorems, recorded with the merge.
-    draw = manifest["repos"][key]["stages"]["merge"]["result"]["replay"][str(by_name[names[0]])]
+    draw = manifest.repos[key].stages["merge"].result.replay[str(by_name[names[0]])]
     theorems = len(read_json(by_name[names[0]] / "random" / "train.json"))
-    assert (draw["fraction"], draw["of"], draw["kept"]) == (0.5, theorems, kept_count(theorems, 0.5))
+    assert (draw.fraction, draw.of, draw.kept) == (0.5, theorems, kept_count(theorems, 0.5))
     # Training and the Fisher saw exactly the replayed dataset's examples: more than the repository alone has, fewer
     # than the merge of both.
     replayed = _train_examples(merged, tmp_path / "examples" / "replayed")
