@@ -9,29 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from leanagent.launch.base import child_environment
+from tests.conftest import TORCHRUN
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO_ROOT / "tests" / "ddp_scripts"
-
-
-def write_config(path: Path, model: Path, devices: int = 2, **overrides) -> Path:
-    cfg = {
-        "model": {"name_or_path": str(model), "lr": 1e-3, "warmup_steps": 5, "max_seq_len": 256},
-        "data": {"batch_size": 4, "eval_batch_size": 16, "max_seq_len": 256, "num_workers": 0},
-        "trainer": {"accelerator": "cpu", "devices": devices, "precision": "auto",
-                    "accumulate_grad_batches": 1},
-        "lifelong": {"epochs_per_repo": 1, "ewc_lambda": 0.1},
-    }
-    for section, values in overrides.items():
-        if isinstance(values, dict):
-            cfg.setdefault(section, {}).update(values)
-        else:
-            cfg[section] = values  # a top-level value, e.g. launcher="slurm"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
 
 
 def fault_env(fault: str, mark: Path | None = None, release: Path | None = None) -> dict[str, str]:
@@ -79,22 +62,24 @@ def shown_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="session")
-def ddp_jobs(ddp_assets, tmp_path_factory) -> dict:
+def ddp_jobs(ddp_assets, tmp_path_factory, write_cpu_config) -> dict:
     """Repo A trained from the base model, its Fisher, repo B from A's checkpoint with EWC, B evaluated on A.
 
     Four real jobs (2 gloo ranks each) through the command line, run once for the tests that read them: the rank
     programs' results (test_programs) and what a person sees of them (test_logs_progress: A prints progress lines
-    every 0.2 s; the evaluation is `--verbose`). Tests only read these folders. Returns each job's result.json
-    (`a`, `fa`, `b`, `ev`) and what the command printed (`shown_a`, `shown_ev`).
+    every 0.2 s; the evaluation is `--verbose`). A and the evaluation run under torchrun, whose banner and lines the
+    output tests look at; the Fisher and B under the warm launcher (`cfg`). Tests only read these folders. Returns
+    each job's result.json (`a`, `fa`, `b`, `ev`) and what the command printed (`shown_a`, `shown_ev`).
     """
     work = tmp_path_factory.mktemp("ddp_jobs")
-    cfg = write_config(work / "cfg.yaml", ddp_assets["model"])
+    cfg = write_cpu_config(work / "cfg.yaml", encoder=ddp_assets["model"])
+    shown_cfg = write_cpu_config(work / "torchrun.yaml", encoder=ddp_assets["model"], launcher=TORCHRUN)
     repo_a, repo_b = str(ddp_assets["repo_a"]), str(ddp_assets["repo_b"])
 
     def result(name: str) -> dict:
         return json.loads((work / name / "result.json").read_text())
 
-    shown_a = shown_cli("train", "--config", str(cfg), "--dataset", repo_a, "--out", str(work / "a"),
+    shown_a = shown_cli("train", "--config", str(shown_cfg), "--dataset", repo_a, "--out", str(work / "a"),
                         LEANAGENT_PROGRESS_INTERVAL="0.2")
     a = result("a")
     shown_cli("fisher", "--config", str(cfg), "--dataset", repo_a, "--checkpoint", a["checkpoint"], "--out",
@@ -103,7 +88,7 @@ def ddp_jobs(ddp_assets, tmp_path_factory) -> dict:
     shown_cli("train", "--config", str(cfg), "--dataset", repo_b, "--checkpoint", a["checkpoint"], "--fisher",
               fa["fisher"], "--out", str(work / "b"))
     b = result("b")
-    shown_ev = shown_cli("evaluate", "--config", str(cfg), "--dataset", repo_a, "--checkpoint", b["checkpoint"],
+    shown_ev = shown_cli("evaluate", "--config", str(shown_cfg), "--dataset", repo_a, "--checkpoint", b["checkpoint"],
                          "--out", str(work / "ev"), "--verbose")
     return {"work": work, "cfg": cfg, "a": a, "fa": fa, "b": b, "ev": result("ev"), "shown_a": shown_a,
             "shown_ev": shown_ev, "repo_a": Path(repo_a).name}
