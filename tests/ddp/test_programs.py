@@ -88,8 +88,11 @@ def test_fisher_file_is_a_valid_diagonal(lifelong, ddp_assets):
     assert meta["world_size"] == 2 and meta["checkpoint"] == lifelong["a"]["checkpoint"]
 
 
-def test_fisher_is_the_same_on_one_and_two_ranks(lifelong, ddp_assets, tmp_path, write_cpu_config):
+def test_fisher_is_the_same_on_one_and_two_ranks(lifelong, ddp_assets, tmp_path, write_cpu_config, monkeypatch):
     cfg1 = write_cpu_config(tmp_path / "one.yaml", encoder=ddp_assets["model"], trainer={"devices": 1})
+    # One intra-op thread, as each of the two ranks has (torchrun's rule): a lone rank's default two threads spin
+    # against each other on a busy 2-core machine (its Fisher pass measured 124-195 s there, 9 s with one).
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     one = _ok(leanagent("fisher", "--config", str(cfg1), "--dataset", str(ddp_assets["repo_a"]), "--checkpoint",
                         lifelong["a"]["checkpoint"], "--out", str(tmp_path / "f1")))
     f1, m1 = load_fisher(Path(one["fisher"]))
