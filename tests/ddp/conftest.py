@@ -1,4 +1,4 @@
-"""Shared fixtures of the DDP tests: CPU configs, the CLI as a user runs it, and one lifelong sequence of jobs."""
+"""Shared fixtures of the DDP tests: probes on 2 ranks, the CLI as a user runs it, and one lifelong sequence of jobs."""
 
 from __future__ import annotations
 
@@ -6,15 +6,20 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from leanagent.launch.base import child_environment
-from tests.conftest import TORCHRUN
+from leanagent.ground.config import TrainerConfig
+from leanagent.launch.local import LocalLauncher
+from leanagent.launch.warm import WarmLauncher
+from tests.conftest import TORCHRUN, WARM
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO_ROOT / "tests" / "ddp_scripts"
+PROBE_RANKS = TrainerConfig(accelerator="cpu", devices=2)
 
 
 def fault_env(fault: str, mark: Path | None = None, release: Path | None = None) -> dict[str, str]:
@@ -30,16 +35,31 @@ def fault_env(fault: str, mark: Path | None = None, release: Path | None = None)
     return env
 
 
-def run_probe(source: str, folder: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    """`source` written to FOLDER/probe.py and run under torchrun with 2 gloo ranks on this machine, `args` after
-    it, in the environment a launched job gets; it must exit 0 (its output is shown if not)."""
-    script = folder / "probe.py"
-    script.write_text(source)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script), *args], env=child_environment(), cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-    return proc
+@pytest.fixture
+def run_probe(fork_server) -> Callable[..., str]:
+    """`run_probe(source, folder, *args, timeout=900, launcher=WARM)`: `source` written to FOLDER/probe.py and run
+    with 2 gloo ranks on this machine (forked by the warm launcher, or under torchrun), `args` after it, in the
+    environment a launched job gets; it must exit 0. Its output, `[rank N] ` before each rank's lines."""
+
+    def run(source: str, folder: Path, *args: str, timeout: float = 900, launcher: str = WARM) -> str:
+        script = folder / "probe.py"
+        script.write_text(source)
+        if launcher == WARM:
+            fork_server.ensure()
+        kind = {WARM: WarmLauncher, TORCHRUN: LocalLauncher}[launcher]
+        job = kind(PROBE_RANKS, entry=[str(script), *args]).start([], folder / "probe", folder / "probe" / "logs")
+        output, deadline = b"", time.monotonic() + timeout
+        while (chunk := job.read(1.0)) is not None and time.monotonic() < deadline:
+            output += chunk
+        if chunk is not None:  # the deadline: end it
+            job.end(5.0, lambda line: None)
+        code = job.wait()
+        job.end(1.0, lambda line: None)
+        text = output.decode(errors="replace")
+        assert code == 0, f"exit {code} (a deadline of {timeout:.0f} s):\n{text[-6000:]}"
+        return text
+
+    return run
 
 
 def leanagent(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

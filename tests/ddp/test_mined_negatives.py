@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import leanagent, run_probe
+from .conftest import leanagent
 from .test_resume import EPOCHS, EVERY, _epoch_files, _interrupted, _losses, _ok, _steps, _weights
 
 pytestmark = pytest.mark.ddp
@@ -51,7 +51,7 @@ PROBE = textwrap.dedent('''
 ''')
 
 
-def test_every_rank_holds_the_same_mined_table(ddp_assets, tmp_path: Path) -> None:
+def test_every_rank_holds_the_same_mined_table(ddp_assets, tmp_path: Path, run_probe) -> None:
     run_probe(PROBE, tmp_path, str(ddp_assets["model"]), str(ddp_assets["repo_a"]), str(tmp_path), timeout=600)
     t0, t1 = (torch.load(tmp_path / f"table{r}.pt", weights_only=True) for r in (0, 1))
     assert t0.shape[1] == 8 and (t0 >= 0).sum() > t0.numel() // 2

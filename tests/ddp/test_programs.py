@@ -20,7 +20,7 @@ from leanagent.data.theorems import load_split
 from leanagent.model.dtypes import resolve_precision
 from tests.conftest import TORCHRUN
 
-from .conftest import REPO_ROOT, leanagent, run_probe, shown_cli
+from .conftest import REPO_ROOT, leanagent, shown_cli
 
 pytestmark = pytest.mark.ddp
 
@@ -198,8 +198,9 @@ Path(sys.argv[1], f"rank{os.environ['RANK']}").write_text(job_precision(cfg))
 """
 
 
-def test_ranks_whose_cpus_differ_agree_on_fp32(tmp_path):
+def test_ranks_whose_cpus_differ_agree_on_fp32(tmp_path, run_probe):
     """Nodes of two kinds in one job: `auto` must not run bf16 on one rank and fp32 on another; it takes 32-true,
     which neither runs slowly. (On a CPU without bf16 matmuls both ranks say so anyway.)"""
-    run_probe(RANKS_OF_TWO_KINDS, tmp_path, str(tmp_path))
+    # torchrun: rank 1 sets oneDNN's variable before its interpreter imports torch
+    run_probe(RANKS_OF_TWO_KINDS, tmp_path, str(tmp_path), launcher=TORCHRUN)
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["32-true", "32-true"]
