@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 
 import pytest
-from prefect.settings import PREFECT_API_URL
 
 from leanagent.bench.results import (
     BenchResult,
@@ -180,30 +179,6 @@ def test_the_projection_counts_leanagents_passes_over_the_dependency(tmp_path, c
         cli_main(["bench", "projection", "--needed-share", "1.5"])
     assert refused.value.code == 1
     assert capsys.readouterr().err.strip() == "error: --needed-share: Input should be less than or equal to 1"
-
-
-@pytest.mark.slow
-@pytest.mark.prefect
-def test_the_curriculum_section_runs_both_ways_and_finds_the_same_results(prefect_harness, tmp_path, capsys,
-                                                                          monkeypatch):
-    """Two real flows (`leanagent run`) on 2 repositories sharing a small dependency: LeanAgent's re-embedding
-    embeds more, embedding once fewer, and the recall matrices agree. Both runs report to the session's Prefect
-    server, as a user's runs do with PREFECT_API_URL set, instead of starting a temporary server each (~14 s)."""
-    monkeypatch.setenv("PREFECT_API_URL", PREFECT_API_URL.value())
-    out = tmp_path / "curriculum.json"
-    with pytest.raises(SystemExit) as stop:
-        cli_main(["bench", "curriculum", "--repos", "2", "--dependency-files", "20", "--dependency-premises", "400",
-                  "--theorems", "24", "--work", str(tmp_path / "work"), "--json", str(out)])
-    assert stop.value.code == 0, capsys.readouterr().err
-    figures = json.loads(out.read_text())
-    assert figures["curriculum_same_results"] is True
-    # 2 repositories: 2 validations, 2 untrained evaluations and 1 + 2 stage evaluations, each a whole corpus.
-    assert figures["curriculum_all_corpus_passes"] == pytest.approx(7.0, rel=0.02)  # corpora differ a little
-    assert figures["curriculum_needed_premises_embedded"] < figures["curriculum_all_premises_embedded"]
-    assert figures["curriculum_all_jobs"] == figures["curriculum_needed_jobs"] == 2 * 3 + 1
-    assert figures["curriculum_all_embed_s"] > 0 and figures["curriculum_needed_train_steps_s"] > 0
-    assert "embedding once:" in capsys.readouterr().out
-    assert (tmp_path / "work" / "runs" / "needed" / "manifest.json").is_file()
 
 
 def test_the_path_section_runs_only_the_parts_asked_for(tmp_path):
