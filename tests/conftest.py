@@ -7,8 +7,10 @@ autouse, so suites that need neither (data, unit) start no server.
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,8 @@ from uuid import UUID
 
 import pytest
 import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,24 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _slow_tests() -> dict[str, float]:
+    """tests/slow_tests.txt as scripts/slowest_tests.py (which writes it) reads it."""
+    spec = importlib.util.spec_from_file_location("slowest_tests", REPO_ROOT / "scripts" / "slowest_tests.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules.setdefault(spec.name, module)  # a dataclass looks its module up there
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module.read_slow_list()
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`slow` on every test tests/slow_tests.txt lists: over 30 s in a run of the suite (docs/testing.md)."""
+    slow = _slow_tests()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -74,7 +74,6 @@ def test_bench_writes_every_figure(tmp_path, capsys):
     assert "sorted + one mask" in out and "token eff." in out
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not STATES.is_file(), reason="the real LeanDojo split files are not in ../shared/data")
 def test_bench_compiles_and_takes_real_proof_states(tmp_path):
     """The compiled row (cold and warm compile times) on the tiny model, contexts from a real split file."""
@@ -259,7 +258,6 @@ def test_the_engines_section_takes_an_index_or_a_dataset(tmp_path, capsys):
     assert stop.value.code == 1 and "give --index" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_the_serve_section_measures_real_servers(tmp_path):
     figures = _bench(["serve", str(tmp_path / "work"), "--no-mathlib", "--modes", "batched", "--bodies", "new client",
                       "--serve-args", "--dtype fp32"], tmp_path / "serve.json")
