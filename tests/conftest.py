@@ -8,6 +8,7 @@ autouse, so suites that need neither (data, unit) start no server.
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from uuid import UUID
 
 import pytest
 import yaml
+
+from tests.waiting import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,6 +181,8 @@ class ForkServer:
     def __init__(self, folder: Path, env: pytest.MonkeyPatch) -> None:
         self.folder = folder
         self.env = env
+        # The session's environment, not a test's (its imports read some variables once, for every job).
+        self.server_env = dict(os.environ)
         self.proc: subprocess.Popen | None = None
 
     def ensure(self) -> None:
@@ -185,8 +190,16 @@ class ForkServer:
 
         if self.proc is None:
             socket_path = self.folder / "fork.sock"
-            self.proc = start_fork_server(socket_path, self.folder / "fork-server.log")
+            self.proc = start_fork_server(socket_path, self.folder / "fork-server.log", self.server_env)
             self.env.setenv(SERVER_ENV, str(socket_path))
+
+    def wait_ready(self) -> None:
+        """Until the server has done its imports (a job sent earlier waits for them, counted in its own time)."""
+        from leanagent.launch.warm import READY
+
+        self.ensure()
+        log = self.folder / "fork-server.log"
+        wait_for(lambda: READY in log.read_text(), 600, "the fork server's imports", self.proc, log.read_text)
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -45,6 +45,7 @@ SERVER_MODULE = "leanagent.train.fork_server"
 # How long a launch waits for the server's answer: its imports, on a busy machine, when the first job comes early.
 SERVER_ANSWER_S = 600.0
 HEADER = struct.Struct("!I")  # a request: its length, then its JSON
+READY = "[fork server] ready"  # its first line, once its imports are done
 
 
 class WarmPlugin(LauncherPlugin):
@@ -156,9 +157,9 @@ def request_job(socket_path: str, request: dict, output: int) -> tuple[socket.so
         control.sendall(body)
         answer = b""
         deadline = time.monotonic() + SERVER_ANSWER_S
-        while not answer.endswith(b"\n"):
+        while not answer.endswith(b"\n"):  # one line, read to its end and no further: the agent's later lines follow
             ready, _, _ = select.select([control], [], [], max(0.0, deadline - time.monotonic()))
-            chunk = control.recv(4096) if ready else b""
+            chunk = control.recv(1) if ready else b""
             if not chunk:
                 raise LaunchError(f"the fork server at {socket_path} gave no answer"
                                   f"{'' if ready else f' within {SERVER_ANSWER_S:.0f} s'}")

@@ -29,6 +29,7 @@ Forking after torch's import, and what keeps it safe:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import importlib.util
 import json
@@ -59,7 +60,7 @@ from leanagent.ground.supervision import (
     find_process,
     running,
 )
-from leanagent.launch.warm import HEADER
+from leanagent.launch.warm import HEADER, READY
 
 TERM_GRACE_S = 30.0  # torchrun's: SIGTERM to the other ranks when one fails, SIGKILL this much later
 DRAIN_S = 2.0  # after the last rank ended, output still on its way (a rank's orphaned child may hold a pipe)
@@ -81,6 +82,7 @@ def serve(listener: socket.socket) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     default_threads = torch.get_num_threads()  # a fresh interpreter's, with no OMP_NUM_THREADS (see the docstring)
     gc.freeze()  # the imports' objects stay shared with the ranks, untouched by their collections
+    print(READY, flush=True)
     while True:
         conn, _ = listener.accept()
         try:
@@ -114,7 +116,9 @@ def serve(listener: socket.socket) -> None:
                 listener.close()
                 code = run_agent(request, conn, fds[0], default_threads)
             except BaseException:
-                traceback.print_exc()
+                traceback.print_exc()  # to the launcher, as the agent's own output
+                with contextlib.suppress(OSError):
+                    conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
             finally:
                 os._exit(code)
         conn.close()

@@ -29,8 +29,8 @@ GONE_S = 60.0  # generous: a busy 2-core machine
 
 @pytest.fixture
 def server(fork_server) -> psutil.Process:
-    """The session's fork server, started."""
-    fork_server.ensure()
+    """The session's fork server, its imports done (a deadline below counts from the launch)."""
+    fork_server.wait_ready()
     return psutil.Process(fork_server.proc.pid)
 
 
