@@ -1,7 +1,8 @@
-"""Write the suite's slowest tests into docs/testing.md, from a pytest run's JUnit report.
+"""Write the suite's slowest tests into docs/testing.md, and the tests `slow` marks, from a pytest run's JUnit report.
 
     .venv/bin/python scripts/slowest_tests.py --run [-- PYTEST_ARGS ...]   # run the suite, then write the table
     .venv/bin/python scripts/slowest_tests.py REPORT.xml [--top 20] [--page docs/testing.md] [--print]
+    .venv/bin/python scripts/slowest_tests.py REPORT.xml --slow [--over 30] --print   # tests/slow_tests.txt only
 
 Why a script: the table is a measurement, so it is generated from one run, never edited by hand, and rewritten
 whole each time (between the page's `<!-- slowest-tests -->` and `<!-- /slowest-tests -->` lines). A test's time
@@ -9,6 +10,11 @@ is pytest's JUnit `time` (setup, call and teardown together), so a test whose fi
 charged with it, as it is where the time goes. The run's total, the tests counted and the tier of each test (the
 folder under tests/: a torchrun job, a Prefect flow, SLURM, or neither) are written with it; the date goes to the
 measurements log, not here.
+
+`--slow` also rewrites tests/slow_tests.txt, the list of tests that `slow` marks (tests/conftest.py reads it): each
+test of the report over `--over` seconds is listed with its seconds, each under is dropped, and a listed test the
+report does not hold keeps its line. So a run of a part re-decides only what it ran: a `-m "not slow"` run adds a
+test that now pays for a shared fixture whose first user was skipped, and keeps the skipped ones listed.
 """
 
 from __future__ import annotations
@@ -23,6 +29,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "testing.md"
+SLOW_LIST = ROOT / "tests" / "slow_tests.txt"
+SLOW_SECONDS = 30.0
+SLOW_HEADER = ("# The tests `slow` marks (tests/conftest.py reads this file), each with its seconds in a run of the\n"
+               "# suite: those over 30 s. Written by `scripts/slowest_tests.py REPORT.xml --slow`, not by hand; a\n"
+               "# test the report does not hold keeps its line (docs/testing.md).\n")
 START, END = "<!-- slowest-tests -->", "<!-- /slowest-tests -->"
 # The folder under tests/ a test lives in, and what that says about its cost (`pytest -m` tiers: docs/testing.md).
 TIERS = {"ddp": "torchrun", "slurm": "SLURM", "prefect": "Prefect", "serve": "server", "unit": "unit",
@@ -67,6 +78,28 @@ def table(timed: list[Timed], total: float, top: int) -> str:
     return "\n".join(lines)
 
 
+def read_slow_list(path: Path = SLOW_LIST) -> dict[str, float]:
+    """The listed tests (pytest node ids) with their seconds; none if there is no list."""
+    if not path.is_file():
+        return {}
+    listed = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            seconds, test = line.split(maxsplit=1)
+            listed[test] = float(seconds)
+    return listed
+
+
+def update_slow_list(path: Path, timed: list[Timed], over: float) -> tuple[list[str], list[str]]:
+    """The report's tests over `over` seconds listed, its others dropped, the rest kept; (added, dropped)."""
+    listed = read_slow_list(path)
+    ran = {t.test: t.seconds for t in timed}
+    kept = {test: seconds for test, seconds in listed.items() if test not in ran}
+    slow = {**kept, **{test: seconds for test, seconds in ran.items() if seconds > over}}
+    path.write_text(SLOW_HEADER + "".join(f"{seconds:.1f}  {test}\n" for test, seconds in sorted(slow.items())))
+    return sorted(set(slow) - set(listed)), sorted(set(listed) - set(slow))
+
+
 def rewrite(page: Path, block: str) -> None:
     """Replace what lies between the page's markers with `block`; a page without both markers is refused."""
     text = page.read_text()
@@ -84,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--page", type=Path, default=PAGE)
     parser.add_argument("--print", action="store_true", help="print the table; leave the page as it is")
+    parser.add_argument("--slow", nargs="?", const=SLOW_LIST, type=Path, metavar="LIST",
+                        help=f"also rewrite the list of slow tests ({SLOW_LIST.relative_to(ROOT)}) from the report")
+    parser.add_argument("--over", type=float, default=SLOW_SECONDS, help="a test over this many seconds is slow")
     args, pytest_args = parser.parse_known_args(argv)
     pytest_args = [a for a in pytest_args if a != "--"]
     if args.run == (args.report is not None):
@@ -97,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"note: pytest exited {code}; the table is written from the tests that ran", file=sys.stderr)
         if not report.is_file():
             raise SystemExit(f"error: {report}: no such report")
-        block = table(*read_report(report), args.top)
+        timed, total = read_report(report)
+        block = table(timed, total, args.top)
+        if args.slow is not None:
+            added, dropped = update_slow_list(args.slow, timed, args.over)
+            print(f"{args.slow}: {len(added)} test(s) added, {len(dropped)} dropped")
     if args.print:
         print(block)
     else:

@@ -7,12 +7,14 @@ autouse, so suites that need neither (data, unit) start no server.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,10 @@ from uuid import UUID
 
 import pytest
 import yaml
+
+from tests.waiting import wait_for
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,24 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _slow_tests() -> dict[str, float]:
+    """tests/slow_tests.txt as scripts/slowest_tests.py (which writes it) reads it."""
+    spec = importlib.util.spec_from_file_location("slowest_tests", REPO_ROOT / "scripts" / "slowest_tests.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules.setdefault(spec.name, module)  # a dataclass looks its module up there
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module.read_slow_list()
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`slow` on every test tests/slow_tests.txt lists: over 30 s in a run of the suite (docs/testing.md)."""
+    slow = _slow_tests()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -150,29 +174,96 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Which launcher starts a test's jobs (docs/testing.md lists which tests use which): `warm` forks the ranks from the
+# session's fork server, which has imported torch, Lightning and the rank programs once; `local` (torchrun) where
+# torchrun is what a test is about.
+WARM, TORCHRUN = "warm", "local"
+
+
+class ForkServer:
+    """The session's fork server for `launcher: warm` (leanagent/launch/warm.py), started when the first warm config
+    is written; LEANAGENT_FORK_SERVER names it to every launcher of the session, in this process and the commands
+    it starts."""
+
+    def __init__(self, folder: Path, env: pytest.MonkeyPatch) -> None:
+        self.folder = folder
+        self.env = env
+        # The session's environment, not a test's (its imports read some variables once, for every job).
+        self.server_env = dict(os.environ)
+        self.proc: subprocess.Popen | None = None
+
+    def ensure(self) -> None:
+        from leanagent.launch.warm import SERVER_ENV, start_fork_server
+
+        if self.proc is None:
+            socket_path = self.folder / "fork.sock"
+            self.proc = start_fork_server(socket_path, self.folder / "fork-server.log", self.server_env)
+            self.env.setenv(SERVER_ENV, str(socket_path))
+
+    def wait_ready(self) -> None:
+        """Until the server has done its imports (a job sent earlier waits for them, counted in its own time)."""
+        from leanagent.launch.warm import READY
+
+        self.ensure()
+        log = self.folder / "fork-server.log"
+        wait_for(lambda: READY in log.read_text(), 600, "the fork server's imports", self.proc, log.read_text)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+
+
 @pytest.fixture(scope="session")
-def write_cpu_config(demo_assets: DemoAssets) -> Callable[..., Path]:
-    """Write a 2-rank CPU config YAML; call it as `write_cpu_config(path, run_dir, repos, **section_overrides)`.
+def fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    with pytest.MonkeyPatch.context() as env:
+        server = ForkServer(tmp_path_factory.mktemp("fork"), env)
+        try:
+            yield server
+        finally:
+            server.stop()
 
-    The flows' tests train in the CPU's own precision (`auto`: fp32 where bf16 autocast would be emulated, several
-    times slower; bf16-mixed on a CPU with bf16 matmuls), as the demo does: what these tests check (orchestration,
-    continuation, reruns) is the same in either precision.
+
+BASE_CPU_CONFIG: dict[str, Any] = {
+    "model": {"warmup_steps": 5, "max_seq_len": 256, "num_retrieved": 100, "lr": 1e-3},
+    "data": {"batch_size": 4, "eval_batch_size": 16, "num_workers": 0, "max_seq_len": 256},
+    "trainer": {"accelerator": "cpu", "devices": 2, "precision": "auto", "accumulate_grad_batches": 1},
+    "lifelong": {"epochs_per_repo": 1, "ewc_lambda": 0.1},
+}
+
+
+def write_cpu_config_file(path: Path, *, encoder: Path, run_dir: Path | None = None, repos: Sequence[Path] = (),
+                          launcher: str = WARM, **sections: Any) -> Path:
+    """The tests' one CPU config writer: a 2-rank CPU config YAML at `path`, training `encoder`; its path.
+
+    `sections` are merged into the config key by key (`trainer={"devices": 1}`); a top-level value replaces it. The
+    tests train in the CPU's own precision (`auto`: fp32 where bf16 autocast would be emulated, several times slower;
+    bf16-mixed on a CPU with bf16 matmuls), as the demo does: what they check (orchestration, continuation, reruns,
+    resumes) is the same in either. A warm config needs the session's fork server: write it with `write_cpu_config`.
     """
+    cfg = {"launcher": launcher, **_merge(BASE_CPU_CONFIG, {"model": {"name_or_path": str(encoder)}})}
+    if run_dir is not None:
+        cfg["run_dir"] = str(run_dir)
+    if repos:
+        cfg["repos"] = [{"path": str(p)} for p in repos]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(_merge(cfg, sections), sort_keys=False))
+    return path
 
-    def write(path: Path, run_dir: Path, repos: list[Path], **overrides: Any) -> Path:
-        cfg: dict[str, Any] = {
-            "model": {"name_or_path": str(demo_assets.model), "warmup_steps": 5, "max_seq_len": 256,
-                      "num_retrieved": 100, "lr": 1e-3},
-            "data": {"batch_size": 4, "eval_batch_size": 16, "num_workers": 0, "max_seq_len": 256},
-            "trainer": {"accelerator": "cpu", "devices": 2, "precision": "auto", "accumulate_grad_batches": 1},
-            "lifelong": {"epochs_per_repo": 1, "ewc_lambda": 0.1},
-            "run_dir": str(run_dir),
-            "repos": [{"path": str(p)} for p in repos],
-        }
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(_merge(cfg, overrides), sort_keys=False))
-        return path
+
+@pytest.fixture(scope="session")
+def write_cpu_config(demo_assets: DemoAssets, fork_server: ForkServer) -> Callable[..., Path]:
+    """`write_cpu_config(path, run_dir=None, repos=(), encoder=None, launcher=WARM, **sections)`:
+    `write_cpu_config_file`, the encoder the demo's tiny one unless given, and for a warm config the session's fork
+    server started."""
+
+    def write(path: Path, run_dir: Path | None = None, repos: Sequence[Path] = (), *, encoder: Path | None = None,
+              launcher: str = WARM, **sections: Any) -> Path:
+        if launcher == WARM:
+            fork_server.ensure()
+        return write_cpu_config_file(path, encoder=encoder or demo_assets.model, run_dir=run_dir, repos=repos,
+                                     launcher=launcher, **sections)
 
     return write
 

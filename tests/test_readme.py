@@ -240,7 +240,6 @@ def test_the_docs_build_as_a_site_with_strict_checks(tmp_path):
     assert "8&lt;" not in index
 
 
-@pytest.mark.slow
 @pytest.mark.ddp
 @pytest.mark.prefect
 def test_the_demo_then_every_marked_block_runs_as_written(clone, demo):
@@ -358,7 +357,6 @@ def _running_daemons(cluster: Cluster) -> list[str]:
             in ("slurmctld", "slurmd")]
 
 
-@pytest.mark.slow
 @pytest.mark.ddp
 @pytest.mark.prefect
 @pytest.mark.slurm

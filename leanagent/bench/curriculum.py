@@ -78,6 +78,7 @@ def _config(work: Path, data: list[Path], model: Path, options: CurriculumOption
     """The demo's trainer (bf16-mixed, 2 CPU ranks by default), LeanAgent's one epoch per repository, in run_dir
     runs/MODE."""
     cfg = {
+        "launcher": options.launcher,
         "model": {"name_or_path": str(model), "lr": 2e-3, "warmup_steps": 10, "max_seq_len": 256,
                   "embed_premises": mode},
         "data": {"batch_size": 8, "eval_batch_size": 32, "max_seq_len": 256, "num_workers": 0},

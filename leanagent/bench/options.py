@@ -114,6 +114,7 @@ class CurriculumOptions(BaseModel):
     accelerator: Literal["cpu", "gpu"] = Field("cpu", description="where the jobs run")
     devices: PositiveInt = Field(2, description="ranks per job (on a GPU: GPUs)")
     preset: Preset = Field(TINY, description="the random encoder's shape")
+    launcher: str = Field("local", description="what starts each job's ranks (the config's `launcher`)")
     work: Path | None = Field(None, description="keep the data, model and both runs here (default: a temporary "
                                                 "folder, removed at the end)")
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
+from leanagent.data.premise_text import MARK_END, MARK_START
 from leanagent.ground.config import LifelongConfig, PipelineConfig, RepoConfig, TrainerConfig
 from leanagent.run.manifest import RepoEntry
 from leanagent.run.state import RunState
@@ -82,3 +84,16 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def write_jsonl(path: Path, records: list[Any]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def reference_serialize(full_name: str, code: str) -> str:
+    """LeanDojo's Premise.serialize (one regex pass per suffix, longest first), with a literal replacement."""
+    tagged = f"{MARK_START}{full_name}{MARK_END}"
+    code = code.replace(f"_root_.{full_name}", tagged)
+    fields = full_name.split(".")
+    for i in range(len(fields)):
+        pattern = re.compile(r"(?<=\s)«?" + re.escape(".".join(fields[i:])) + "»?")
+        new_code = pattern.sub(lambda _: tagged, code)
+        if new_code != code:
+            return new_code
+    return code

@@ -9,12 +9,12 @@ collate against a batch built example by example.
 from __future__ import annotations
 
 import random
-import re
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from data_helpers import reference_serialize
 
 import leanagent.data.corpus as corpus_module
 from leanagent.data.corpus import Corpus
@@ -22,7 +22,7 @@ from leanagent.data.dataset import TrainDataset, example_seed, tokenize_premises
 from leanagent.data.errors import DatasetError
 from leanagent.data.examples import TrainExample
 from leanagent.data.negatives import negative_pools, pool_members, sample_negatives
-from leanagent.data.premise_text import MARK_END, MARK_START, serialize_premise
+from leanagent.data.premise_text import serialize_premise
 from leanagent.data.ranges import RangeUnion
 from leanagent.data.tokenize import byt5_spec
 
@@ -125,19 +125,6 @@ def test_other_tokenizers_are_used_as_they_are(tokenizer) -> None:
 
 
 # ---- premise text --------------------------------------------------------------------------------
-
-def reference_serialize(full_name: str, code: str) -> str:
-    """LeanDojo's Premise.serialize, with a literal replacement."""
-    tagged = f"{MARK_START}{full_name}{MARK_END}"
-    code = code.replace(f"_root_.{full_name}", tagged)
-    fields = full_name.split(".")
-    for i in range(len(fields)):
-        pattern = re.compile(r"(?<=\s)«?" + re.escape(".".join(fields[i:])) + "»?")
-        new_code = pattern.sub(lambda _: tagged, code)
-        if new_code != code:
-            return new_code
-    return code
-
 
 def test_premise_text_equals_the_regex_reference() -> None:
     rng = random.Random(0)

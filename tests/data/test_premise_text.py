@@ -13,28 +13,16 @@ import re
 import sys
 from collections.abc import Callable
 
+from data_helpers import reference_serialize
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from leanagent.data.premise_text import MARK_END, MARK_START, serialize_premise
+from leanagent.data.premise_text import serialize_premise
 
 # Components and pieces of code that make the suffix search hard: repeats, «», whitespace inside names, dots.
 COMPONENTS = ["a", "b", "ab", "a_b", "«a b»", "«a»", "", "a b", "x", "«", "»", "_root_", "aa"]
 PIECES = [" ", "\n", "\u2003", "\u00a0", "a", "b", ".", "«", "»", "x", "\\", "(", "theorem ", "a.", "«a", "a»"]
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-
-
-def reference_serialize(full_name: str, code: str) -> str:
-    """LeanDojo's Premise.serialize (one regex pass per suffix, longest first), with a literal replacement."""
-    tagged = f"{MARK_START}{full_name}{MARK_END}"
-    code = code.replace(f"_root_.{full_name}", tagged)
-    fields = full_name.split(".")
-    for i in range(len(fields)):
-        pattern = re.compile(r"(?<=\s)«?" + re.escape(".".join(fields[i:])) + "»?")
-        new_code = pattern.sub(lambda _: tagged, code)
-        if new_code != code:
-            return new_code
-    return code
 
 
 @st.composite

@@ -21,16 +21,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
 
 from leanagent.ground.config import TrainerConfig
 from leanagent.ground.supervision import descendants, find_process, is_running, start_time
 from leanagent.launch.base import LaunchError
 from leanagent.launch.local import LocalLauncher
+from tests.conftest import TORCHRUN
 from tests.prefect.prefect_api import served_deployment, stop_serving
 from tests.waiting import wait_for
 
-from .conftest import REPO_ROOT, write_config
+from .conftest import REPO_ROOT
 
 pytestmark = pytest.mark.ddp
 CPU2 = TrainerConfig(accelerator="cpu", devices=2, precision="32-true")
@@ -259,8 +259,9 @@ def _pid_records(folder: Path) -> dict[int, float]:
     return records
 
 
-def test_sigterm_to_leanagent_train_ends_the_job_and_exits_143(tmp_path, ddp_assets, leftovers):
-    cfg = write_config(tmp_path / "cfg.yaml", ddp_assets["model"], lifelong={"epochs_per_repo": 50})
+def test_sigterm_to_leanagent_train_ends_the_job_and_exits_143(tmp_path, ddp_assets, leftovers, write_cpu_config):
+    cfg = write_cpu_config(tmp_path / "cfg.yaml", encoder=ddp_assets["model"], launcher=TORCHRUN,
+                           lifelong={"epochs_per_repo": 50})
     out = tmp_path / "job"
     cli = _cli(tmp_path / "cli.log", "train", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]),
                "--out", str(out))
@@ -282,12 +283,10 @@ def test_sigterm_to_leanagent_train_ends_the_job_and_exits_143(tmp_path, ddp_ass
     print(f"\n[faults] SIGTERM to leanagent train: exited 143 after {exited:.1f} s, all {len(job)} processes gone")
 
 
-def _run_config(tmp_path: Path, ddp_assets: dict[str, Path]) -> tuple[Path, Path]:
-    cfg = write_config(tmp_path / "cfg.yaml", ddp_assets["model"], lifelong={"epochs_per_repo": 50})
-    data = yaml.safe_load(cfg.read_text())
+def _run_config(write_cpu_config, tmp_path: Path, ddp_assets: dict[str, Path]) -> tuple[Path, Path]:
     run_dir = tmp_path / "run"
-    data.update(run_dir=str(run_dir), repos=[{"path": str(ddp_assets["repo_a"])}])
-    cfg.write_text(yaml.safe_dump(data))
+    cfg = write_cpu_config(tmp_path / "cfg.yaml", run_dir, [ddp_assets["repo_a"]], encoder=ddp_assets["model"],
+                           launcher=TORCHRUN, lifelong={"epochs_per_repo": 50})
     return cfg, run_dir
 
 
@@ -310,10 +309,11 @@ def _manifest_stage(run_dir: Path, stage: str) -> dict:
     return repo["stages"][stage]
 
 
-def _run_until_training(tmp_path: Path, ddp_assets, leftovers) -> tuple[subprocess.Popen, Path, dict[int, float]]:
+def _run_until_training(write_cpu_config, tmp_path: Path, ddp_assets,
+                        leftovers) -> tuple[subprocess.Popen, Path, dict[int, float]]:
     """`leanagent run` started with its own Prefect home, once both training ranks run: the CLI, the run
     folder, and every process of it (pid -> start time), all registered for clean-up."""
-    cfg, run_dir = _run_config(tmp_path, ddp_assets)
+    cfg, run_dir = _run_config(write_cpu_config, tmp_path, ddp_assets)
     cli = _cli(tmp_path / "cli.log", "run", "--config", str(cfg), env=_own_prefect_home(tmp_path))
     leftovers[cli.pid] = start_time(cli.pid)
     wait_for(lambda: len(_train_pids(run_dir)) == 2, 2 * STARTUP_S, "the training job's ranks running", cli,
@@ -324,8 +324,9 @@ def _run_until_training(tmp_path: Path, ddp_assets, leftovers) -> tuple[subproce
     return cli, run_dir, job
 
 
-def test_sigkill_to_leanagent_run_leaves_no_rank_and_no_prefect_server(tmp_path, ddp_assets, leftovers):
-    cli, run_dir, job = _run_until_training(tmp_path, ddp_assets, leftovers)
+def test_sigkill_to_leanagent_run_leaves_no_rank_and_no_prefect_server(tmp_path, ddp_assets, leftovers,
+                                                                       write_cpu_config):
+    cli, run_dir, job = _run_until_training(write_cpu_config, tmp_path, ddp_assets, leftovers)
     commands = {pid: _cmdline(pid) for pid in job}
     assert any("uvicorn" in c and "prefect.server" in c for c in commands.values()), commands
     assert sum("leanagent.train.programs" in c and "leanagent.launch.torchrun" not in c for c in commands.values()) == 2
@@ -337,8 +338,8 @@ def test_sigkill_to_leanagent_run_leaves_no_rank_and_no_prefect_server(tmp_path,
           f"gone after {elapsed:.1f} s")
 
 
-def test_sigint_to_leanagent_run_records_the_stage_interrupted(tmp_path, ddp_assets, leftovers):
-    cli, run_dir, job = _run_until_training(tmp_path, ddp_assets, leftovers)
+def test_sigint_to_leanagent_run_records_the_stage_interrupted(tmp_path, ddp_assets, leftovers, write_cpu_config):
+    cli, run_dir, job = _run_until_training(write_cpu_config, tmp_path, ddp_assets, leftovers)
     cli.send_signal(signal.SIGINT)
     started = time.monotonic()
     cli.wait(timeout=120)
@@ -367,7 +368,8 @@ def _flow_run_tree(runner: int) -> dict[int, float]:
 
 
 @pytest.mark.prefect
-def test_cancelling_a_served_deployment_run_ends_its_job(tmp_path, ddp_assets, leftovers, prefect_harness):
+def test_cancelling_a_served_deployment_run_ends_its_job(tmp_path, ddp_assets, leftovers, prefect_harness,
+                                                         write_cpu_config):
     """`prefect flow-run cancel` (or the UI's Cancel) on a run of `deployments/serve.py`: the runner sends the
     flow-run process SIGTERM (after a cancel intent on its control channel); the launcher ends the job, the
     stage is recorded interrupted, the run shows Cancelled, and no process of it is left."""
@@ -376,7 +378,7 @@ def test_cancelling_a_served_deployment_run_ends_its_job(tmp_path, ddp_assets, l
     from prefect.settings import PREFECT_API_URL
     from prefect.states import Cancelling
 
-    cfg, run_dir = _run_config(tmp_path, ddp_assets)
+    cfg, run_dir = _run_config(write_cpu_config, tmp_path, ddp_assets)
     name = f"cancel-{os.getpid()}-{tmp_path.name}"[:60]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(PREFECT_API_URL=PREFECT_API_URL.value(), PREFECT_RUNNER_POLL_FREQUENCY="1", **NO_TELEMETRY)

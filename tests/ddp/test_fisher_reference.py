@@ -22,7 +22,7 @@ from leanagent.data.theorems import load_split
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.retriever import PremiseRetriever
 
-from .conftest import leanagent, run_probe
+from .conftest import leanagent
 
 pytestmark = pytest.mark.ddp
 
@@ -141,7 +141,7 @@ PROBE = textwrap.dedent('''
 ''')
 
 
-def test_ddp_averages_the_gradient_before_it_is_squared(demo_assets, tmp_path: Path) -> None:
+def test_ddp_averages_the_gradient_before_it_is_squared(demo_assets, tmp_path: Path, run_probe) -> None:
     num_examples = 26  # 13 per rank, 3 full batches of 4 each, 1 example per rank dropped
     out = tmp_path / "out"
     out.mkdir()

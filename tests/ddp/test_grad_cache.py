@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import run_probe
-
 pytestmark = pytest.mark.ddp
 
 PROBE = textwrap.dedent('''
@@ -54,7 +52,7 @@ PROBE = textwrap.dedent('''
 ''')
 
 
-def test_cached_ddp_training_ends_at_the_uncached_weights(ddp_assets, tmp_path: Path) -> None:
+def test_cached_ddp_training_ends_at_the_uncached_weights(ddp_assets, tmp_path: Path, run_probe) -> None:
     run_probe(PROBE, tmp_path, str(ddp_assets["model"]), str(ddp_assets["repo_a"]), str(tmp_path))
     weights = {(c, r): torch.load(tmp_path / f"w{c}_{r}.pt", weights_only=True) for c in (0, 1) for r in (0, 1)}
     start = torch.load(tmp_path / "w_init.pt", weights_only=True)

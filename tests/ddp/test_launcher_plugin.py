@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO_ROOT, write_config
+from .conftest import REPO_ROOT
 
 pytestmark = pytest.mark.ddp
 
@@ -86,8 +86,10 @@ def leanagent(*args: str, site: Path | None) -> subprocess.CompletedProcess:
                           timeout=600, env=env, cwd=REPO_ROOT)
 
 
-def test_a_launcher_from_its_own_package_runs_a_real_job_and_answers_status(site, ddp_assets, tmp_path):
-    cfg = write_config(tmp_path / "cfg.yaml", ddp_assets["model"], launcher="here", here={"tag": "from-a-plugin"})
+def test_a_launcher_from_its_own_package_runs_a_real_job_and_answers_status(site, ddp_assets, tmp_path,
+                                                                           write_cpu_config):
+    cfg = write_cpu_config(tmp_path / "cfg.yaml", encoder=ddp_assets["model"], launcher="here",
+                           here={"tag": "from-a-plugin"})
     run_dir = tmp_path / "run"
     out = run_dir / "jobs" / "00-repo_a" / "eval"
     done = leanagent("evaluate", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]), "--out", str(out),
@@ -103,21 +105,21 @@ def test_a_launcher_from_its_own_package_runs_a_real_job_and_answers_status(site
     assert status.stdout.split() == ["eval", "RAN", "from-a-plugin", "00-repo_a/eval", "(here)"], status.stdout
 
 
-def test_its_section_and_its_name_are_checked_like_the_built_in_ones(site, ddp_assets, tmp_path):
-    typo = write_config(tmp_path / "typo.yaml", ddp_assets["model"], launcher="here", here={"tga": "x"})
+def test_its_section_and_its_name_are_checked_like_the_built_in_ones(site, ddp_assets, tmp_path, write_cpu_config):
+    typo = write_cpu_config(tmp_path / "typo.yaml", encoder=ddp_assets["model"], launcher="here", here={"tga": "x"})
     out = tmp_path / "job"
     refused = leanagent("evaluate", "--config", str(typo), "--dataset", str(ddp_assets["repo_a"]), "--out", str(out),
                         site=site)
     assert refused.returncode == 1 and not out.exists()
     assert refused.stderr == f"error: {typo}: here.tga: unknown key (did you mean 'tag'?)\n", refused.stderr
-    near = write_config(tmp_path / "near.yaml", ddp_assets["model"], launcher="hre")
+    near = write_cpu_config(tmp_path / "near.yaml", encoder=ddp_assets["model"], launcher="hre")
     refused = leanagent("evaluate", "--config", str(near), "--dataset", str(ddp_assets["repo_a"]), "--out", str(out),
                         site=site)
     assert refused.stderr == (f"error: {near}: launcher: 'hre' is not a known launcher (did you mean 'here'?); "
-                              f"known: here, local, slurm\n"), refused.stderr
+                              f"known: here, local, slurm, warm\n"), refused.stderr
     # Not installed: the same config names the launchers there are.
-    good = write_config(tmp_path / "good.yaml", ddp_assets["model"], launcher="here")
+    good = write_cpu_config(tmp_path / "good.yaml", encoder=ddp_assets["model"], launcher="here")
     refused = leanagent("evaluate", "--config", str(good), "--dataset", str(ddp_assets["repo_a"]), "--out", str(out),
                         site=None)
     assert refused.returncode == 1 and not out.exists()
-    assert refused.stderr == f"error: {good}: launcher: 'here' is not a known launcher; known: local, slurm\n"
+    assert refused.stderr == f"error: {good}: launcher: 'here' is not a known launcher; known: local, slurm, warm\n"

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from .conftest import leanagent, run_probe, write_config
+from .conftest import leanagent
 from .test_resume import EPOCHS, EVERY, _epoch_files, _interrupted, _losses, _ok, _steps, _weights
 
 pytestmark = pytest.mark.ddp
@@ -52,7 +51,7 @@ PROBE = textwrap.dedent('''
 ''')
 
 
-def test_every_rank_holds_the_same_mined_table(ddp_assets, tmp_path: Path) -> None:
+def test_every_rank_holds_the_same_mined_table(ddp_assets, tmp_path: Path, run_probe) -> None:
     run_probe(PROBE, tmp_path, str(ddp_assets["model"]), str(ddp_assets["repo_a"]), str(tmp_path), timeout=600)
     t0, t1 = (torch.load(tmp_path / f"table{r}.pt", weights_only=True) for r in (0, 1))
     assert t0.shape[1] == 8 and (t0 >= 0).sum() > t0.numel() // 2
@@ -60,14 +59,12 @@ def test_every_rank_holds_the_same_mined_table(ddp_assets, tmp_path: Path) -> No
 
 
 @pytest.fixture(scope="module")
-def mined_setup(ddp_assets, tmp_path_factory) -> dict:
+def mined_setup(ddp_assets, tmp_path_factory, write_cpu_config) -> dict:
     work = tmp_path_factory.mktemp("mined_resume")
-    cfg = write_config(work / "cfg.yaml", ddp_assets["model"], data={"negatives": "mined", "mined_pool": 8},
-                       trainer={"checkpoint_every_n_steps": EVERY},
-                       lifelong={"epochs_per_repo": EPOCHS, "ewc_lambda": 0.0})
-    written = yaml.safe_load(cfg.read_text())
-    written["model"]["loss"] = "infonce"  # the recipe of configs/leanagent-infonce.yaml
-    cfg.write_text(yaml.safe_dump(written))
+    cfg = write_cpu_config(work / "cfg.yaml", encoder=ddp_assets["model"], data={"negatives": "mined", "mined_pool": 8},
+                           trainer={"checkpoint_every_n_steps": EVERY},
+                           lifelong={"epochs_per_repo": EPOCHS, "ewc_lambda": 0.0},
+                           model={"loss": "infonce"})  # the recipe of configs/leanagent-infonce.yaml
     dataset = ddp_assets["repo_a"]
     whole = _ok(leanagent("train", "--config", str(cfg), "--dataset", str(dataset), "--out", str(work / "whole"),
                           timeout=900), work / "whole")

@@ -25,8 +25,9 @@ from leanagent.ground.config import load_config
 from leanagent.ground.job import PROGRAMS, JobRequest
 from leanagent.ground.names import TRAIN_PART, part_file
 from leanagent.preflight.run_job import run_job
+from tests.conftest import TORCHRUN
 
-from .conftest import REPO_ROOT, write_config
+from .conftest import REPO_ROOT
 
 pytestmark = pytest.mark.ddp
 
@@ -88,9 +89,9 @@ def registered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return site
 
 
-def test_a_registered_program_runs_a_real_job_and_has_its_command(registered: Path, ddp_assets,
-                                                                  tmp_path: Path) -> None:
-    config = write_config(tmp_path / "cfg.yaml", ddp_assets["model"])
+def test_a_registered_program_runs_a_real_job_and_has_its_command(registered: Path, ddp_assets, tmp_path: Path,
+                                                                  write_cpu_config) -> None:
+    config = write_cpu_config(tmp_path / "cfg.yaml", encoder=ddp_assets["model"], launcher=TORCHRUN)
     job = JobRequest(program="count", config=load_config(config), datasets=(ddp_assets["repo_a"],),
                      out=tmp_path / "job")
     result = run_job(job)

@@ -18,8 +18,9 @@ from leanagent.data.corpus import Corpus
 from leanagent.data.examples import build_train_examples
 from leanagent.data.theorems import load_split
 from leanagent.model.dtypes import resolve_precision
+from tests.conftest import TORCHRUN
 
-from .conftest import REPO_ROOT, leanagent, run_probe, shown_cli, write_config
+from .conftest import REPO_ROOT, leanagent, shown_cli
 
 pytestmark = pytest.mark.ddp
 
@@ -87,8 +88,11 @@ def test_fisher_file_is_a_valid_diagonal(lifelong, ddp_assets):
     assert meta["world_size"] == 2 and meta["checkpoint"] == lifelong["a"]["checkpoint"]
 
 
-def test_fisher_is_the_same_on_one_and_two_ranks(lifelong, ddp_assets, tmp_path):
-    cfg1 = write_config(tmp_path / "one.yaml", ddp_assets["model"], devices=1)
+def test_fisher_is_the_same_on_one_and_two_ranks(lifelong, ddp_assets, tmp_path, write_cpu_config, monkeypatch):
+    cfg1 = write_cpu_config(tmp_path / "one.yaml", encoder=ddp_assets["model"], trainer={"devices": 1})
+    # One intra-op thread, as each of the two ranks has (torchrun's rule): a lone rank's default two threads spin
+    # against each other on a busy 2-core machine (its Fisher pass measured 124-195 s there, 9 s with one).
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     one = _ok(leanagent("fisher", "--config", str(cfg1), "--dataset", str(ddp_assets["repo_a"]), "--checkpoint",
                         lifelong["a"]["checkpoint"], "--out", str(tmp_path / "f1")))
     f1, m1 = load_fisher(Path(one["fisher"]))
@@ -129,9 +133,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_node_launch_on_localhost(ddp_assets, tmp_path):
-    cfg = write_config(tmp_path / "cfg.yaml", ddp_assets["model"], devices=1,
-                       trainer={"num_nodes": 2, "rdzv_endpoint": f"127.0.0.1:{_free_port()}"})
+def test_two_node_launch_on_localhost(ddp_assets, tmp_path, write_cpu_config):
+    cfg = write_cpu_config(tmp_path / "cfg.yaml", encoder=ddp_assets["model"], launcher=TORCHRUN,
+                           trainer={"devices": 1, "num_nodes": 2, "rdzv_endpoint": f"127.0.0.1:{_free_port()}"})
     nodes = [
         subprocess.Popen([sys.executable, "-m", "leanagent.cli", "train", "--config", str(cfg), "--dataset",
                           str(ddp_assets["repo_a"]), "--out", str(tmp_path / f"node{rank}"), "--node-rank", str(rank),
@@ -169,11 +173,11 @@ def test_interrupted_training_resumes_from_its_last_checkpoint(lifelong, tmp_pat
     assert penalties[0] > 0.0
 
 
-def test_auto_trains_in_fp32_on_a_cpu_without_bf16_matmuls_and_says_so(ddp_assets, tmp_path):
+def test_auto_trains_in_fp32_on_a_cpu_without_bf16_matmuls_and_says_so(ddp_assets, tmp_path, write_cpu_config):
     """The demo's shape (2 ranks, `precision: auto`) on a CPU without bf16 matmuls: ONEDNN_MAX_CPU_ISA=AVX2, oneDNN's
     own variable, makes this one such a CPU, its detection included. The job trains in 32-true, and its progress
     lines and result.json say so."""
-    cfg = write_config(tmp_path / "cfg.yaml", ddp_assets["model"])
+    cfg = write_cpu_config(tmp_path / "cfg.yaml", encoder=ddp_assets["model"])
     shown = shown_cli("train", "--config", str(cfg), "--dataset", str(ddp_assets["repo_a"]), "--out",
                       str(tmp_path / "job"), ONEDNN_MAX_CPU_ISA="AVX2", LEANAGENT_PROGRESS_INTERVAL="0.2")
     assert json.loads((tmp_path / "job" / "result.json").read_text())["precision"] == "32-true"
@@ -194,8 +198,9 @@ Path(sys.argv[1], f"rank{os.environ['RANK']}").write_text(job_precision(cfg))
 """
 
 
-def test_ranks_whose_cpus_differ_agree_on_fp32(tmp_path):
+def test_ranks_whose_cpus_differ_agree_on_fp32(tmp_path, run_probe):
     """Nodes of two kinds in one job: `auto` must not run bf16 on one rank and fp32 on another; it takes 32-true,
     which neither runs slowly. (On a CPU without bf16 matmuls both ranks say so anyway.)"""
-    run_probe(RANKS_OF_TWO_KINDS, tmp_path, str(tmp_path))
+    # torchrun: rank 1 sets oneDNN's variable before its interpreter imports torch
+    run_probe(RANKS_OF_TWO_KINDS, tmp_path, str(tmp_path), launcher=TORCHRUN)
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["32-true", "32-true"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import REPO_ROOT, fault_env, leanagent, write_config
+from .conftest import REPO_ROOT, fault_env, leanagent
 
 pytestmark = pytest.mark.ddp
 
@@ -61,12 +61,12 @@ def _epoch_files(job: Path) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def setup(ddp_assets, tmp_path_factory) -> dict:
+def setup(ddp_assets, tmp_path_factory, write_cpu_config) -> dict:
     work = tmp_path_factory.mktemp("resume")
     lifelong = {"epochs_per_repo": EPOCHS, "ewc_lambda": 0.0}
-    cfg = write_config(work / "cfg.yaml", ddp_assets["model"], trainer={"checkpoint_every_n_steps": EVERY},
-                       lifelong=lifelong)
-    plain = write_config(work / "plain.yaml", ddp_assets["model"], lifelong=lifelong)
+    cfg = write_cpu_config(work / "cfg.yaml", encoder=ddp_assets["model"], trainer={"checkpoint_every_n_steps": EVERY},
+                           lifelong=lifelong)
+    plain = write_cpu_config(work / "plain.yaml", encoder=ddp_assets["model"], lifelong=lifelong)
     dataset = ddp_assets["repo_a"]
     whole = _ok(leanagent("train", "--config", str(cfg), "--dataset", str(dataset), "--out", str(work / "whole"),
                           timeout=900), work / "whole")

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
 from prefect.settings import PREFECT_API_URL
 
 from leanagent.report import load_run
+from tests.conftest import TORCHRUN, WARM
 
-from .conftest import REPO_ROOT, fault_env, write_config
+from .conftest import REPO_ROOT, fault_env
 
 pytestmark = pytest.mark.ddp
 
@@ -58,12 +58,9 @@ def _run(config: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
                           start_new_session=True)
 
 
-def _config(path: Path, ddp_assets, run_dir: Path) -> Path:
-    cfg = write_config(path, ddp_assets["model"], lifelong={"epochs_per_repo": 2, "ewc_lambda": 0.1})
-    data = yaml.safe_load(cfg.read_text())
-    data.update(run_dir=str(run_dir), repos=[{"path": str(ddp_assets["repo_a"])}, {"path": str(ddp_assets["repo_b"])}])
-    cfg.write_text(yaml.safe_dump(data))
-    return cfg
+def _config(write_cpu_config, path: Path, ddp_assets, run_dir: Path, launcher: str = TORCHRUN) -> Path:
+    return write_cpu_config(path, run_dir, [ddp_assets["repo_a"], ddp_assets["repo_b"]], encoder=ddp_assets["model"],
+                            launcher=launcher, lifelong={"epochs_per_repo": 2, "ewc_lambda": 0.1})
 
 
 def _servers_of(prefect_home: Path) -> list[int]:
@@ -87,13 +84,16 @@ def _stages(run_dir: Path) -> dict[str, str]:
 
 
 @pytest.mark.usefixtures("prefect_harness")
-def test_group_ctrl_c_in_any_stage_then_rerun_gives_the_uninterrupted_recall_matrix(ddp_assets, tmp_path):
+def test_group_ctrl_c_in_any_stage_then_rerun_gives_the_uninterrupted_recall_matrix(ddp_assets, tmp_path,
+                                                                                    write_cpu_config):
     whole_dir = tmp_path / "whole"
-    whole = _run(_config(tmp_path / "whole.yaml", ddp_assets, whole_dir), _env(tmp_path / "a"))
+    # The uninterrupted reference under the warm launcher (its results equal torchrun's, bit for bit); every
+    # interrupted run and the rerun under torchrun, whose signals are what this test is about.
+    whole = _run(_config(write_cpu_config, tmp_path / "whole.yaml", ddp_assets, whole_dir, WARM), _env(tmp_path / "a"))
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     run_dir = tmp_path / "interrupted"
-    config = _config(tmp_path / "interrupted.yaml", ddp_assets, run_dir)
+    config = _config(write_cpu_config, tmp_path / "interrupted.yaml", ddp_assets, run_dir)
     for i, (job, where, stages, temporary_server) in enumerate(INTERRUPTIONS):
         home = tmp_path / f"b{i}"
         env = _env(home, f"{where}:SIGINT-group:{job}", temporary_server)

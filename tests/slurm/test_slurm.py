@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from leanagent.ground.config import load_config
 from leanagent.launch.base import LaunchError
 from leanagent.launch.slurm import SlurmLauncher
+from tests.conftest import write_cpu_config_file
 from tests.ddp.conftest import fault_env
 from tests.slurm.cluster import Cluster
 from tests.waiting import wait_for
@@ -34,23 +34,13 @@ STARTUP_S = 300.0  # sbatch, two torchrun agents and their rendezvous, two Pytho
 
 
 def write_config(path: Path, model: Path, launcher: str = "slurm", **sections) -> Path:
+    """The tests' CPU config, 2 nodes of 1 rank under SLURM (1 node of 2 under `local`), 2 epochs, no EWC."""
     nodes, devices = (2, 1) if launcher == "slurm" else (1, 2)
-    cfg = {
-        "launcher": launcher,
-        "model": {"name_or_path": str(model), "lr": 1e-3, "warmup_steps": 5, "max_seq_len": 256},
-        "data": {"batch_size": 4, "eval_batch_size": 16, "max_seq_len": 256, "num_workers": 0},
-        "trainer": {"accelerator": "cpu", "devices": devices, "num_nodes": nodes, "precision": "auto",
-                    "accumulate_grad_batches": 1},
-        "lifelong": {"epochs_per_repo": 2, "ewc_lambda": 0.0},
-        "slurm": {"partition": "debug", "poll_s": 0.5},
-    }
+    defaults = {"trainer": {"devices": devices, "num_nodes": nodes},
+                "lifelong": {"epochs_per_repo": 2, "ewc_lambda": 0.0}, "slurm": {"partition": "debug", "poll_s": 0.5}}
     for section, values in sections.items():
-        if isinstance(values, dict):
-            cfg.setdefault(section, {}).update(values)
-        else:
-            cfg[section] = values
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+        defaults[section] = {**defaults.get(section, {}), **values} if isinstance(values, dict) else values
+    return write_cpu_config_file(path, encoder=model, launcher=launcher, **defaults)
 
 
 def leanagent(*args: str, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 
 import pytest
-from prefect.settings import PREFECT_API_URL
 
 from leanagent.bench.abuse import AbuseFigures, AttackRow
 from leanagent.bench.results import (
@@ -84,7 +83,6 @@ def test_bench_writes_every_figure(tmp_path, capsys):
     assert "sorted + one mask" in out and "token eff." in out
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not STATES.is_file(), reason="the real LeanDojo split files are not in ../shared/data")
 def test_bench_compiles_and_takes_real_proof_states(tmp_path):
     """The compiled row (cold and warm compile times) on the tiny model, contexts from a real split file."""
@@ -191,30 +189,6 @@ def test_the_projection_counts_leanagents_passes_over_the_dependency(tmp_path, c
     assert capsys.readouterr().err.strip() == "error: --needed-share: Input should be less than or equal to 1"
 
 
-@pytest.mark.slow
-@pytest.mark.prefect
-def test_the_curriculum_section_runs_both_ways_and_finds_the_same_results(prefect_harness, tmp_path, capsys,
-                                                                          monkeypatch):
-    """Two real flows (`leanagent run`) on 2 repositories sharing a small dependency: LeanAgent's re-embedding
-    embeds more, embedding once fewer, and the recall matrices agree. Both runs report to the session's Prefect
-    server, as a user's runs do with PREFECT_API_URL set, instead of starting a temporary server each (~14 s)."""
-    monkeypatch.setenv("PREFECT_API_URL", PREFECT_API_URL.value())
-    out = tmp_path / "curriculum.json"
-    with pytest.raises(SystemExit) as stop:
-        cli_main(["bench", "curriculum", "--repos", "2", "--dependency-files", "20", "--dependency-premises", "400",
-                  "--theorems", "24", "--work", str(tmp_path / "work"), "--json", str(out)])
-    assert stop.value.code == 0, capsys.readouterr().err
-    figures = json.loads(out.read_text())
-    assert figures["curriculum_same_results"] is True
-    # 2 repositories: 2 validations, 2 untrained evaluations and 1 + 2 stage evaluations, each a whole corpus.
-    assert figures["curriculum_all_corpus_passes"] == pytest.approx(7.0, rel=0.02)  # corpora differ a little
-    assert figures["curriculum_needed_premises_embedded"] < figures["curriculum_all_premises_embedded"]
-    assert figures["curriculum_all_jobs"] == figures["curriculum_needed_jobs"] == 2 * 3 + 1
-    assert figures["curriculum_all_embed_s"] > 0 and figures["curriculum_needed_train_steps_s"] > 0
-    assert "embedding once:" in capsys.readouterr().out
-    assert (tmp_path / "work" / "runs" / "needed" / "manifest.json").is_file()
-
-
 def test_the_path_section_runs_only_the_parts_asked_for(tmp_path):
     repo = write_demo_repos(tmp_path / "data", 1, seed=2)[0]
     out = tmp_path / "bench.json"
@@ -293,7 +267,6 @@ def test_the_engines_section_takes_an_index_or_a_dataset(tmp_path, capsys):
     assert stop.value.code == 1 and "give --index" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_the_serve_section_measures_real_servers(tmp_path):
     figures = _bench(["serve", str(tmp_path / "work"), "--no-mathlib", "--modes", "batched", "--bodies", "new client",
                       "--serve-args", "--dtype fp32"], tmp_path / "serve.json")

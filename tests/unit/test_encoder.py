@@ -100,7 +100,6 @@ def test_a_failed_compile_falls_back_to_eager_in_one_line(capsys) -> None:
     assert len(err) == 1 and "running them eagerly" in err[0] and "second line" not in err[0]
 
 
-@pytest.mark.slow
 def test_compiled_blocks_equal_eager_and_new_lengths_do_not_recompile() -> None:
     """Regional compilation on the CPU (inductor, C++): forward and gradients within fp32 tolerance, one graph
     for all the layers, and batches of other sizes and lengths reuse it."""

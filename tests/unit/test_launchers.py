@@ -14,7 +14,7 @@ import yaml
 
 from leanagent.cli import main as cli_main
 from leanagent.ground.config import ConfigError, PipelineConfig, dump_config, load_config
-from leanagent.launch import local, slurm
+from leanagent.launch import local, slurm, warm
 from leanagent.launch.base import LauncherPlugin
 from leanagent.launch.registry import config_problems, launcher_for, load_checked_config, plugins
 from leanagent.run.fingerprint import config_fingerprint
@@ -27,14 +27,16 @@ def problems(raw: dict) -> list[str]:
 
 
 def test_the_built_in_launchers_are_found_by_their_modules():
-    assert plugins() == {"local": local.PLUGIN, "slurm": slurm.PLUGIN}
+    assert plugins() == {"local": local.PLUGIN, "slurm": slurm.PLUGIN, "warm": warm.PLUGIN}
     assert launcher_for(PipelineConfig()).__class__.__name__ == "LocalLauncher"
     assert launcher_for(PipelineConfig(launcher="slurm")).__class__.__name__ == "SlurmLauncher"
+    assert launcher_for(PipelineConfig(launcher="warm")).__class__.__name__ == "WarmLauncher"
 
 
 @pytest.mark.parametrize(("raw", "expected"), [
-    ({"launcher": "slrum"}, "launcher: 'slrum' is not a known launcher (did you mean 'slurm'?); known: local, slurm"),
-    ({"launcher": "kubernetes"}, "launcher: 'kubernetes' is not a known launcher; known: local, slurm"),
+    ({"launcher": "slrum"},
+     "launcher: 'slrum' is not a known launcher (did you mean 'slurm'?); known: local, slurm, warm"),
+    ({"launcher": "kubernetes"}, "launcher: 'kubernetes' is not a known launcher; known: local, slurm, warm"),
     ({"slrum": {"partition": "gpu"}}, "slrum: unknown key (did you mean 'slurm'?)"),
     ({"trainr": {"devices": 2}}, "trainr: unknown key (did you mean 'trainer'?)"),
     ({"slurm": {"partitions": "gpu"}}, "slurm.partitions: unknown key (did you mean 'partition'?)"),

@@ -364,7 +364,6 @@ def test_an_index_whose_model_changed_is_not_exported(unit_repo, tmp_path, capsy
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow
 def test_reprovers_byt5_small_exports_from_its_hub_id_in_the_cache(unit_repo, tmp_path) -> None:
     """`model.name_or_path: kaiyuy/leandojo-lean4-retriever-byt5-small` (ReProver's) where the Hugging Face cache
     has it: a folder of its architecture (byt5-small) laid out as the cache lays out a snapshot."""

@@ -29,7 +29,6 @@ def test_the_package_list_is_every_folder_of_code() -> None:
     assert _setuptools()["package-dir"] == FOLDERS
 
 
-@pytest.mark.slow
 def test_a_wheel_installs_no_generic_top_level_package(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp_path), str(REPO_ROOT)], check=True, timeout=600, capture_output=True)

@@ -67,3 +67,26 @@ def test_the_page_holds_a_generated_table() -> None:
     text = (REPO_ROOT / "docs" / "testing.md").read_text()
     block = text.split(slowest.START)[1].split(slowest.END)[0]
     assert "| # | test | seconds | kind |" in block and block.count("\n| ") >= 20
+
+
+def test_the_slow_list_is_rewritten_from_what_the_report_ran(tmp_path: Path) -> None:
+    listed = tmp_path / "slow_tests.txt"
+    listed.write_text(slowest.SLOW_HEADER + "40.0  tests/unit/test_x.py::test_skipped\n"
+                      "50.0  tests/unit/test_x.py::test_now_fast\n")
+    timed = [slowest.Timed("tests/unit/test_x.py::test_now_fast", 3.0),
+             slowest.Timed("tests/unit/test_x.py::test_param[a b]", 31.0),
+             slowest.Timed("tests/unit/test_x.py::test_fast", 0.1)]
+    added, dropped = slowest.update_slow_list(listed, timed, 30.0)
+    assert (added, dropped) == (["tests/unit/test_x.py::test_param[a b]"], ["tests/unit/test_x.py::test_now_fast"])
+    # A test the report does not hold (skipped by `-m "not slow"`) keeps its line; a node id may hold spaces.
+    assert slowest.read_slow_list(listed) == {"tests/unit/test_x.py::test_param[a b]": 31.0,
+                                              "tests/unit/test_x.py::test_skipped": 40.0}
+    assert listed.read_text().startswith(slowest.SLOW_HEADER)
+
+
+def test_every_listed_slow_test_is_there() -> None:
+    """A renamed or moved test would silently lose its mark: each listed one names a test function of its file."""
+    for test in slowest.read_slow_list():
+        path, _, name = test.partition("::")
+        function = name.split("::")[-1].split("[")[0]
+        assert f"def {function}(" in (REPO_ROOT / path).read_text(), test

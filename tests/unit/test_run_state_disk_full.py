@@ -14,7 +14,7 @@ import pytest
 from leanagent.flows.stages import recording
 from leanagent.run.manifest import stage_name
 from leanagent.run.state import RunState, RunStateWriteError
-from tests.prefect.test_run_state import _cfg, _started
+from tests.unit.test_run_state import _cfg, _started
 
 
 @pytest.fixture
