@@ -37,6 +37,7 @@ from leanagent.run.manifest import (
     stage_name,
 )
 from leanagent.run.plan import BAD_INPUT, INLINE, UNRECORDED, RunPlan, plan_run, progress_line
+from leanagent.run.shared import SharedWork
 from leanagent.run.state import RunLock, RunState
 from leanagent.run.strategy import training_datasets
 
@@ -74,7 +75,8 @@ def planned(config: PipelineConfig | None, config_path: str | None, plan: RunPla
 
 @flow(name="lifelong-retrieval")
 def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | None = None,
-                       options: JobOptions | None = None, plan: RunPlan | None = None) -> dict:
+                       options: JobOptions | None = None, plan: RunPlan | None = None,
+                       shared_dir: str | None = None) -> dict:
     """Train the premise retriever over the configured repositories, lifelong, and report what it learned and forgot.
 
     Every input is checked before anything is written or launched; a refused run ends Failed (state "Refused")
@@ -93,6 +95,8 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
             heartbeat timeout. Default: 2 retries, no deadline, a 1-hour heartbeat timeout.
         plan: The checked run `leanagent run` hands over (`leanagent.run.plan.RunPlan`), so that nothing is
             checked twice; leave it empty in a form: the flow checks `config` or `config_path` itself.
+        shared_dir: A sweep's shared folder (`lifelong_sweep` gives it to each setup): a job whose inputs another
+            setup's job has is run there once and linked into this run. Leave it empty for a run of its own.
     """
     try:
         # Model, devices, disk, a run_dir of another experiment or a sequence the config does not extend, every
@@ -111,7 +115,8 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
             # `trainer.precision: auto`: the precision the run started in, if it has one
             plan = plan.model_copy(update={"cfg": state.decided(plan.cfg)})
             state.extend([plan.entries[r.display_name] for r in ordered], plan.given, plan.source)
-            return _run_curriculum(plan, ordered, state, options or JobOptions())
+            shared = SharedWork(root=Path(shared_dir)) if shared_dir else None
+            return _run_curriculum(plan, ordered, state, options or JobOptions(), shared)
         except (*BAD_INPUT, *UNRECORDED) as exc:  # one line, no traceback (UNRECORDED: the disk went wrong)
             return refused(exc)
 
@@ -122,7 +127,8 @@ def refused(exc: Exception) -> State:
     return Failed(name=REFUSED, message=str(exc), data=exc)
 
 
-def _run_curriculum(plan: RunPlan, ordered: list[RepoConfig], state: RunState, options: JobOptions) -> dict:
+def _run_curriculum(plan: RunPlan, ordered: list[RepoConfig], state: RunState, options: JobOptions,
+                    shared: SharedWork | None = None) -> dict:
     """Every stage of `ordered` the manifest does not have finished, each recorded as it ends. Returns what the flow
     returns: the report as plain data (what `leanagent run` prints) and where the run lives."""
     logger = get_run_logger()
@@ -133,7 +139,7 @@ def _run_curriculum(plan: RunPlan, ordered: list[RepoConfig], state: RunState, o
     waiting = [name for name in names if name in plan.waiting or name not in plan.kept]
     if waiting:
         report = _train(plan.cfg, ordered, waiting, state, options, RunArtifacts(RunReport(names), state.path,
-                                                                                 not_ready))
+                                                                                 not_ready), shared)
     else:
         line = plan.nothing_new() or f"nothing new: {progress_line(len(names), 0, len(not_ready))}"
         logger.info(line)
@@ -145,7 +151,7 @@ def _run_curriculum(plan: RunPlan, ordered: list[RepoConfig], state: RunState, o
 
 
 def _train(cfg: PipelineConfig, ordered: list[RepoConfig], waiting: list[str], state: RunState, options: JobOptions,
-           artifacts: RunArtifacts) -> RunReport:
+           artifacts: RunArtifacts, shared: SharedWork | None = None) -> RunReport:
     """Per repository: train, compute the Fisher, evaluate every repository seen so far. Stage i trains (and computes
     its Fisher) on repository i itself (`single`), or on repositories 0..i merged (`merge_all`, written once under
     run_dir and recorded in the manifest); evaluation uses each repository's own test split."""
@@ -157,7 +163,7 @@ def _train(cfg: PipelineConfig, ordered: list[RepoConfig], waiting: list[str], s
     # Not config.yaml: a user may keep their own config in run_dir, and it must not be overwritten.
     config_file = cfg.run_dir / "leanagent-run-config.yaml"
     dump_config(cfg, config_file)  # every rank reads the config from this file
-    stages = Stages(state, cfg, options, artifacts)
+    stages = Stages(state, cfg, options, artifacts, shared)
 
     def job(program: str, data: list[Path], out: Path, timeout: float | None, **fields: Any) -> JobRequest:
         return JobRequest(program=program, config=config_file, datasets=tuple(data), out=out, timeout=timeout,

@@ -65,6 +65,12 @@ TORCH_DTYPE_CHOICES: tuple[str, ...] = get_args(TorchDtypeChoice)
 EngineChoice = Literal["auto", Engine]
 ENGINE_CHOICES: tuple[str, ...] = get_args(EngineChoice)
 
+# ---- a premise index folder (leanagent.index) ---------------------------------------------------------------------
+# index.json (written last: without it a folder reads as unfinished) and the served name lists: read where no torch
+# is loaded (a sweep tells two indexes' lists apart, and moves an index.json, in the flow's process).
+INDEX_FILE = "index.json"
+NAMES_FILE = "names.json"
+
 # `lifelong.fisher_estimator`: the estimators of `leanagent.model.fisher.registry`, by name.
 FisherEstimatorName = Literal["per_example", "reference"]
 FISHER_ESTIMATORS: tuple[str, ...] = get_args(FisherEstimatorName)

@@ -19,12 +19,11 @@ from leanagent.data.corpus import Corpus
 from leanagent.data.lean_names import lean_name, module_name
 from leanagent.ground.atomic import refuse_non_empty, write_atomic, write_bytes_atomic
 from leanagent.ground.config import DataConfig
+from leanagent.ground.names import INDEX_FILE, NAMES_FILE
 
-INDEX_FILE = "index.json"
 EMBEDDINGS_FILE = "embeddings.safetensors"
 PREMISES_FILE = "premises.jsonl"
 FILES_FILE = "files.jsonl"
-NAMES_FILE = "names.json"
 INDEX_FILES = (INDEX_FILE, EMBEDDINGS_FILE, PREMISES_FILE, FILES_FILE, NAMES_FILE)
 # 2: index.json records the embeddings' SHA-256, and names.json the served lists; format 1 indexes still load.
 FORMAT_VERSION = 2
