@@ -25,6 +25,21 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("sweep", help="run several setups of one lifelong experiment as one Prefect flow (LeanAgent's "
+                                     "Table 4): each an ordinary run, the jobs they share run once, one table")
+    p.add_argument("--config", required=True, help="the sweep file: base (a config), sweep_dir, max_parallel and "
+                   "setups, each a name and its overrides (configs/leanagent-table4.yaml: LeanAgent's eight setups "
+                   "and two of replay)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one setting of every setup, before the setup's own (repeatable): "
+                        "--set trainer.devices=2")
+    p.add_argument("--base", help="use this config file as the sweep's base instead of the file's own (e.g. "
+                                  "configs/demo.yaml: its repositories and its CPU trainer)")
+    p.add_argument("--sweep-dir", help="run the sweep in this folder instead of the file's sweep_dir")
+    p.add_argument("--max-parallel", type=int, help="setups running at once, instead of the file's max_parallel")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    p.set_defaults(func=cmd_sweep)
+
     p = sub.add_parser("status", help="each stage's queued job and its state, under any launcher with a queue")
     p.add_argument("run_dir", help="the run's folder (run_dir of its config)")
     p.set_defaults(func=cmd_status)
@@ -42,6 +57,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             return run_from_cli(args.config, args.overrides)
         except Interrupted as exc:  # one that landed outside the flow (while importing, or after it)
+            print(f"interrupted by {exc}: every job was ended; rerun the same command to resume", file=sys.stderr)
+            return exc.exit_code
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """The sweep flow prints its refusals and its table itself (flows/command.py); this returns its exit code."""
+    with interrupt_on_signals():
+        try:
+            from leanagent.flows.command import sweep_from_cli  # the one way into the app layer (flows/command.py)
+
+            return sweep_from_cli(args.config, args.overrides, args.base, args.sweep_dir, args.max_parallel)
+        except Interrupted as exc:
             print(f"interrupted by {exc}: every job was ended; rerun the same command to resume", file=sys.stderr)
             return exc.exit_code
 
