@@ -153,8 +153,10 @@ def _run_curriculum(plan: RunPlan, ordered: list[RepoConfig], state: RunState, o
 def _train(cfg: PipelineConfig, ordered: list[RepoConfig], waiting: list[str], state: RunState, options: JobOptions,
            artifacts: RunArtifacts, shared: SharedWork | None = None) -> RunReport:
     """Per repository: train, compute the Fisher, evaluate every repository seen so far. Stage i trains (and computes
-    its Fisher) on repository i itself (`single`), or on repositories 0..i merged (`merge_all`, written once under
-    run_dir and recorded in the manifest); evaluation uses each repository's own test split."""
+    its Fisher) on what its dataset strategy's entry says (`leanagent.data.strategies`): repository i itself
+    (`single`), repositories 0..i merged (`merge_all`), or that merge with a drawn share of each earlier
+    repository's training theorems (`replay`); a merge is written once under run_dir and recorded in the manifest.
+    Evaluation uses each repository's own test split."""
     report, logger = artifacts.report, get_run_logger()
     logger.info(progress_line(len(ordered) - len(waiting), waiting, len(artifacts.not_ready)))
     datasets = training_datasets(cfg, report.names, [r.path for r in ordered], state, log=logger.info)

@@ -13,6 +13,9 @@ One difference: LeanAgent re-splits the merged theorems itself (2% validation, 2
 here each theorem stays in the benchmark split its kept copy was in, so the merged validation set is the union
 of the repositories' validation sets and no repository's test theorem moves into training.
 
+Under `replay` (`leanagent.data.replay`) the same rules merge only the drawn share of each earlier repository's
+training theorems; with every share whole (a fraction of 1) the files written are `merge_all`'s, byte for byte.
+
 The output is an ordinary LeanDojo dataset (`corpus.jsonl`, `SPLIT/{train,val,test}.json`), so `leanagent
 validate` and `leanagent examples` read it, plus `merge.json`: the sources, the counts, and the SHA-256 of every
 input and output file, by which a rerun tells a reusable merge from a stale one. It is written into a temporary
@@ -29,10 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from leanagent.data.errors import DatasetError
+from leanagent.data.replay import Draw, drawn
 from leanagent.data.theorems import read_split_json, split_source
 from leanagent.ground.atomic import write_atomic
 from leanagent.ground.file_digest import sha256_file
-from leanagent.ground.names import CORPUS_FILE, DEFAULT_SPLIT, PART_FILES
+from leanagent.ground.names import CORPUS_FILE, DEFAULT_SPLIT, PART_FILES, TRAIN_PART, part_file
 
 MERGE_FILE = "merge.json"
 LISTED = 10  # conflicting paths named in merge.json
@@ -58,22 +62,29 @@ def _theorem_key(raw: Any, where: str) -> tuple:
                            f"({type(exc).__name__}: {exc})") from None
 
 
-def merge_datasets(sources: Sequence[Path], out: Path, split: str = DEFAULT_SPLIT) -> dict[str, Any]:
-    """Write the merge of `sources` (in curriculum order) to the new folder `out`; return what `merge.json` holds."""
+def merge_datasets(sources: Sequence[Path], out: Path, split: str = DEFAULT_SPLIT,
+                   draws: Sequence[Draw | None] | None = None) -> dict[str, Any]:
+    """Write the merge of `sources` (in curriculum order) to the new folder `out`; return what `merge.json` holds.
+
+    `draws[k]`, where given, keeps only that share of source k's training theorems (replay); None keeps them all.
+    `merge.json` then records each draw under `replay`, with the positions in the source's `train.json` it kept."""
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out}: already exists; a merge is written only into a new folder")
+    draws = list(draws) if draws is not None else [None] * len(sources)
+    if len(draws) != len(sources):
+        raise ValueError(f"{len(draws)} draws for {len(sources)} sources")
     inputs = {str(Path(s)): digests(Path(s), split) for s in sources}
     tmp = out.with_name(f".{out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)  # our own leftover from a crash mid-merge
     (tmp / split).mkdir(parents=True)
     try:
         kept, conflicts = _merge_corpus(sources, tmp / CORPUS_FILE)
-        counts, duplicates = _merge_theorems(sources, tmp / split, split)
+        counts, duplicates, replayed = _merge_theorems(sources, tmp / split, split, draws)
         info = {"sources": [str(Path(s)) for s in sources], "split": split, "files": kept,
                 "corpus_conflicts": len(conflicts), "conflicting_paths": conflicts[:LISTED],
                 "theorems": counts, "duplicate_theorems": duplicates, "inputs": inputs,
-                "outputs": digests(tmp, split)}
+                "outputs": digests(tmp, split), **({"replay": replayed} if replayed else {})}
         write_atomic(tmp / MERGE_FILE, lambda f: json.dump(info, f, indent=2, sort_keys=True))
         os.replace(tmp, out)
     except BaseException:
@@ -110,22 +121,31 @@ def _merge_corpus(sources: Sequence[Path], out: Path) -> tuple[int, list[str]]:
     return len(lines), conflicts
 
 
-def _merge_theorems(sources: Sequence[Path], out: Path, split: str) -> tuple[dict[str, int], int]:
+def _merge_theorems(sources: Sequence[Path], out: Path, split: str, draws: Sequence[Draw | None]
+                    ) -> tuple[dict[str, int], int, dict[str, dict[str, Any]]]:
     """Theorems by (file, name, start, end), the latest repository's copy kept, in the split that copy is in;
-    each one at the position where its key first appeared. ({split file: count}, duplicates dropped)."""
+    each one at the position where its key first appeared; of a source with a draw, only the training theorems
+    drawn. ({split file: count}, duplicates dropped, {source: its draw and the positions it kept})."""
     chosen: dict[tuple, tuple[str, Any]] = {}
     duplicates = 0
-    for source in sources:
+    replayed: dict[str, dict[str, Any]] = {}
+    for source, draw in zip(sources, draws, strict=True):
         for name in PART_FILES:
             path = Path(source) / split / name
             where = split_source(path)
-            for k, raw in enumerate(read_split_json(path)):
-                key = _theorem_key(raw, f"{Path(source).name}/{where}: theorem #{k}")
+            theorems = read_split_json(path)
+            positions: Sequence[int] = range(len(theorems))
+            if draw is not None and name == part_file(TRAIN_PART):
+                positions = drawn(len(theorems), draw)
+                replayed[str(Path(source))] = {"fraction": draw.fraction, "key": draw.key, "of": len(theorems),
+                                               "kept": len(positions), "positions": list(positions)}
+            for k in positions:
+                key = _theorem_key(theorems[k], f"{Path(source).name}/{where}: theorem #{k}")
                 duplicates += key in chosen
-                chosen[key] = (name, raw)
+                chosen[key] = (name, theorems[k])
     counts = {}
     for name in PART_FILES:
         theorems = [raw for split_name, raw in chosen.values() if split_name == name]
         counts[name.removesuffix(".json")] = len(theorems)
         write_atomic(out / name, lambda f, t=theorems: json.dump(t, f, ensure_ascii=False))
-    return counts, duplicates
+    return counts, duplicates, replayed

@@ -63,9 +63,13 @@ def write_json_atomic(path: Path, data: Any) -> None:
     write_atomic(path, lambda f: json.dump(data, f, indent=2, sort_keys=True, default=str))
 
 
-def read_json(path: Path) -> Any:
-    with open(path) as f:
-        return json.load(f)
+def format_bytes(n: float) -> str:
+    """A size as a person reads it in a message: `2.1 GB`."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
 
 
 def refuse_non_empty(folder: Path) -> None:

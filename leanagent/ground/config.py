@@ -161,16 +161,41 @@ class LifelongConfig(_Section):
     checkpoint: Literal["latest", "best"] = Field(
         "latest", description="which checkpoint of a repository the next one starts from and is evaluated: "
                               "the newest (LeanAgent) or the best by Recall@10_val")
-    dataset_strategy: Literal["single", "merge_all"] = Field(
+    dataset_strategy: Literal["single", "merge_all", "replay"] = Field(
         "single", description="single: repository i trains (and computes its Fisher) on itself, LeanAgent's main "
                               "setup; merge_all: on the merge of repositories 0..i in curriculum order (LeanAgent's "
-                              "merge rules, written once under run_dir/merged). Each is evaluated on its own test "
-                              "split either way")
+                              "merge rules, written once under run_dir/merged); replay: on that merge with only "
+                              "replay_fraction of each earlier repository's training theorems (not in LeanAgent). "
+                              "Each is evaluated on its own test split whatever the strategy")
+    replay_fraction: float | None = Field(
+        None, description="with dataset_strategy: replay, the share in (0, 1] of each earlier repository's "
+                          "training theorems that stage i trains on again, drawn once per stage from the seed, the "
+                          "stage and the repositories' content (1: merge_all's dataset; 0 would be single)")
     start_checkpoint: Path | None = Field(
         None, description="the first repository's training starts from this checkpoint (and the untrained "
                           "baseline is scored with it): one of ours, or a LeanAgent/ReProver retriever .ckpt, "
                           "a file or a zero_to_fp32-consolidated DeepSpeed folder; its epochs count towards "
                           "max_epochs. None: start from model.name_or_path")
+
+    @field_validator("replay_fraction")
+    @classmethod
+    def _a_share(cls, value: float | None) -> float | None:
+        if value is not None and not 0 < value <= 1:  # NaN included
+            raise ValueError(f"{value} is outside (0, 1]: the share of each earlier repository's training theorems "
+                             f"replayed (0 is dataset_strategy: single, 1 is merge_all)")
+        return value
+
+    @model_validator(mode="after")
+    def _fraction_with_replay(self) -> LifelongConfig:
+        """A fraction without replay, or replay without a fraction, is a half-made choice: refused, not guessed."""
+        if self.dataset_strategy == "replay" and self.replay_fraction is None:
+            raise ValueError("lifelong.dataset_strategy: replay needs lifelong.replay_fraction, a share in (0, 1] "
+                             "of each earlier repository's training theorems")
+        if self.dataset_strategy != "replay" and self.replay_fraction is not None:
+            raise ValueError(f"lifelong.replay_fraction ({self.replay_fraction:g}) is set but "
+                             f"lifelong.dataset_strategy is {self.dataset_strategy}: set dataset_strategy: replay, or "
+                             f"leave replay_fraction out")
+        return self
 
 
 class RepoConfig(_Section):
@@ -331,7 +356,7 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel] | None 
     named: set[str] = set()
     for err in exc.errors():
         key = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        message = err["msg"]
+        message = err["msg"].removeprefix("Value error, ")  # our validators' own words
         choices = _choices_at(model, err["loc"]) if model is not None and err["type"] != "missing" else None
         if model is not None and (err["type"] == "extra_forbidden" or _not_a_section(model, err)):
             known = _known_keys(model, err["loc"][:-1])

@@ -25,7 +25,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from leanagent.ground.atomic import read_json, write_json_atomic
+from leanagent.ground.atomic import write_json_atomic
+from leanagent.ground.json_files import MIB, JsonFileError, read_json_file
 from leanagent.ground.ranks import global_rank
 
 
@@ -222,8 +223,8 @@ def beat(job_dir: Path, stage: str, step: int | None = None, progress: dict[str,
 def read_progress(job_dir: Path) -> dict[str, Any] | None:
     """Rank 0's latest progress snapshot, or None (no beat yet, or one without progress)."""
     try:
-        progress = read_json(heartbeat_dir(job_dir) / "rank0.json").get("progress")
-    except (OSError, ValueError, AttributeError):
+        progress = read_json_file(heartbeat_dir(job_dir) / "rank0.json", MIB).get("progress")
+    except (JsonFileError, AttributeError):
         return None
     return progress if isinstance(progress, dict) else None
 

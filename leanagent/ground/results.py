@@ -9,9 +9,7 @@ the key, before anything uses it, not fail later as a traceback. Keys nobody rea
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from pathlib import Path
 from typing import Any, Self
 
@@ -23,12 +21,15 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
-    ValidationError,
     model_validator,
 )
 
 from leanagent.ground.config import Precision
 from leanagent.ground.job import JobInputError
+from leanagent.ground.json_files import MIB, read_json_file, validate_as
+
+# The most a result.json holds: a few kB per dataset an evaluation job scores.
+MAX_RESULT_BYTES = 16 * MIB
 
 # Non-negative counts and seconds; a count beyond this is no count a run makes.
 MAX_COUNT = 10**12
@@ -130,37 +131,16 @@ class JobResult(JobCost):
     outputs: dict[StrictStr, StrictStr] | None = None
 
 
-def describe_error(exc: ValidationError, prefix: str = "") -> str:
-    """The first problem of a validation, as `key.path: what is wrong` (one line; the rest counted)."""
-    errors = exc.errors()
-    first = errors[0]
-    key = ".".join(str(p) for p in (*([prefix] if prefix else []), *first["loc"])) or "(top level)"
-    got = first.get("input")
-    shown = json.dumps(got, default=str)[:40] if not isinstance(got, dict | list) else type(got).__name__
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    message = re.sub(r"^Input should be a valid dictionary or instance of \w+", "must be an object", first["msg"])
-    message = re.sub(r"^(Input|Value) should be ", "must be ", message).replace("Value error, ", "")
-    found = "" if first["type"] == "value_error" else f" (found {shown})"  # a rule's own message says it
-    return f"{key}: {message.rstrip('.')}{found}{more}"
-
-
 def check_result(data: Any, where: str) -> dict[str, Any]:
     """`data` when it is a job result (a JSON object of the typed keys' types and ranges); else
     ResultUnreadableError naming `where` and the key."""
-    if not isinstance(data, dict):
-        raise ResultUnreadableError(f"{where}: a JSON {type(data).__name__}, not a job's result (an object)")
-    try:
-        JobResult.model_validate(data)
-    except ValidationError as exc:
-        raise ResultUnreadableError(f"{where}: {describe_error(exc)}") from None
+    validate_as(data, JobResult, where, "job's result", ResultUnreadableError)
     return data
 
 
 def read_result(path: Path) -> dict[str, Any]:
-    """A job's result.json, checked (`check_result`); one line naming the file for anything else."""
-    try:
-        data = json.loads(Path(path).read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ResultUnreadableError(f"{path}: not a readable result ({type(exc).__name__}: "
-                                    f"{str(exc).splitlines()[0][:120]}); rerun the job") from None
-    return check_result(data, str(path))
+    """A job's result.json, capped (`MAX_RESULT_BYTES`) and checked (`check_result`); one line naming the file for
+    anything else."""
+    data = read_json_file(path, MAX_RESULT_BYTES, "job's result.json", ResultUnreadableError, "rerun the job")
+    validate_as(data, JobResult, str(path), "job's result", ResultUnreadableError, "rerun the job")
+    return data

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import signal
 import socket
@@ -58,6 +57,7 @@ from types import TracebackType
 import psutil
 
 from leanagent.ground.atomic import write_json_atomic
+from leanagent.ground.json_files import KIB, JsonFileError, read_json_file
 
 ENV_SUPERVISOR_PID = "LEANAGENT_SUPERVISOR_PID"
 ENV_SUPERVISOR_START = "LEANAGENT_SUPERVISOR_START"
@@ -152,8 +152,8 @@ def rank_records(job_dir: Path) -> dict[int, float]:
         return records
     for path in folder.glob("rank*.json"):
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
+            data = read_json_file(path, 64 * KIB)
+        except JsonFileError:
             continue
         pid, start = data.get("pid"), data.get("start")
         if data.get("machine") == here and isinstance(pid, int) and isinstance(start, (int, float)) \

@@ -19,11 +19,13 @@ from leanagent.data.corpus import Corpus
 from leanagent.data.lean_names import lean_name, module_name
 from leanagent.ground.atomic import refuse_non_empty, write_atomic, write_bytes_atomic
 from leanagent.ground.config import DataConfig
+from leanagent.ground.json_files import MIB, JsonFileError, read_json_file
 from leanagent.ground.names import INDEX_FILE, NAMES_FILE
 
 EMBEDDINGS_FILE = "embeddings.safetensors"
 PREMISES_FILE = "premises.jsonl"
 FILES_FILE = "files.jsonl"
+MAX_NAMES_BYTES = 256 * MIB  # the served lists: every premise's and module's name (about 5 MB for 76k premises)
 INDEX_FILES = (INDEX_FILE, EMBEDDINGS_FILE, PREMISES_FILE, FILES_FILE, NAMES_FILE)
 # 2: index.json records the embeddings' SHA-256, and names.json the served lists; format 1 indexes still load.
 FORMAT_VERSION = 2
@@ -83,8 +85,8 @@ def write_index(out: Path, corpus: Corpus, embeddings: torch.Tensor, meta: dict[
 def read_names(folder: Path) -> dict[str, list[str]] | None:
     """An index's served lists (None for an index without names.json, or no index)."""
     try:
-        names = json.loads((Path(folder) / NAMES_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        names = read_json_file(Path(folder) / NAMES_FILE, MAX_NAMES_BYTES)
+    except JsonFileError:
         return None
     ok = isinstance(names, dict) and all(isinstance(names.get(k), list) and all(isinstance(n, str) for n in names[k])
                                          for k in ("premises", "modules"))

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from leanagent.data.corpus import Corpus, FileRecord, Premise
 from leanagent.ground import model_identity
 from leanagent.ground.config import format_validation_error
-from leanagent.ground.results import describe_error
+from leanagent.ground.json_files import MIB, read_json_file, validate_as
 from leanagent.index.files import (
     EMBEDDINGS_FILE,
     FILES_FILE,
@@ -78,7 +78,7 @@ def accessibility_corpus(premises: list[dict[str, Any]], files: dict[str, FileIn
 
 MAX_SEQ_LEN = 1 << 16  # bytes a ByT5 input is cut at: LeanAgent's are 512 (premises) and 1,024 (states)
 MAX_WIDTH = 1 << 16
-MAX_META_BYTES = 1 << 20
+MAX_META_BYTES = MIB  # index.json: its settings and the stamps of its model's files
 HEADER_BYTES = 1 << 20  # a safetensors header beside the rows, at most (ours is under 200 bytes)
 
 
@@ -150,20 +150,10 @@ def read_meta(folder: Path) -> dict[str, Any]:
         raise PremiseIndexError(f"{folder}: no such index folder (build one with `leanagent index`)")
     if not file.exists():
         raise PremiseIndexError(f"{folder}: not a finished index (no {INDEX_FILE}); build it with `leanagent index`")
-    try:
-        meta = json.loads(read_regular(file, limit=MAX_META_BYTES).decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise PremiseIndexError(f"{file}: not UTF-8 (byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise PremiseIndexError(f"{file}: not valid JSON ({exc})") from None
-    except (ValueError, RecursionError) as exc:
-        raise PremiseIndexError(f"{file}: not a readable index.json ({type(exc).__name__})") from None
+    meta = read_json_file(file, MAX_META_BYTES, INDEX_FILE, PremiseIndexError, "rebuild the index")
     if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
         raise PremiseIndexError(f"{file}: not a format-{FORMAT_VERSION} leanagent index")
-    try:
-        IndexMeta.model_validate(meta)
-    except ValidationError as exc:
-        raise PremiseIndexError(f"{file}: {describe_error(exc)}; rebuild the index") from None
+    validate_as(meta, IndexMeta, str(file), INDEX_FILE, PremiseIndexError, "rebuild the index")
     return meta
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from leanagent.ground.json_files import MIB, JsonFileError, read_json_file
 from leanagent.model.engines import CT2_COMPUTE_TYPES, CT2_INSTALL
 
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2: T5's pad (its decoder start), end of sequence, unknown
@@ -167,8 +168,8 @@ def convert(encoder: Any, out: Path, meta: dict[str, Any] | None = None) -> Path
 def read_meta(folder: Path) -> dict[str, Any] | None:
     """A conversion's `leanagent.json` (None: absent or unreadable)."""
     try:
-        meta = json.loads((Path(folder) / META_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        meta = read_json_file(Path(folder) / META_FILE, MIB)
+    except JsonFileError:
         return None
     return meta if isinstance(meta, dict) else None
 

@@ -15,7 +15,6 @@ only the epoch count carries over (`epochs_completed`), as LeanAgent's max_epoch
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from leanagent.checkpoints.foreign import (
     reference_state_dict,
 )
 from leanagent.ground.config import PipelineConfig
+from leanagent.ground.json_files import MIB, read_json_file
 from leanagent.ground.names import BYT5_SMALL
 from leanagent.ground.results import ResultUnreadableError, read_result
 from leanagent.model.options import RetrieverOptions, stored_encoder_config
@@ -264,8 +264,5 @@ def _read_retriever_meta(path: Path) -> dict[str, Any]:
     file = path / RETRIEVER_FILE
     if not file.is_file():
         return {}
-    try:
-        meta = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelSourceError(f"{file}: not valid JSON ({exc})") from None
+    meta = read_json_file(file, MIB, "retriever settings file", ModelSourceError)
     return meta if isinstance(meta, dict) else {}

@@ -16,7 +16,6 @@ carries them all. Nothing here writes anything.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Sequence
@@ -27,8 +26,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from leanagent.data.validate import dataset_problems
+from leanagent.ground.atomic import format_bytes
 from leanagent.ground.config import PipelineConfig, RepoConfig
 from leanagent.ground.job import PROGRAMS, JobInputError
+from leanagent.ground.json_files import MIB, JsonFileError, read_json_file
 from leanagent.launch.registry import launch_problems
 from leanagent.model.options import RetrieverOptions, stored_encoder_config
 
@@ -129,9 +130,9 @@ def resolve_model(name_or_path: str) -> tuple[dict[str, Any] | None, str | None]
 
 def _read_model_config(path: Path, key: str) -> tuple[dict[str, Any] | None, str | None]:
     try:
-        config = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, f"{key}: {path} is not readable JSON ({exc})"
+        config = read_json_file(Path(path), MIB, "model's config.json")
+    except JsonFileError as exc:
+        return None, f"{key}: {exc}"
     if not isinstance(config, dict):
         return None, f"{key}: {path} is not a JSON object"
     return config, None
@@ -248,14 +249,6 @@ def free_space(path: Path) -> int:
     while not path.exists() and path != path.parent:
         path = path.parent
     return shutil.disk_usage(path).free
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def check_disk(estimate: DiskEstimate, where: Path, free_bytes: int | None = None, remedy: str = "") -> list[str]:

@@ -4,17 +4,17 @@ composite score."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from leanagent.ground.json_files import read_json_file
 from leanagent.report.cells import fit, mean, metric, mrr, pct
 from leanagent.report.metrics import REGISTRY, check_matrix, composite_scores, lifelong_metrics
 from leanagent.report.run import MATRIX_METRIC, RunReport, glossary_text, report_from_manifest, run_setup
-from leanagent.run.manifest import MANIFEST_NAME, ManifestUnreadableError, read_manifest
+from leanagent.run.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, ManifestUnreadableError, read_manifest
 
 JSON_KEYS = {"names", "test_recall_at_10", "val_recall_at_10", "avg_test_recall_at_10", "test_recall_at_1",
              "test_mrr", "label", "source", "published", "comment"}
@@ -82,13 +82,7 @@ def load_run(path: str | Path) -> LifelongRun:
                            report, run_setup(data.get("config")))
     if not path.is_file():
         raise SourceError(f"{path}: no such run_dir or JSON file")
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SourceError(f"{path}: cannot be read ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise SourceError(f"{path}: not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
-    return _run_from_json(path, doc)
+    return _run_from_json(path, read_json_file(path, MAX_MANIFEST_BYTES, "report", SourceError))
 
 
 def _run_from_json(path: Path, doc: Any) -> LifelongRun:

@@ -197,15 +197,19 @@ def report_from_manifest(manifest: dict) -> RunReport:
 
 
 def run_setup(config: Any) -> str | None:
-    """`merge_all, curriculum, EWC 0.1, precision bf16-mixed`: LeanAgent's three switches, from a manifest's config
-    (a run recorded before `dataset_strategy` existed ran `single`, the default), the training recipe when it is
-    another one (`infonce + mined negatives`), and the precision the run's jobs ran in (`trainer.precision`, as
-    the run recorded it: `auto` resolved by its first job; left out while no job has)."""
+    """`merge_all, curriculum, EWC 0.1, precision bf16-mixed`: LeanAgent's three switches (replay with its fraction:
+    `replay 0.5`), from a manifest's config (a run recorded before `dataset_strategy` existed ran `single`, the
+    default), the training recipe when it is another one (`infonce + mined negatives`), and the precision the run's
+    jobs ran in (`trainer.precision`, as the run recorded it: `auto` resolved by its first job; left out while no
+    job has)."""
     lifelong = config.get("lifelong") if isinstance(config, dict) else None
     if not isinstance(lifelong, dict):
         return None
     ewc = lifelong.get("ewc_lambda") or 0
-    return ", ".join([str(lifelong.get("dataset_strategy", "single")),
+    strategy = str(lifelong.get("dataset_strategy", "single"))
+    if lifelong.get("replay_fraction") is not None:
+        strategy += f" {lifelong['replay_fraction']:g}"
+    return ", ".join([strategy,
                       "curriculum" if lifelong.get("curriculum", True) else "given order",
                       f"EWC {ewc:g}" if ewc else "no EWC", *_recipe(config), *_precision(config)])
 

@@ -9,17 +9,19 @@ a person) always sees a whole file.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from leanagent.ground.atomic import read_json
-from leanagent.ground.results import JobResult, describe_error
+from leanagent.data.strategies import merges
+from leanagent.ground.json_files import MIB, read_json_file, validate_as
+from leanagent.ground.results import JobResult
 
 MANIFEST_NAME = "manifest.json"
+# The most a manifest holds: a few kB per stage, and a run of a hundred repositories has about 5,000 stages.
+MAX_MANIFEST_BYTES = 64 * MIB
 
 
 # 2: the repositories left the fingerprint, each recorded with its dataset's digests; version 1 manifests load.
@@ -84,6 +86,7 @@ class LifelongRecord(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     dataset_strategy: StrictStr | None = None
+    replay_fraction: float | None = Field(None, gt=0, le=1, strict=True)
     curriculum: StrictBool | None = None
     ewc_lambda: float | None = Field(None, ge=0, allow_inf_nan=False, strict=True)
 
@@ -119,36 +122,16 @@ class ManifestRecord(BaseModel):
 
 def check_manifest(data: Any, path: Path) -> dict[str, Any]:
     """`data` when it is a run manifest (`ManifestRecord`); ManifestUnreadableError naming the file and the key."""
-    if not isinstance(data, dict):
-        raise ManifestUnreadableError(f"{path}: a JSON {type(data).__name__}, not a run manifest (an object with "
-                                      f"\"repos\"); {_UNREADABLE}")
-    try:
-        ManifestRecord.model_validate(data)
-    except ValidationError as exc:
-        raise ManifestUnreadableError(f"{path}: {describe_error(exc)}; {_UNREADABLE}") from None
+    validate_as(data, ManifestRecord, str(path), "run manifest", ManifestUnreadableError, _UNREADABLE)
     return data
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
     """A run's manifest.json, or ManifestUnreadableError naming the file, what is wrong (the key, for a manifest
     of the wrong shape) and what to do (a file cut short by a full disk or a copy, or edited by hand, is never
-    overwritten)."""
-    try:
-        data = read_json(path)
-    except UnicodeDecodeError as exc:
-        raise ManifestUnreadableError(f"{path}: not UTF-8 text (byte {exc.start}); {_UNREADABLE}") from None
-    except json.JSONDecodeError as exc:
-        cut = " (cut short: it ends before the JSON does)" if exc.pos >= len(exc.doc.rstrip()) \
-            or exc.msg.startswith("Unterminated string") else ""
-        raise ManifestUnreadableError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno} "
-                                      f"({exc.msg}){cut}; {_UNREADABLE}") from None
-    except RecursionError:
-        raise ManifestUnreadableError(f"{path}: nests deeper than a manifest does; {_UNREADABLE}") from None
-    except ValueError as exc:  # an integer of more than 4,300 digits
-        raise ManifestUnreadableError(f"{path}: {str(exc).split(';')[0]}; {_UNREADABLE}") from None
-    except OSError as exc:
-        raise ManifestUnreadableError(f"{path}: cannot be read ({exc.strerror}); nothing was changed") from None
-    return check_manifest(data, path)
+    overwritten). Refused from its size alone past `MAX_MANIFEST_BYTES`."""
+    return check_manifest(read_json_file(path, MAX_MANIFEST_BYTES, "run manifest", ManifestUnreadableError,
+                                         _UNREADABLE), path)
 
 
 _UNREADABLE = ("it was cut short or edited. Restore it from a copy, or move the run_dir aside to start the run "
@@ -213,7 +196,7 @@ def given_before(manifest: dict[str, Any]) -> list[str]:
 def waiting_repositories(manifest: dict[str, Any]) -> list[str]:
     """The repositories of a manifest's sequence with a stage still to run (not finished, failed or interrupted)."""
     names = list(manifest.get("order") or [])
-    merged = manifest.get("config", {}).get("lifelong", {}).get("dataset_strategy") == "merge_all"
+    merged = merges(((manifest.get("config") or {}).get("lifelong") or {}).get("dataset_strategy"))
     return [names[i] for i in range(len(names))
             if any(finished_result(stage_entry(manifest, stage)) is None for stage in repo_stages(i, names, merged))]
 

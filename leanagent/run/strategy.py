@@ -1,16 +1,21 @@
-"""What repository i of a lifelong run trains and computes its Fisher on: `lifelong.dataset_strategy`.
+"""What repository i of a lifelong run trains and computes its Fisher on: `lifelong.dataset_strategy`, an entry of
+the table `leanagent.data.strategies.DATASET_STRATEGIES`.
 
 - `single` (LeanAgent's main setup): repository i itself.
-- `merge_all`: the merge of repositories 0..i in curriculum order (`leanagent.data.merge`, LeanAgent's rules),
-  written once per repository under `run_dir/merged/NN-name/` and recorded in the manifest as the stage
-  `NN-name/merge`, with the SHA-256 of every file it read and wrote.
+- `merge_all`: the merge of repositories 0..i in curriculum order (`leanagent.data.merge`, LeanAgent's rules).
+- `replay`: that merge with `lifelong.replay_fraction` of each earlier repository's training theorems, drawn from the
+  run's seed, the stage and the repositories' content (`leanagent.data.replay`).
+
+A merging strategy's dataset is written once per repository under `run_dir/merged/NN-name/` and recorded in the
+manifest as the stage `NN-name/merge`, with the SHA-256 of every file it read and wrote (and, under replay, each
+draw's key and counts; `merge.json` beside the dataset lists the positions drawn).
 
 Why recorded: a lifelong run takes days and reruns resume it. A rerun reuses each recorded merge after checking
 that its inputs and its own files are unchanged; a changed input (a repository's corpus or split edited since)
 refuses the run as a changed config does, since resuming would train later repositories on other data than
 the earlier ones. Every merge is written (and validated) before the first job, so a problem with the last one
 costs seconds, not the training of the others. Evaluation is unaffected: each repository is scored on its own
-test split under both strategies, so the recall matrix means the same thing.
+test split under every strategy, so the recall matrix means the same thing.
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ from typing import Any
 
 from leanagent.data.errors import DatasetError
 from leanagent.data.merge import MERGE_FILE, dataset_files, digests, merge_datasets
+from leanagent.data.replay import Draw, replay_key
+from leanagent.data.strategies import DATASET_STRATEGIES
 from leanagent.data.validate import validate_dataset
-from leanagent.ground.atomic import read_json
+from leanagent.ground.atomic import format_bytes
 from leanagent.ground.config import PipelineConfig
-from leanagent.preflight.checks import PreflightError, format_bytes, free_space
+from leanagent.ground.json_files import MIB, read_json_file
+from leanagent.preflight.checks import PreflightError, free_space
 from leanagent.run.manifest import MERGE, ManifestMismatchError, repo_key, stage_name
 from leanagent.run.state import RunState
 
@@ -36,13 +44,15 @@ def training_datasets(cfg: PipelineConfig, names: Sequence[str], paths: Sequence
                       log: Callable[[str], None] = print) -> list[Path]:
     """datasets[i]: what repository i (in curriculum order) trains and computes its Fisher on.
 
-    Under merge_all, in this order, before any merge is written: the disk has room for those still to write, and
-    every merge the run recorded (or wrote just before a crash) still has the inputs and the files it had. Then
-    each merge still missing is written, validated and recorded, in the run's order."""
-    if cfg.lifelong.dataset_strategy == "single":
+    Under a merging strategy, in this order, before any merge is written: the disk has room for those still to
+    write, and every merge the run recorded (or wrote just before a crash) still has the inputs and the files (and
+    the draws) it had. Then each merge still missing is written, validated and recorded, in the run's order."""
+    strategy = DATASET_STRATEGIES[cfg.lifelong.dataset_strategy]
+    if strategy.parts is None:
         return [Path(p) for p in paths]
     split = cfg.data.split
-    sources = [[Path(p) for p in paths[: i + 1]] for i in range(len(names))]
+    parts = [strategy.parts(i, cfg.lifelong) for i in range(len(names))]
+    sources = [[Path(paths[j]) for j, _ in stage] for stage in parts]
     stages = [stage_name(i, name, MERGE) for i, name in enumerate(names)]
     outs = [cfg.run_dir / MERGED_DIR / repo_key(i, name) for i, name in enumerate(names)]
     done = [state.stage_done(stage) for stage in stages]
@@ -53,27 +63,56 @@ def training_datasets(cfg: PipelineConfig, names: Sequence[str], paths: Sequence
                  if (p / name).is_file())
     if needed > free:
         raise PreflightError(f"disk: {cfg.run_dir / MERGED_DIR} needs up to {format_bytes(needed)} for "
-                             f"{len(pending)} merged dataset(s) (lifelong.dataset_strategy: merge_all) but its "
-                             f"filesystem has {format_bytes(free)} free; free some space or choose another run_dir")
-    read = {p: digests(p, split) for p in {p for group in sources for p in group}}
+                             f"{len(pending)} merged dataset(s) (lifelong.dataset_strategy: "
+                             f"{cfg.lifelong.dataset_strategy}) but its filesystem has {format_bytes(free)} free; "
+                             f"free some space or choose another run_dir")
+    read = {Path(p): digests(Path(p), split) for p in paths}
     inputs = [{str(p): read[p] for p in group} for group in sources]
+    # Each stage's draws (replay): the key of each source drawn from, from content only (leanagent.data.replay).
+    draws = [[None if share is None else Draw(share, replay_key(cfg.trainer.seed, i, read[Path(paths[i])],
+                                                                read[Path(paths[j])]))
+              for j, share in stage] for i, stage in enumerate(parts)]
     kept = [Path(d["dataset"]) if d is not None else out if out.exists() else None
             for d, out in zip(done, outs, strict=True)]
     written = [digests(k, split) if k is not None else None for k in kept]
-    found = [read_json(k / MERGE_FILE) if d is None and k is not None and (k / MERGE_FILE).is_file() else None
+    found = [read_json_file(k / MERGE_FILE, MIB, "merge record", PreflightError)
+             if d is None and k is not None and (k / MERGE_FILE).is_file() else None
              for d, k in zip(done, kept, strict=True)]
     for i, (d, k) in enumerate(zip(done, kept, strict=True)):
         if d is not None:  # recorded: reused only if what it read and what it wrote are as they were
             _refuse_if_changed(state.path, stages[i], d, inputs[i], written[i], files)
         elif k is not None and (not found[i] or found[i].get("inputs") != inputs[i]
-                                or found[i].get("outputs") != written[i]):
+                                or found[i].get("outputs") != written[i]
+                                or _draws_of(found[i]) != _draws_of(_planned(sources[i], draws[i]))):
             raise PreflightError(f"{k}: exists but is not a merge of {[str(p) for p in sources[i]]} that this run "
                                  f"wrote; move it away to have it rebuilt (nothing was changed)")
-    return [_merged(state, stages[i], sources[i], outs[i], split, done[i], found[i], log) for i in range(len(names))]
+    return [_merged(state, stages[i], sources[i], draws[i], outs[i], split, done[i], found[i], log)
+            for i in range(len(names))]
 
 
-def _merged(state: RunState, stage: str, sources: list[Path], out: Path, split: str, done: dict[str, Any] | None,
-            found: dict[str, Any] | None, log: Callable[[str], None]) -> Path:
+def _planned(sources: list[Path], draws: list[Draw | None]) -> dict[str, Any]:
+    """What merge.json says of draws, for the draws this run makes (to compare with a merge found on disk)."""
+    return {"replay": {str(s): {"fraction": d.fraction, "key": d.key} for s, d in zip(sources, draws, strict=True)
+                       if d is not None}}
+
+
+def _draws_of(info: dict[str, Any]) -> Any:
+    """{source: (fraction, key)} of a merge's draws ({} for merge_all's); anything else as it is (no match)."""
+    replay = info.get("replay", {})
+    if not isinstance(replay, dict) or not all(isinstance(d, dict) for d in replay.values()):
+        return replay
+    return {s: (d.get("fraction"), d.get("key")) for s, d in replay.items()}
+
+
+def _recorded(info: dict[str, Any], out: Path) -> dict[str, Any]:
+    """A merge's record in the manifest: merge.json's, less the positions drawn (merge.json keeps them; the
+    output's digests pin them), plus where the dataset is."""
+    replay = {s: {k: v for k, v in d.items() if k != "positions"} for s, d in (info.get("replay") or {}).items()}
+    return {**info, **({"replay": replay} if replay else {}), "dataset": str(out)}
+
+
+def _merged(state: RunState, stage: str, sources: list[Path], draws: list[Draw | None], out: Path, split: str,
+            done: dict[str, Any] | None, found: dict[str, Any] | None, log: Callable[[str], None]) -> Path:
     """The merged dataset of one stage: reused when recorded, taken when written just before a crash (both checked
     already), else written now; validated and recorded in either of the last two cases."""
     if done is not None:
@@ -86,7 +125,7 @@ def _merged(state: RunState, stage: str, sources: list[Path], out: Path, split: 
         state.start(stage)
     problems: list = []
     try:
-        info = info or merge_datasets(sources, out, split)
+        info = info or merge_datasets(sources, out, split, draws)
         problems = validate_dataset(out, split)
     except (DatasetError, OSError) as exc:
         failure, refusal = f"{type(exc).__name__}: {exc}", [f"{stage}: merging {len(sources)} repositories into "
@@ -102,7 +141,7 @@ def _merged(state: RunState, stage: str, sources: list[Path], out: Path, split: 
     if failure is not None:
         state.fail(stage, failure)
         raise PreflightError(refusal)
-    state.record(stage, {**info, "dataset": str(out)})
+    state.record(stage, _recorded(info, out))
     return out
 
 
@@ -132,6 +171,10 @@ def _summary(info: dict[str, Any]) -> str:
             f"{info.get('duplicate_theorems')} duplicate theorem(s) dropped")
     if info.get("corpus_conflicts"):
         text += f", {info['corpus_conflicts']} path(s) whose later copies differ (first kept)"
+    replay = info.get("replay") or {}
+    if replay:
+        text += ", training theorems replayed: " + ", ".join(
+            f"{d.get('kept')}/{d.get('of')} of {Path(s).name}" for s, d in replay.items() if isinstance(d, dict))
     return text
 
 

@@ -16,8 +16,8 @@ import torch
 
 from leanagent.checkpoints.foreign import complete_tied, is_leanagent, read_any_checkpoint, reference_state_dict
 from leanagent.checkpoints.ours import epochs_completed, first_readable, resume_candidates
-from leanagent.ground.atomic import read_json
 from leanagent.ground.config import PipelineConfig
+from leanagent.ground.json_files import MIB, read_json_file
 from leanagent.model.loading import load_retriever
 
 JOB_PLAN = "job.json"
@@ -51,7 +51,7 @@ def plan_training(job_dir: Path, start_checkpoint: Path | None, epochs_per_repo:
     start = str(Path(start_checkpoint).resolve()) if start_checkpoint else None
     plan_file = job_dir / JOB_PLAN
     if plan_file.is_file():
-        saved = read_json(plan_file)
+        saved = read_json_file(plan_file, MIB, "job plan")
         if saved.get("start_checkpoint") != start:
             raise ValueError(f"{plan_file}: this job started from {saved.get('start_checkpoint')}, not {start}; "
                              f"use a new --out folder")

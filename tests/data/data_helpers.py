@@ -6,7 +6,31 @@ import json
 from pathlib import Path
 from typing import Any
 
+from leanagent.ground.config import LifelongConfig, PipelineConfig, RepoConfig, TrainerConfig
+from leanagent.run.manifest import RepoEntry
+from leanagent.run.state import RunState
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# The shared core file of the synthetic repositories (`leanagent.data.synthetic`): the `repos` fixture edits it.
+CORE = ".lake/packages/core/Core/Basic.lean"
+
+
+def load_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def run_state(tmp_path: Path, repos: list[Path], strategy: str, **lifelong: Any) -> tuple[PipelineConfig, RunState]:
+    """(config, RunState) of a run_dir under `tmp_path` whose manifest holds `repos` as its sequence, as the flow
+    leaves it before `training_datasets`; `lifelong` adds settings (replay_fraction) and `seed` the trainer's."""
+    seed = lifelong.pop("seed", TrainerConfig().seed)
+    cfg = PipelineConfig(run_dir=tmp_path / "run", repos=[RepoConfig(path=r) for r in repos],
+                         trainer=TrainerConfig(seed=seed),
+                         lifelong=LifelongConfig(dataset_strategy=strategy, **lifelong))
+    state = RunState(cfg.run_dir, cfg)
+    entries = [RepoEntry(r.name, r) for r in repos]
+    state.extend(entries, entries)
+    return cfg, state
 
 
 def shared_data_dir() -> Path | None:

@@ -1,8 +1,8 @@
 """`merge_all`: LeanAgent's merge rules, the LeanDojo files they write, and their record in the run manifest.
 
-Three synthetic repositories are written per test and edited so that the rules have something to decide: a
-theorem repeated by a later repository (in another split, with other tactics) and a shared corpus path whose
-later copy differs.
+Three synthetic repositories are written per test (the `repos` fixture of conftest.py) and edited so that the rules
+have something to decide: a theorem repeated by a later repository (in another split, with other tactics) and a
+shared corpus path whose later copy differs.
 """
 
 from __future__ import annotations
@@ -11,45 +11,16 @@ import json
 from pathlib import Path
 
 import pytest
+from data_helpers import CORE, load_json, run_state
 
 from leanagent.data.example_files import write_example_files
 from leanagent.data.merge import MERGE_FILE, digests, merge_datasets
-from leanagent.data.synthetic import write_demo_repos
 from leanagent.data.validate import validate_dataset
-from leanagent.ground.config import DataConfig, LifelongConfig, PipelineConfig, RepoConfig
+from leanagent.ground.config import DataConfig
 from leanagent.preflight.checks import PreflightError
 from leanagent.run.manifest import ManifestMismatchError, RepoEntry, stage_name
 from leanagent.run.state import RunState
 from leanagent.run.strategy import MERGE, training_datasets
-
-CORE = ".lake/packages/core/Core/Basic.lean"
-
-
-def _load(path: Path) -> list:
-    return json.loads(path.read_text())
-
-
-@pytest.fixture()
-def repos(tmp_path: Path) -> list[Path]:
-    repos = write_demo_repos(tmp_path / "data", 3)
-    # A theorem of the shared core file is in repo_0's validation split and, with one tactic fewer, in repo_1's
-    # training split.
-    val = _load(repos[0] / "random" / "val.json")
-    theorem = val[0] = {**val[0], "file_path": CORE, "traced_tactics": [
-        {**t, "annotated_tactic": [t["annotated_tactic"][0], [a for a in t["annotated_tactic"][1]
-                                                              if a["def_path"] == CORE]]}
-        for t in val[0]["traced_tactics"]]}
-    (repos[0] / "random" / "val.json").write_text(json.dumps(val))
-    repeated = {**theorem, "traced_tactics": theorem["traced_tactics"][:1]}
-    train = _load(repos[1] / "random" / "train.json")
-    (repos[1] / "random" / "train.json").write_text(json.dumps([repeated, *train]))
-    # repo_2's copy of the shared core file differs (another version of a dependency).
-    lines = (repos[2] / "corpus.jsonl").read_text().splitlines()
-    core = json.loads(lines[0])
-    assert core["path"] == CORE
-    core["premises"][0]["code"] += "  -- a later version"
-    (repos[2] / "corpus.jsonl").write_text("\n".join([json.dumps(core), *lines[1:]]) + "\n")
-    return repos
 
 
 def test_merge_keeps_the_first_file_and_the_latest_theorem(repos: list[Path], tmp_path: Path) -> None:
@@ -64,15 +35,15 @@ def test_merge_keeps_the_first_file_and_the_latest_theorem(repos: list[Path], tm
     assert (out / "corpus.jsonl").read_text().splitlines()[0] == (repos[0] / "corpus.jsonl").read_text().splitlines()[0]
     assert info["corpus_conflicts"] == 1 and info["conflicting_paths"] == [CORE]
     # The repeated theorem: one copy, repo_1's (the most recently processed), in repo_1's split (train).
-    theorem = _load(repos[0] / "random" / "val.json")[0]
+    theorem = load_json(repos[0] / "random" / "val.json")[0]
     key = (theorem["file_path"], theorem["full_name"], theorem["start"], theorem["end"])
-    merged = {s: _load(out / "random" / f"{s}.json") for s in ("train", "val", "test")}
+    merged = {s: load_json(out / "random" / f"{s}.json") for s in ("train", "val", "test")}
     copies = [(s, t) for s, ts in merged.items() for t in ts
               if (t["file_path"], t["full_name"], t["start"], t["end"]) == key]
     assert len(copies) == 1 and copies[0][0] == "train" and len(copies[0][1]["traced_tactics"]) == 1
     assert info["duplicate_theorems"] == 1
     for s in ("train", "val", "test"):
-        total = sum(len(_load(r / "random" / f"{s}.json")) for r in repos)
+        total = sum(len(load_json(r / "random" / f"{s}.json")) for r in repos)
         assert len(merged[s]) == total + {"train": 0, "val": -1, "test": 0}[s] == info["theorems"][s]
     # A LeanDojo dataset: it validates and `leanagent examples` reads it; merge.json has every file's digest.
     assert validate_dataset(out) == []
@@ -83,32 +54,23 @@ def test_merge_keeps_the_first_file_and_the_latest_theorem(repos: list[Path], tm
         merge_datasets(repos, out)
 
 
-def _state(tmp_path: Path, repos: list[Path], strategy: str) -> tuple[PipelineConfig, RunState]:
-    cfg = PipelineConfig(run_dir=tmp_path / "run", repos=[RepoConfig(path=r) for r in repos],
-                         lifelong=LifelongConfig(dataset_strategy=strategy))
-    state = RunState(cfg.run_dir, cfg)
-    entries = [RepoEntry(r.name, r) for r in repos]
-    state.extend(entries, entries)
-    return cfg, state
-
-
 def _mtimes(folder: Path) -> dict[str, int]:
     return {str(p): p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_single_trains_each_repository_on_itself(repos: list[Path], tmp_path: Path) -> None:
-    cfg, state = _state(tmp_path, repos, "single")
+    cfg, state = run_state(tmp_path, repos, "single")
     assert training_datasets(cfg, [r.name for r in repos], repos, state, log=lambda _: None) == repos
     assert not (cfg.run_dir / "merged").exists()
 
 
 def test_merge_all_is_written_once_recorded_and_reused(repos: list[Path], tmp_path: Path) -> None:
-    cfg, state = _state(tmp_path, repos, "merge_all")
+    cfg, state = run_state(tmp_path, repos, "merge_all")
     names = [r.name for r in repos]
     lines: list[str] = []
     datasets = training_datasets(cfg, names, repos, state, log=lines.append)
     assert datasets == [cfg.run_dir / "merged" / f"{i:02d}-{n}" for i, n in enumerate(names)]
-    assert _load(datasets[0] / "random" / "test.json") == _load(repos[0] / "random" / "test.json")
+    assert load_json(datasets[0] / "random" / "test.json") == load_json(repos[0] / "random" / "test.json")
     assert json.loads((datasets[2] / MERGE_FILE).read_text())["sources"] == [str(r) for r in repos]
     manifest = json.loads(state.path.read_text())
     recorded = manifest["repos"]["01-repo_1"]["stages"][MERGE]
@@ -125,7 +87,7 @@ def test_merge_all_is_written_once_recorded_and_reused(repos: list[Path], tmp_pa
 
 def test_a_continued_run_merges_its_new_repository_with_every_earlier_one(repos: list[Path], tmp_path: Path) -> None:
     """A run of two repositories continued with a third: the two merges are reused, the third merges all three."""
-    cfg, state = _state(tmp_path, repos[:2], "merge_all")
+    cfg, state = run_state(tmp_path, repos[:2], "merge_all")
     names = [r.name for r in repos]
     first = training_datasets(cfg, names[:2], repos[:2], state, log=lambda _: None)
     before = _mtimes(cfg.run_dir / "merged")
@@ -141,12 +103,12 @@ def test_a_continued_run_merges_its_new_repository_with_every_earlier_one(repos:
 
 
 def test_a_changed_input_refuses_the_rerun(repos: list[Path], tmp_path: Path) -> None:
-    cfg, state = _state(tmp_path, repos, "merge_all")
+    cfg, state = run_state(tmp_path, repos, "merge_all")
     names = [r.name for r in repos]
     training_datasets(cfg, names, repos, state, log=lambda _: None)
     manifest = state.path.read_text()
     edited = repos[1] / "random" / "val.json"
-    edited.write_text(json.dumps(_load(edited)[1:]))
+    edited.write_text(json.dumps(load_json(edited)[1:]))
     with pytest.raises(ManifestMismatchError, match=rf"01-repo_1/merge merged {edited} \(sha256 [0-9a-f]{{12}}\), "
                                                     r"which is now sha256 [0-9a-f]{12}"):
         training_datasets(cfg, names, repos, RunState(cfg.run_dir, cfg), log=lambda _: None)
@@ -154,7 +116,7 @@ def test_a_changed_input_refuses_the_rerun(repos: list[Path], tmp_path: Path) ->
 
 
 def test_an_edited_merged_dataset_refuses_the_rerun(repos: list[Path], tmp_path: Path) -> None:
-    cfg, state = _state(tmp_path, repos, "merge_all")
+    cfg, state = run_state(tmp_path, repos, "merge_all")
     names = [r.name for r in repos]
     datasets = training_datasets(cfg, names, repos, state, log=lambda _: None)
     (datasets[2] / "random" / "train.json").write_text("[]")
@@ -163,7 +125,7 @@ def test_an_edited_merged_dataset_refuses_the_rerun(repos: list[Path], tmp_path:
 
 
 def test_a_merge_written_before_a_crash_is_taken_a_foreign_folder_refused(repos: list[Path], tmp_path: Path) -> None:
-    cfg, state = _state(tmp_path, repos, "merge_all")
+    cfg, state = run_state(tmp_path, repos, "merge_all")
     names = [r.name for r in repos]
     out = cfg.run_dir / "merged" / "01-repo_1"
     merge_datasets(repos[:2], out)  # finished, but the manifest never heard of it
@@ -172,7 +134,7 @@ def test_a_merge_written_before_a_crash_is_taken_a_foreign_folder_refused(repos:
     assert any("found complete, not yet recorded; taken" in line for line in lines)
     assert state.stage_done(stage_name(1, "repo_1", MERGE))["dataset"] == str(out)
     # Someone else's folder under that name is never overwritten.
-    cfg2, state2 = _state(tmp_path / "other", repos, "merge_all")
+    cfg2, state2 = run_state(tmp_path / "other", repos, "merge_all")
     foreign = cfg2.run_dir / "merged" / "00-repo_0"
     foreign.mkdir(parents=True)
     (foreign / "notes.txt").write_text("mine")
@@ -184,7 +146,7 @@ def test_a_merge_written_before_a_crash_is_taken_a_foreign_folder_refused(repos:
 def _rewrite_splits(repo: Path, edit) -> None:
     for name in ("train", "val", "test"):
         path = repo / "random" / f"{name}.json"
-        path.write_text(json.dumps([edit(t) for t in _load(path)]))
+        path.write_text(json.dumps([edit(t) for t in load_json(path)]))
 
 
 def test_a_merge_that_does_not_validate_is_refused_before_training(repos: list[Path], tmp_path: Path) -> None:
@@ -203,7 +165,7 @@ def test_a_merge_that_does_not_validate_is_refused_before_training(repos: list[P
 
     _rewrite_splits(repos[1], shorten)
     assert validate_dataset(repos[0]) == [] and validate_dataset(repos[1]) == []
-    cfg, state = _state(tmp_path, repos, "merge_all")
+    cfg, state = run_state(tmp_path, repos, "merge_all")
     with pytest.raises(PreflightError, match=r"01-repo_1/merge: the merged dataset .* problem\(s\)") as refused:
         training_datasets(cfg, [r.name for r in repos], repos, state, log=lambda _: None)
     assert "def_path Core/Basic.lean is not in the corpus" in str(refused.value)

@@ -90,6 +90,11 @@ def test_seed_strategy_timeout():
         ("data: {num_negatives: 1, num_in_file_negatives: 2}\n", "data"),
         ("model: {compile: sometimes}\n", "model.compile"),
         ("model: {token_budget: 0}\n", "model.token_budget"),
+        ("lifelong: {dataset_strategy: replay, replay_fraction: 0}\n", "lifelong.replay_fraction: 0.0 is outside"),
+        ("lifelong: {dataset_strategy: replay, replay_fraction: 1.01}\n", "lifelong.replay_fraction: 1.01 is outside"),
+        ("lifelong: {dataset_strategy: replay}\n", "replay needs lifelong.replay_fraction"),
+        ("lifelong: {replay_fraction: 0.5}\n", "lifelong.replay_fraction (0.5) is set but lifelong.dataset_strategy is "
+                                               "single"),
     ],
 )
 def test_bad_config_is_refused_naming_the_key(tmp_path, yaml_text, key):

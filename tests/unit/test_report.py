@@ -175,7 +175,7 @@ def test_a_bad_json_source_is_one_line_naming_the_file(tmp_path: Path, capsys: p
 def test_a_source_that_is_neither(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "broken.json").write_text("{not json")
     assert _report(str(tmp_path / "broken.json")) == 1
-    assert "not JSON" in capsys.readouterr().err
+    assert "not valid JSON at line 1" in capsys.readouterr().err
     assert _report(str(tmp_path / "missing")) == 1
     assert "no such run_dir or JSON file" in capsys.readouterr().err
     assert _report(str(tmp_path)) == 1

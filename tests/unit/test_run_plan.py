@@ -177,6 +177,21 @@ def test_run_set_refuses_an_unknown_key_in_one_line(demo_assets, tmp_path: Path)
     assert not cfg.run_dir.exists()
 
 
+def test_a_replay_fraction_outside_zero_one_is_one_line_before_any_job(demo_assets, tmp_path: Path) -> None:
+    cfg = _cfg(demo_assets, tmp_path, demo_assets.repos[:2])
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    sets = ["--set", "lifelong.dataset_strategy=replay", "--set", "lifelong.replay_fraction=1.5"]
+    proc = subprocess.run([sys.executable, "-m", "leanagent.cli", "run", "--config", str(config), *sets],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {config} with --set lifelong.dataset_strategy=replay lifelong.replay_fraction=1.5: "
+        f"lifelong.replay_fraction: 1.5 is outside (0, 1]: the share of each earlier repository's training theorems "
+        f"replayed (0 is dataset_strategy: single, 1 is merge_all)"]
+    assert not cfg.run_dir.exists()
+
+
 def _finished(stage: str) -> dict:
     """What a finished stage's result holds at least (the manifest refuses a finished stage without it)."""
     kind = stage.split("/")[-1]

@@ -41,7 +41,8 @@ EVAL = {"metrics": {"Recall@1": 10.0, "Recall@10": 50.0, "MRR": 0.25, "num_conte
         "checkpoint": "ckpt"}
 MANIFEST = {
     "version": 2, "fingerprint": "f" * 64, "created_at": "2026-12-05T00:00:00+0000", "order": ["a"], "given": ["a"],
-    "config": {"lifelong": {"dataset_strategy": "single", "curriculum": True, "ewc_lambda": 0.1},
+    "config": {"lifelong": {"dataset_strategy": "replay", "replay_fraction": 0.5, "curriculum": True,
+                            "ewc_lambda": 0.1},
                "model": {"loss": "mse"}, "data": {"negatives": "random"}, "trainer": {"devices": 1}},
     "repos": {"00-a": {"index": 0, "name": "a", "path": "/data/a", "dataset": {"corpus.jsonl": "0" * 64},
                        "stages": {

@@ -21,9 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from leanagent.ground.atomic import read_json, write_atomic, write_json_atomic
+from leanagent.ground.atomic import write_atomic, write_json_atomic
 from leanagent.ground.config import PipelineConfig
 from leanagent.ground.job import NEEDS_RESUME_FILE, PROGRAMS_ENTRY, heartbeat_dir
+from leanagent.ground.json_files import MIB, read_json_file
 from leanagent.ground.supervision import SUPERVISION_ENV
 from leanagent.launch.base import Launcher, RunningJob, child_environment
 from leanagent.launch.quiet import quiet_environment
@@ -103,7 +104,7 @@ class SlurmJob(RunningJob):
     def record(self) -> dict:
         path = self.folder / RECORD
         if path.is_file():
-            data = read_json(path)
+            data = read_json_file(path, MIB, "SLURM job record")
             data.setdefault("job_ids", [])
             data.setdefault("submitted_at", [])
             data.setdefault("resubmissions", 0)

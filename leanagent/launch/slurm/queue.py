@@ -7,14 +7,13 @@ cluster without accounting that has forgotten the job (MinJobAge) still gives th
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from leanagent.ground.atomic import read_json
+from leanagent.ground.json_files import KIB, MIB, JsonFileError, read_json_file
 from leanagent.launch.base import LaunchError
 
 SLURM_DIR = "slurm"  # JOB/slurm/: the script, the record of submissions, SLURM's output, the exit records
@@ -102,8 +101,8 @@ def _exit_record(record_dir: Path | None, job_id: int) -> int | None:
     if record_dir is None:
         return None
     try:
-        return int(read_json(Path(record_dir) / f"exit-{job_id}.json")["exit_code"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(read_json_file(Path(record_dir) / f"exit-{job_id}.json", KIB)["exit_code"])
+    except (JsonFileError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -112,8 +111,8 @@ def run_jobs(run_dir: Path) -> list[tuple[Path, int, JobState | None]]:
     found = []
     for record in sorted(Path(run_dir).glob(f"jobs/**/{SLURM_DIR}/{RECORD}")):
         try:
-            ids = json.loads(record.read_text()).get("job_ids") or []
-        except (OSError, ValueError):
+            ids = read_json_file(record, MIB).get("job_ids") or []
+        except (JsonFileError, AttributeError):
             continue
         if ids:
             found.append((record.parent.parent, int(ids[-1]), query_state(int(ids[-1]), record.parent)))
