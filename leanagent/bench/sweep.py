@@ -24,8 +24,8 @@ from leanagent.bench.options import SweepOptions
 from leanagent.bench.precision import cpu_flags
 from leanagent.bench.results import Section
 from leanagent.data.synthetic import write_demo_repos
-from leanagent.ground.atomic import read_json
 from leanagent.ground.job import result_filename
+from leanagent.ground.results import read_result
 from leanagent.launch.progress_view import MODE_ENV
 from leanagent.model.presets import write_random_encoder
 from leanagent.report.timing import JobCost, job_costs
@@ -104,7 +104,7 @@ def bench_sweep(options: SweepOptions) -> SweepFigures:
         figures.sweep_wall_seconds = _command(["sweep", "--config", str(sweep)], work / "sweep.log")
         shared = sorted(p for p in (work / "sweep" / SHARED_DIR / "jobs").iterdir() if p.is_dir())
         figures.sweep_jobs = len(shared)
-        costs = [JobCost.of(p.name, read_json(p / result_filename())) for p in shared]
+        costs = [JobCost.of(p.name, read_result(p / result_filename())) for p in shared]
         figures.sweep_job_seconds = sum(c.total for c in costs if c is not None)
         same = True
         for name, overrides in SETUPS.items():

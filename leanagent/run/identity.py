@@ -31,10 +31,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from leanagent.data.merge import MERGE_FILE, dataset_files
-from leanagent.ground.atomic import read_json
 from leanagent.ground.config import PipelineConfig
 from leanagent.ground.file_digest import sha256_file
 from leanagent.ground.job import JobRequest
+from leanagent.ground.json_files import MIB, read_json_file
 from leanagent.ground.model_identity import model_files
 from leanagent.ground.names import NAMES_FILE
 from leanagent.run.fingerprint import fingerprint_fields
@@ -52,6 +52,7 @@ IGNORED: dict[str, tuple[str, ...]] = {
 }
 # What a training job without a Fisher file does not read: EWC's weight multiplies a penalty it does not have.
 IGNORED_WITHOUT_FISHER = ("lifelong.ewc_lambda",)
+MAX_MERGE_RECORD_BYTES = MIB  # as leanagent.run.strategy reads merge.json
 
 
 class JobIdentity(BaseModel):
@@ -136,8 +137,8 @@ def dataset_identity(dataset: Path, split: str) -> dict[str, str]:
     if not record.is_file():
         return own
     try:
-        info = read_json(record)
-    except (OSError, ValueError):
+        info = read_json_file(record, MAX_MERGE_RECORD_BYTES, "merge record")
+    except ValueError:  # not a record of ours: the folder is what its own files are
         return own
     sources = info.get("sources") if isinstance(info, dict) else None
     if (isinstance(sources, list) and len(sources) == 1 and info.get("outputs") == own

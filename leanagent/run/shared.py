@@ -28,8 +28,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from leanagent.ground.atomic import read_json, write_json_atomic
+from leanagent.ground.atomic import write_json_atomic
 from leanagent.ground.job import JobRequest, result_filename
+from leanagent.ground.json_files import KIB, MIB, read_json_file, read_model
 from leanagent.ground.names import INDEX_FILE
 from leanagent.ground.results import read_result
 
@@ -95,10 +96,11 @@ class SharedWork(BaseModel):
             if shared.index is not None and own.index is not None:
                 _set_aside_if_foreign(own.index, shared.index, (INDEX_FILE,), log)
                 link_tree(shared.index, own.index, skip=(INDEX_FILE,))
-                write_json_atomic(own.index / INDEX_FILE, relocate(read_json(shared.index / INDEX_FILE), moves))
+                meta = read_json_file(shared.index / INDEX_FILE, MIB, INDEX_FILE)
+                write_json_atomic(own.index / INDEX_FILE, relocate(meta, moves))
             result = relocate(ran.result, moves)
             write_json_atomic(own.out / result_filename(), result)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a shared file that is not what it should be
             raise SharedJobError(f"{own.out}: the shared job {shared.out} could not be linked in ({exc}); free space "
                                  f"and rerun: nothing finished is lost") from None
         return result
@@ -112,7 +114,7 @@ def record_request(job: JobRequest) -> None:
 def recorded_request(job: JobRequest) -> JobRequest:
     """The request the job in `job.out` last ran with (`job` itself if it has none recorded)."""
     path = job.out / REQUEST_FILE
-    return JobRequest.model_validate(read_json(path)) if path.is_file() else job
+    return read_model(path, JobRequest, 64 * KIB, "job request") if path.exists() else job
 
 
 def finished_result(job: JobRequest) -> dict[str, Any] | None:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from leanagent.ground.atomic import read_json, write_json_atomic
+from leanagent.ground.atomic import write_json_atomic
 from leanagent.ground.config import (
     ConfigError,
     PipelineConfig,
@@ -38,6 +38,7 @@ from leanagent.ground.config import (
     format_validation_error,
     read_config_data,
 )
+from leanagent.ground.json_files import MIB, read_model
 from leanagent.launch.registry import config_problems
 from leanagent.run.plan import BAD_INPUT, RunPlan, plan_run
 
@@ -240,16 +241,16 @@ class SweepRecordFile(BaseModel):
         return [(name, self.setups[name]) for name in names]
 
 
+MAX_RECORD_BYTES = 16 * MIB  # sweep.json: a few hundred bytes per setup
+
+
 def read_sweep_record(sweep_dir: Path) -> SweepRecordFile | None:
-    """sweep_dir/sweep.json, or None when there is none; ValueError naming the file when it is not one."""
+    """sweep_dir/sweep.json, or None when there is none; JsonFileError (a ValueError) naming the file when it is not
+    one."""
     path = Path(sweep_dir) / SWEEP_RECORD
-    if not path.is_file():
+    if not path.exists():
         return None
-    try:
-        return SweepRecordFile.model_validate(read_json(path))
-    except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{path}: not a sweep record ({first[:160]})") from None
+    return read_model(path, SweepRecordFile, MAX_RECORD_BYTES, "sweep record")
 
 
 class SweepRecord:

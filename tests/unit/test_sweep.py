@@ -28,6 +28,7 @@ from leanagent.run.shared import REQUEST_FILE, SharedRun, SharedWork, relocate
 from leanagent.run.state import RunState
 from leanagent.run.sweep import SWEEP_RECORD, load_sweep_file, plan_sweep
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BASE = {"model": {"lr": 1e-3}, "trainer": {"accelerator": "cpu", "devices": 2}}
 
 
@@ -81,12 +82,17 @@ def test_an_inline_base_resolves_its_paths_against_the_sweep_file(tmp_path: Path
      r"sweep.yaml, line 4: setup 'a' \(lifelong.ewc_lamda=0.1\): lifelong.ewc_lamda: unknown key \(did you mean "
      r"'ewc_lambda'\?\)"),
     ("setups:\n  a: [model.lr]\n", r"sweep.yaml, line 4: setup 'a' \(model.lr\): --set model.lr: expected KEY=VALUE"),
-    ("setups:\n  a: [run_dir=elsewhere]\n", r"setups: Value error, setup 'a': run_dir=elsewhere: a setup's run_dir "
+    ("setups:\n  a: [run_dir=elsewhere]\n", r"setups: setup 'a': run_dir=elsewhere: a setup's run_dir "
                                            r"is sweep_dir/a"),
     ("setups:\n  shared: []\n", r"setup 'shared': a name is a folder of sweep_dir"),
     ("setups:\n  ../up: []\n", r"setup '../up': a name is a folder of sweep_dir"),
     ("setups: {}\n", r"setups: .*at least 1 item"),
     ("setups:\n  a: []\nmax_paralel: 2\n", r"max_paralel: unknown key \(did you mean 'max_parallel'\?\)"),
+    ("setups:\n  a: [lifelong.dataset_strategy=replay, lifelong.replay_fraction=1.5]\n",
+     r"line 4: setup 'a' \(lifelong.dataset_strategy=replay, lifelong.replay_fraction=1.5\): lifelong.replay_fraction: "
+     r".*\(0, 1\]"),
+    ("setups:\n  a: [lifelong.dataset_strategy=replay, lifelong.replay_fraction=0]\n",
+     r"line 4: setup 'a' .*lifelong.replay_fraction: .*\(0, 1\]"),
 ])
 def test_bad_input_is_one_line_naming_the_file_the_line_and_the_key(tmp_path: Path, demo_assets, text: str,
                                                                       expected: str) -> None:
@@ -118,6 +124,26 @@ def test_a_changed_setup_is_refused_naming_the_keys_that_changed(tmp_path: Path,
     with pytest.raises(ConfigError, match=r"line 5: setup 'b': .*b/manifest.json belongs to a run of a different "
                                           r"config \(model.lr: 0.002 -> 0.003\)"):
         _plan(path)
+
+
+def test_the_shipped_table4_sweep_is_the_papers_eight_setups_and_two_of_replay(tmp_path: Path, demo_assets) -> None:
+    """configs/leanagent-table4.yaml on a base of one's own: each of its eight LeanAgent setups is what the paper's
+    Table 4 calls it (the labels of tests/fixtures/leanagent_table4, from the authors' data)."""
+    loaded = load_sweep_file(REPO_ROOT / "configs" / "leanagent-table4.yaml")
+    sweep = loaded.sweep.model_copy(update={"base": _base(tmp_path, demo_assets, demo_assets.repos),
+                                            "sweep_dir": tmp_path / "table4"})
+    plan = plan_sweep(sweep, str(loaded.path), loaded.path.parent, [], loaded.lines)
+    setups = {s.name: s.plan.cfg.lifelong for s in plan.setups}
+    assert list(setups) == ["leanagent", *(f"setup{k}" for k in range(1, 8)), "replay-10", "replay-50"]
+    for name in list(setups)[:8]:
+        label = json.loads((REPO_ROOT / "tests" / "fixtures" / "leanagent_table4" / f"{name}.json").read_text())
+        label = label["label"]
+        lifelong = setups[name]
+        assert ("Merge All" in label) == (lifelong.dataset_strategy == "merge_all"), label
+        assert ("curriculum order" in label) == lifelong.curriculum, label
+        assert ("no EWC" in label) == (lifelong.ewc_lambda == 0), label
+    assert [(setups[n].dataset_strategy, setups[n].replay_fraction) for n in ("replay-10", "replay-50")] == \
+        [("replay", 0.1), ("replay", 0.5)]
 
 
 # ---- a job's identity --------------------------------------------------------------------------------------------
