@@ -24,7 +24,7 @@ from leanagent.report import report_from_manifest
 from leanagent.run.manifest import MANIFEST_NAME, read_manifest
 from leanagent.run.plan import BAD_INPUT, UNRECORDED, RunPlan, plan_run
 from leanagent.run.state import RunLock
-from leanagent.run.sweep import SweepPlan, load_sweep_file, plan_sweep
+from leanagent.run.sweep import SweepPlan, plan_sweep_file
 
 
 def run_from_cli(config_path: str, overrides: Sequence[str] = ()) -> int:
@@ -97,20 +97,12 @@ def sweep_from_cli(sweep_path: str, overrides: Sequence[str] = (), base: str | N
     signal when interrupted (every job ended; rerun to resume). A sweep with nothing to do prints its table without
     starting Prefect."""
     try:
-        loaded = load_sweep_file(sweep_path)
-        replaced = {key: value for key, value in (("base", Path(base).resolve() if base else None),
-                                                  ("sweep_dir", Path(sweep_dir).resolve() if sweep_dir else None),
-                                                  ("max_parallel", max_parallel)) if value is not None}
-        sweep = loaded.sweep.model_validate({**loaded.sweep.model_dump(), **replaced})
-        plan = plan_sweep(sweep, sweep_path, loaded.path.parent, list(overrides), loaded.lines)
+        plan = plan_sweep_file(sweep_path, list(overrides), base, sweep_dir, max_parallel)
         RunLock(plan.sweep_dir).probe()
         for setup in plan.setups:
             RunLock(setup.run_dir).probe()
     except BAD_INPUT as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except ValueError as exc:  # the replaced keys, validated as the file's are
-        print(f"error: {sweep_path}: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 1
     if all(setup.plan.nothing_new() is not None for setup in plan.setups) and _sweep_table(plan.sweep_dir,
                                                                                           complete=True):

@@ -34,7 +34,7 @@ from leanagent.ground.supervision import HoldSignals, raise_in_thread
 from leanagent.report.sweep import artifact_rows, load_sweep, sweep_json, sweep_text
 from leanagent.run.plan import BAD_INPUT, INLINE, UNRECORDED
 from leanagent.run.state import RunLock
-from leanagent.run.sweep import SetupPlan, SweepFile, SweepPlan, SweepRecord, load_sweep_file, plan_sweep
+from leanagent.run.sweep import SetupPlan, SweepFile, SweepPlan, SweepRecord, plan_sweep, plan_sweep_file
 
 TABLE_KEY = "lifelong-sweep-table"
 SUMMARY_KEY = "lifelong-sweep-summary"
@@ -48,7 +48,7 @@ class SetupInterrupted(KeyboardInterrupt):
     interrupted (it reruns)."""
 
 
-def planned_sweep(sweep_path: str | None, sweep: SweepFile | None, overrides: list[str],
+def planned_sweep(sweep_path: str | None, sweep: SweepFile | None, overrides: list[str], base_path: str | None,
                   plan: SweepPlan | None) -> SweepPlan:
     """The plan `leanagent sweep` made, or the one made here from exactly one source: a sweep file (its relative
     paths resolve against its folder), or a sweep given inline (the UI form: against the working directory)."""
@@ -57,14 +57,16 @@ def planned_sweep(sweep_path: str | None, sweep: SweepFile | None, overrides: li
     if plan is not None:
         return plan
     if sweep_path is not None:
-        loaded = load_sweep_file(sweep_path)
-        return plan_sweep(loaded.sweep, sweep_path, loaded.path.parent, overrides, loaded.lines)
+        return plan_sweep_file(sweep_path, overrides, base_path)
+    if base_path is not None:
+        sweep = sweep.model_copy(update={"base": Path(base_path).resolve()})
     return plan_sweep(sweep, INLINE, Path.cwd(), overrides)
 
 
 @flow(name="lifelong-sweep")
-def lifelong_sweep(sweep_path: str | None = None, sweep: SweepFile | None = None, overrides: list[str] | None = None,
-                   options: JobOptions | None = None, plan: SweepPlan | None = None) -> dict:
+def lifelong_sweep(sweep_path: str | None = None, sweep: SweepFile | None = None, base_path: str | None = None,
+                   overrides: list[str] | None = None, options: JobOptions | None = None,
+                   plan: SweepPlan | None = None) -> dict:
     """Run several setups of one lifelong experiment (LeanAgent's Table 4, replay, your own) as one: each setup an
     ordinary run in sweep_dir/NAME and a child flow run of this one, the jobs they share run once, and their
     lifelong metrics side by side.
@@ -78,12 +80,14 @@ def lifelong_sweep(sweep_path: str | None = None, sweep: SweepFile | None = None
         sweep_path: A sweep file (e.g. configs/leanagent-table4.yaml), relative to the worker's working directory:
             base, sweep_dir, max_parallel and setups (each a name and its overrides, KEY=VALUE).
         sweep: The same, as a form; relative paths resolve against the worker's working directory.
+        base_path: A config file to use as every setup's base instead of the sweep's own (e.g. one listing your
+            repositories), relative to the worker's working directory.
         overrides: KEY=VALUE settings applied to every setup, before its own (e.g. trainer.accelerator=cpu).
         options: How jobs are supervised: retries, per-job deadlines and the heartbeat timeout (every setup's).
         plan: The checked sweep `leanagent sweep` hands over; leave it empty in a form.
     """
     try:
-        plan = planned_sweep(sweep_path, sweep, list(overrides or []), plan)
+        plan = planned_sweep(sweep_path, sweep, list(overrides or []), base_path, plan)
         lock = RunLock(plan.sweep_dir).acquire()
     except BAD_INPUT as exc:
         return refused(exc)

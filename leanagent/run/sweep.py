@@ -212,6 +212,21 @@ def plan_sweep(sweep: SweepFile, source: str, base_dir: Path, overrides: list[st
                      overrides=list(overrides))
 
 
+def plan_sweep_file(path: str | Path, overrides: list[str] = (), base: str | Path | None = None,
+                    sweep_dir: str | Path | None = None, max_parallel: int | None = None) -> SweepPlan:
+    """`plan_sweep` of a sweep file, with its `base`, `sweep_dir` or `max_parallel` replaced where given (paths
+    relative to the working directory, as a command line's are): what `leanagent sweep` and the flow both check."""
+    loaded = load_sweep_file(path)
+    replaced = {key: value for key, value in (("base", Path(base).resolve() if base else None),
+                                              ("sweep_dir", Path(sweep_dir).resolve() if sweep_dir else None),
+                                              ("max_parallel", max_parallel)) if value is not None}
+    try:
+        sweep = SweepFile.model_validate({**loaded.sweep.model_dump(), **replaced})
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: {format_validation_error(exc, SweepFile)}") from None
+    return plan_sweep(sweep, str(path), loaded.path.parent, list(overrides), loaded.lines)
+
+
 # ---- sweep.json: the setups and what became of each -------------------------------------------------------------
 
 Status = Literal["waiting", "running", "done", "failed", "interrupted"]

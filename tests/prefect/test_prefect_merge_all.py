@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 from leanagent.flows.lifelong import lifelong_retrieval
 
-from leanagent.ground.atomic import read_json
 from leanagent.run.manifest import ManifestMismatchError
 from tests.conftest import FinishedRun, MergeAllRun, file_times
 from tests.prefect.prefect_api import wait_for_logs
@@ -41,6 +40,10 @@ def runs(merge_all_run3: MergeAllRun, lifelong_run3: FinishedRun) -> Runs:
     # The `single` run beside it is the session's (the same config but for the strategy, on the originals).
     return Runs(merge_all_run3.repos, merge_all_run3.config_path, merge_all_run3.run_dir, lifelong_run3.run_dir,
                 merge_all_run3.summary, lifelong_run3.summary)
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
 
 
 def _results(run_dir: Path) -> dict[str, dict]:

@@ -27,7 +27,6 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 from prefect.settings import PREFECT_API_URL
 
-from leanagent.ground.atomic import read_json
 from leanagent.ground.config import ConfigError
 from leanagent.report import load_run
 from tests.conftest import FinishedRun, MergeAllRun, file_times
@@ -46,6 +45,10 @@ class Sweep:
     sweep_dir: Path
     flow_run_id: UUID
     result: dict
+
+
+def read_json(path: Path | str) -> dict:
+    return json.loads(Path(path).read_text())
 
 
 def _sweep_file(path: Path, setups: dict[str, list[str]], max_parallel: int = 2) -> Path:
