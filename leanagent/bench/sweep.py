@@ -56,7 +56,7 @@ class SweepFigures(Section):
     per_setup_alone: dict[str, float] = field(default_factory=dict)  # each `leanagent run`'s wall seconds
 
     def flat(self) -> dict:
-        return {f"sweep_{k}": v for k, v in super().flat().items()}
+        return {k if k.startswith("sweep_") else f"sweep_{k}": v for k, v in super().flat().items()}
 
 
 def _base(work: Path, data: list[Path], model: Path, options: SweepOptions) -> dict:

@@ -147,8 +147,13 @@ def test_the_report_and_the_flow_runs_artifact_show_one_row_per_setup(sweep: Swe
     assert [row["setup"] for row in table] == list(SETUPS) and {row["status"] for row in table} == {"done"}
     assert all(row["composite"] is not None for row in table)
     assert table[0]["final_R@10"] == table[2]["final_R@10"]  # single and pruned: the same jobs
-    [artifact] = [a for a in flow_run_artifacts(sweep.flow_run_id) if a.key == TABLE_KEY]
-    rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+    # Refreshed as each setup finished: the first version before any, one per setup, the last at the end.
+    versions = sorted((a for a in flow_run_artifacts(sweep.flow_run_id) if a.key == TABLE_KEY),
+                      key=lambda a: a.created)
+    assert len(versions) == 2 + len(SETUPS)
+    assert sorted(a.description for a in versions[1:-1]) == \
+        sorted(f"Lifelong metrics per setup (setup {name}: done)" for name in SETUPS)
+    rows = json.loads(versions[-1].data) if isinstance(versions[-1].data, str) else versions[-1].data
     assert [row["setup"] for row in rows] == list(SETUPS) and {row["state"] for row in rows} == {"done"}
     assert [row["R@10"] for row in rows] == [f"{row['final_R@10']:.2f}" for row in table]
 
