@@ -40,6 +40,7 @@ from leanagent.ground.config import (
 )
 from leanagent.ground.json_files import MIB, read_model
 from leanagent.launch.registry import config_problems
+from leanagent.run.manifest import ManifestMismatchError
 from leanagent.run.plan import BAD_INPUT, RunPlan, plan_run
 
 SWEEP_RECORD = "sweep.json"
@@ -206,7 +207,9 @@ def plan_sweep(sweep: SweepFile, source: str, base_dir: Path, overrides: list[st
         try:
             plan = plan_run(cfg, source=f"{source} (setup {name})")
         except BAD_INPUT as exc:
-            raise ConfigError(f"{where}: setup {name!r}: {exc}") from None
+            hint = (" (in a sweep: restore the setup's overrides, or give the changed setup a new name)"
+                    if isinstance(exc, ManifestMismatchError) else "")
+            raise ConfigError(f"{where}: setup {name!r}: {exc}{hint}") from None
         setups.append(SetupPlan(name=name, overrides=list(own), plan=plan))
     return SweepPlan(source=source, sweep_dir=sweep_dir, max_parallel=sweep.max_parallel, setups=setups,
                      overrides=list(overrides))

@@ -175,9 +175,9 @@ def test_a_changed_setup_is_refused_naming_its_changed_keys(sweep: Sweep) -> Non
     before = file_times(sweep.sweep_dir)
     changed = _sweep_file(sweep.path.with_name("changed.yaml"),
                           {**SETUPS, "merge_all": [*SETUPS["merge_all"], "lifelong.ewc_lambda=0.2"]})
-    with pytest.raises(ConfigError, match=r"changed.yaml, line \d+: setup 'merge_all' .*merge_all/manifest.json "
+    with pytest.raises(ConfigError, match=r"changed.yaml, line \d+: setup 'merge_all': .*merge_all/manifest.json "
                                           r"belongs to a run of a different config \(lifelong.ewc_lambda: 0.1 -> "
-                                          r"0.2\)"):
+                                          r"0.2\); .* give the changed setup a new name"):
         lifelong_sweep(sweep_path=str(changed))
     assert file_times(sweep.sweep_dir) == before
 
