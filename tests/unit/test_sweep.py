@@ -327,3 +327,22 @@ def test_report_of_a_sweep_has_a_row_per_setup_and_no_number_for_one_unfinished(
     assert broken["final_R@10"] is None and broken["composite"] is None and broken["status"] == "failed"
     assert later["status"] == "waiting" and later["FM"] is None
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_leanagent_sweep_refuses_bad_input_in_one_line_before_prefect(tmp_path: Path, demo_assets,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    _base(tmp_path, demo_assets, demo_assets.repos[:1])
+    path = _sweep(tmp_path, "base: conf/base.yaml\nsweep_dir: out\nsetups:\n  a: []\n  a: [model.lr=0.1]\n")
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as code:
+        main(["sweep", "--config", str(path)])
+    assert code.value.code == 1 and time.monotonic() - started < 60
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {path}, line 5: 'a' is given twice"), err
+    # The command's own keys: a --base that is no config file, named as given.
+    path.write_text("base: conf/base.yaml\nsweep_dir: out\nsetups:\n  a: []\n")
+    with pytest.raises(SystemExit) as code:
+        main(["sweep", "--config", str(path), "--base", str(tmp_path / "missing.yaml"), "--max-parallel", "2"])
+    missing = tmp_path / "missing.yaml"
+    assert code.value.code == 1 and capsys.readouterr().err == f"error: {missing}: no such config file\n"
+    assert not (tmp_path / "out").exists()
