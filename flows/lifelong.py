@@ -30,6 +30,7 @@ from leanagent.run.manifest import (
     EVAL_UNTRAINED,
     FISHER,
     INDEX_DIR,
+    JOBS_DIR,
     TRAIN,
     eval_stage,
     repo_key,
@@ -160,7 +161,7 @@ def _train(cfg: PipelineConfig, ordered: list[RepoConfig], waiting: list[str], s
     report, logger = artifacts.report, get_run_logger()
     logger.info(progress_line(len(ordered) - len(waiting), waiting, len(artifacts.not_ready)))
     datasets = training_datasets(cfg, report.names, [r.path for r in ordered], state, log=logger.info)
-    jobs = cfg.run_dir / "jobs"
+    jobs = cfg.run_dir / JOBS_DIR
     ewc = cfg.lifelong.ewc_lambda > 0
     # Not config.yaml: a user may keep their own config in run_dir, and it must not be overwritten.
     config_file = cfg.run_dir / "leanagent-run-config.yaml"

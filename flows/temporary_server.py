@@ -1,20 +1,24 @@
 """Prefect's temporary local server for `leanagent run`, bound to this process and out of the terminal's reach.
 
 With no PREFECT_API_URL, Prefect's first client starts a server as a plain child process
-(`prefect.server.api.server.SubprocessASGIServer`: uvicorn) and stops it from an atexit hook. Two things
+(`prefect.server.api.server.SubprocessASGIServer`: uvicorn) and stops it from an atexit hook. Three things
 go wrong with that child as it is:
 
 - it is in the terminal's foreground process group, so a Ctrl-C (SIGINT to the whole group) stops it
   at the very moment the flow needs it to record the interrupted stage: the flow then retries its API
   calls for minutes and dies with connection tracebacks;
-- a SIGKILL of this process (the OOM killer) leaves it running, since no atexit hook runs.
+- a SIGKILL of this process (the OOM killer) leaves it running, since no atexit hook runs;
+- two started at once on one database (two runs on one machine, one Prefect home) both migrate it as they start,
+  and race on its tables: one dies with "Application startup failed" and about 180 lines of tracebacks before
+  Prefect starts it again.
 
 So we create that same singleton first, from this (main) thread, with its uvicorn child in a session
 of its own (no terminal signal reaches it) and the parent-death signal set (`prctl(PR_SET_PDEATHSIG,
-SIGTERM)`, leanagent/ground/supervision.py), and stop it ourselves when the command ends. Prefect's own code
-finds it running (`SubprocessASGIServer()` returns the one instance) and uses it. This module is the
-one place that knows those internals: a no-op with a configured server, or if Prefect's internals are
-not the ones expected.
+SIGTERM)`, leanagent/ground/supervision.py), one start at a time per database (a lock beside it: the
+second run waits for the first's server to be up, then finds the tables made), and stop it ourselves when the
+command ends. Prefect's own code finds it running (`SubprocessASGIServer()` returns the one instance) and uses
+it. This module is the one place that knows those internals: a no-op with a configured server, or if Prefect's
+internals are not the ones expected.
 
 The child's output reaches the terminal through a pipe that is cut when the stop begins: uvicorn's
 shutdown cancels the server's background services mid-query, and SQLAlchemy logs each connection it
@@ -26,20 +30,26 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from prefect.events.worker import EventsWorker
 from prefect.logging.handlers import APILogWorker
 from prefect.settings import (
+    PREFECT_API_DATABASE_CONNECTION_URL,
     PREFECT_API_URL,
     PREFECT_HOME,
     PREFECT_SERVER_EPHEMERAL_ENABLED,
     PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
 )
+from sqlalchemy.engine import make_url
 
+from leanagent.ground.atomic import out_folder_problem
+from leanagent.ground.pid_lock import LockHeld, PidLock
 from leanagent.ground.supervision import parent_death_signal
 
 # The temporary server's defaults, under any value the user set (environment, profile, prefect.toml: Prefect
@@ -156,21 +166,64 @@ def _start():  # -> tuple[SubprocessASGIServer, ServerOutput] | None
             finally:
                 server_module.subprocess = real
 
-    output = ServerOutput()
-    server = ServerBoundToThisProcess()
-    try:
-        server.start(timeout=startup_timeout())
-    except RuntimeError as exc:  # Prefect's own "Timed out while attempting to connect ...", with the output
-        server.stop()
-        output.close()
-        reason = (str(exc).strip().splitlines() or ["no reason given"])[0][:300]
-        raise TemporaryServerError(
-            f"Prefect's temporary server did not start ({reason}); check that PREFECT_HOME "
-            f"({PREFECT_HOME.value()}) is a folder it can create and write, or set PREFECT_API_URL to a running "
-            f"server (`prefect server start`)") from None
-    finally:
-        output.started()
+    with _one_start_at_a_time():
+        output = ServerOutput()
+        server = ServerBoundToThisProcess()
+        try:
+            server.start(timeout=startup_timeout())
+        except RuntimeError as exc:  # Prefect's own "Timed out while attempting to connect ...", with the output
+            server.stop()
+            output.close()
+            reason = (str(exc).strip().splitlines() or ["no reason given"])[0][:300]
+            raise TemporaryServerError(
+                f"Prefect's temporary server did not start ({reason}); "
+                f"{_CHECK_HOME.format(home=PREFECT_HOME.value())}") from None
+        finally:
+            output.started()
     return server, output
+
+
+_CHECK_HOME = ("check that PREFECT_HOME ({home}) is a folder it can create and write, or set PREFECT_API_URL to a "
+               "running server (`prefect server start`)")
+
+
+def start_lock() -> Path:
+    """The file that lets one temporary server at a time start on the database: beside its SQLite file (every
+    Prefect home that names that file shares it), in the Prefect home for any other database."""
+    url = make_url(PREFECT_API_DATABASE_CONNECTION_URL.value())
+    if url.get_backend_name() == "sqlite" and url.database and ":memory:" not in url.database:
+        database = Path(url.database)
+        return database.with_name(f".{database.name}.leanagent-start.lock")
+    return Path(PREFECT_HOME.value()) / ".leanagent-temporary-server-start.lock"
+
+
+@contextmanager
+def _one_start_at_a_time() -> Iterator[None]:
+    """Held while the temporary server starts: it migrates its database as it starts, and two servers migrating one
+    database at once race on its tables (`no such table: ...`, "Application startup failed" and 180 lines of
+    tracebacks, two `leanagent run`s started together on one machine). The second waits, saying so in one line,
+    and finds the tables made; the servers then share the database, each run's flow runs recorded in it as before.
+    Only leanagent's commands take this lock: a server started another way (`prefect server start`) is not held."""
+    lock = PidLock(start_lock())
+    problem = out_folder_problem(lock.path.parent)  # Prefect's home as a file, or read-only: said as it is
+    if problem is not None:
+        raise TemporaryServerError(f"Prefect's temporary server cannot start: {problem}; "
+                                   f"{_CHECK_HOME.format(home=PREFECT_HOME.value())}")
+    try:
+        lock.acquire(wait_s=startup_timeout(), on_wait=lambda holder: print(
+            f"waiting for another run's temporary Prefect server (pid {holder}) to finish starting on the database "
+            f"in {lock.path.parent}: they start one at a time", file=sys.stderr, flush=True))
+    except LockHeld as exc:
+        raise TemporaryServerError(
+            f"another run's temporary Prefect server (pid {exc.holder}) was still starting on the database in "
+            f"{lock.path.parent} after {startup_timeout()} s; rerun when it has started, or set PREFECT_API_URL to "
+            f"a running server (`prefect server start`)") from None
+    except OSError as exc:
+        raise TemporaryServerError(
+            f"Prefect's temporary server cannot start: {lock.path} ({exc.strerror or exc}); "
+            f"{_CHECK_HOME.format(home=PREFECT_HOME.value())}") from None
+    with lock:
+        yield
 
 
 class TemporaryServerError(RuntimeError):

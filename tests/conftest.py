@@ -7,7 +7,10 @@ autouse, so suites that need neither (data, unit) start no server.
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,3 +194,26 @@ def write_cpu_config(demo_assets: DemoAssets) -> Callable[..., Path]:
         return path
 
     return write
+
+
+@pytest.fixture
+def unwritable_folder(tmp_path: Path) -> Iterator[Path]:
+    """An empty folder in which no new file can be made, for whoever runs the tests: mode 0555, and for root (whom
+    modes do not stop) the immutable attribute too (`chattr +i`); skipped where neither holds on this filesystem.
+    Made writable again afterwards, so that pytest can remove it."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    immutable = os.geteuid() == 0 and shutil.which("chattr") is not None and subprocess.run(
+        ["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+    try:
+        try:
+            (folder / "probe").touch()
+        except OSError:
+            yield folder
+        else:
+            pytest.skip(f"no way to make {folder} unwritable here (mode 0555 does not stop root, chattr +i failed)")
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        folder.chmod(0o755)

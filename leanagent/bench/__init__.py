@@ -11,7 +11,8 @@ what a lifelong run spends its time on:
   autocast (`model.corpus_autocast`);
 - retrieval: the top 100 accessible premises per context, batched, at the model's width, in bf16
   as under bf16-mixed; and LeanAgent's search (a full sort walked in Python) on the same embeddings,
-  for the ratio and to check that both find the same scores;
+  for the ratio and to check that both find the same scores; each part alone (the accessibility masks, the
+  product, the selection) and the rows each way of selecting took, the passes taking turns;
 - the real training step (`PremiseRetriever.training_step`, backward, clipping, AdamW) on the dataset's
   batches, optionally with the proof states of LeanDojo split files as contexts (`--states`: their real
   lengths), four ways: padded, length-sorted sub-batches, + one attention mask per forward, + compiled
@@ -30,10 +31,11 @@ That is the `path` section. One module per concern: `data.py`, `retrieval.py` (e
 `train_step.py`, `fisher.py`, `launch.py`, `cuda.py` (fixed-length batches), `table.py`; `options.py` (each
 section's options, what a run measures: light, so the command line builds its flags from them without importing
 torch), `results.py` (a typed section per measurement, and the flat JSON `--json` writes), `timing.py` (the one
-set of timing helpers), `run.py` (`run_bench`). The other sections, a module each: `curriculum.py` (a whole
-curriculum twice, and the projection at LeanAgent's scale), `swap.py` (a server following a run), `dtypes.py` (the
-served encoder per dtype), `grad_cache.py` (`model.grad_cache`'s memory and time), `batching.py` (a server in
-process, batched or not), `serving.py` (real `leanagent serve` processes under concurrent clients). Import what
-you use from its module: this package imports nothing, so that reading the options costs nothing.
+set of timing helpers), `cpu.py` (the CPU's name and flags, read once), `run.py` (`run_bench`). The other sections,
+a module each: `curriculum.py` (a whole curriculum twice, and the projection at LeanAgent's scale), `swap.py` (a
+server following a run), `dtypes.py` (the served encoder per dtype), `grad_cache.py` (`model.grad_cache`'s memory
+and time), `batching.py` (a server in process, batched or not), `serving.py` (real `leanagent serve` processes
+under concurrent clients). Import what you use from its module: this package imports nothing, so that reading the
+options costs nothing.
 """
 

@@ -1,7 +1,9 @@
-"""The attacks `leanagent bench abuse` replays (issue 38's fourteen findings, slowloris and a hot swap under load),
-one table entry each: the finding it replays, what it sends, the server it needs (`source`: an index, a run
-followed, or none for a server that must refuse to start; `args`: its flags), and the function that sends it.
-Each is bounded in count and time; `small` shrinks every count for a quick run (the unit test's)."""
+"""The attacks `leanagent bench abuse` replays (each once cost the server seconds, gigabytes, a lockout or a
+traceback within every limit), one table entry each: its bar beyond the common ones (`abuse.py`), what it sends,
+the server it needs (`source`: an index, a run followed, or none for a command that must refuse at once; `args`:
+its flags; `nofile`: its descriptor limit), and the function that sends it, which reports where its own bar was not
+met (`Outcome.problems`). Each is bounded in count and time; `small` shrinks every count for a quick run (the unit
+test's)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from leanagent.bench.target import Outcome, Server, request
 from leanagent.ground.names import TINY
@@ -180,17 +183,22 @@ def huge_integer(ctx: Context, server: Server) -> Outcome:
     return Outcome(Counter(_post(server.url, b) for b in bodies), 2)
 
 
+CACHE_BATCH = 256  # new premises a request of the cache attack sends (its servers take that many)
+CACHE_RATIO = 1.5  # the cache's memory against its budget, at most (blocks, the allocator's rounding)
+
+
 def cache_memory(ctx: Context, server: Server) -> Outcome:
     """The same requests to this server (--cache-mb N) and to one without a cache, taking turns: the difference in
     their resident memory is what the cache costs, against its budget."""
     width = json.loads((ctx.index / "index.json").read_text())["embedding_dim"]
     budget = float(ctx.cache_mb)
     premises = int(2 * budget * 2**20 / (width * 4 + 200))  # twice what the budget holds: it must drop some
-    plain = Server(ctx.index, ("--cache-mb", "0"), ctx.work / "access.log")
+    plain = Server(ctx.index, ("--cache-mb", "0", "--max-new-premises", str(CACHE_BATCH)), ctx.work / "access.log")
     statuses: Counter = Counter()
     try:
-        for r in range(0, premises, 256):
-            new = [{"name": f"Cache.p{i}", "decl": f"theorem Cache.p{i} : {i} = {i}"} for i in range(r, r + 256)]
+        for r in range(0, premises, CACHE_BATCH):
+            new = [{"name": f"Cache.p{i}", "decl": f"theorem Cache.p{i} : {i} = {i}"}
+                   for i in range(r, r + CACHE_BATCH)]
             body = json.dumps({"state": STATE, "k": 3, "new_premises": new}).encode()
             statuses[_post(server.url, body)] += 1
             _post(plain.url, body)
@@ -199,7 +207,8 @@ def cache_memory(ctx: Context, server: Server) -> Outcome:
         plain.stop()
     return Outcome(statuses, sum(statuses.values()),
                    f"{premises:,} new premises of width {width}: the server with --cache-mb {budget:g} holds "
-                   f"{cost:.1f} MB more than the same server without a cache ({cost / budget:.2f}x its budget)")
+                   f"{cost:.1f} MB more than the same server without a cache ({cost / budget:.2f}x its budget)",
+                   [f"{cost / budget:.2f}x its budget"] if cost > CACHE_RATIO * budget else [])
 
 
 def hang_ups(ctx: Context, server: Server) -> Outcome:
@@ -215,18 +224,55 @@ def hang_ups(ctx: Context, server: Server) -> Outcome:
     return Outcome(Counter({"hung up": count + count // 2, _post(server.url, _new_premise("A.b", 50)): 1}), 1)
 
 
-def _command(*argv: str, env: dict[str, str] | None = None) -> Outcome:
+@dataclass
+class Command:
+    """A `leanagent` command run to its end: its exit code, stderr, wall seconds and peak resident memory (MB, the
+    kernel's count for that one process)."""
+
+    code: int
+    err: str
+    seconds: float
+    peak_mb: float
+
+    @property
+    def last_line(self) -> str:
+        err = self.err.strip()
+        return (err.splitlines()[-1][:240] if err else "") + (" Traceback" if "Traceback" in err else "")
+
+
+# Runs a command and writes its peak resident memory (kB) to a file. A process of its own, small: the kernel's peak
+# for a child forked from a large process (this one, torch loaded) counts the parent's pages the fork shared.
+PEAK = ("import resource, subprocess, sys\n"
+        "with open(sys.argv[1], 'w') as f:\n"
+        "    code = subprocess.call(sys.argv[2:], stdout=subprocess.DEVNULL)\n"
+        "    f.write(f'{code} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}')\n")
+
+
+def measured(command: list[str], work: Path, env: dict[str, str] | None = None) -> Command:
+    """`command` run to its end: its exit code, stderr, wall seconds and peak resident memory."""
+    err, peak = work / "command.err", work / "command.peak"
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "leanagent.cli", "serve", *argv], capture_output=True, text=True,
-                          timeout=TIMEOUT, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
-    err = done.stderr.strip()
-    return Outcome(Counter({f"exit {done.returncode}": 1}), 0,
-                   f"{time.perf_counter() - start:.1f} s: {err.splitlines()[-1][:240] if err else ''}"
-                   + (" Traceback" if "Traceback" in err else ""))
+    with open(err, "w") as f:
+        subprocess.run([sys.executable, "-c", PEAK, str(peak), *command], stderr=f, timeout=TIMEOUT,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    seconds = time.perf_counter() - start
+    code, kb = peak.read_text().split()
+    return Command(int(code), err.read_text(), seconds, int(kb) / 1024)
+
+
+def run_command(argv: list[str], work: Path, env: dict[str, str] | None = None) -> Command:
+    """`leanagent ARGV`, `measured`."""
+    return measured([sys.executable, "-m", "leanagent.cli", *argv], work, env)
+
+
+def _command(*argv: str, env: dict[str, str] | None = None, work: Path) -> Outcome:
+    done = run_command(["serve", *argv], work, env)
+    return Outcome(Counter({f"exit {done.code}": 1}), 0, f"{done.seconds:.1f} s: {done.last_line}")
 
 
 def no_token(ctx: Context, server: None) -> Outcome:
-    return _command(str(ctx.index), "--host", "0.0.0.0", "--port", "0", env={"LEANAGENT_SERVE_TOKEN": ""})
+    return _command(str(ctx.index), "--host", "0.0.0.0", "--port", "0", env={"LEANAGENT_SERVE_TOKEN": ""},
+                    work=ctx.work)
 
 
 def weak_tokens(ctx: Context, server: None) -> Outcome:
@@ -235,7 +281,7 @@ def weak_tokens(ctx: Context, server: None) -> Outcome:
         path = ctx.work / f"token-{mode:o}-{len(content)}"
         path.write_text(content + "\n")
         path.chmod(mode)
-        one = _command(str(ctx.index), "--token-file", str(path), "--port", "0")
+        one = _command(str(ctx.index), "--token-file", str(path), "--port", "0", work=ctx.work)
         out.statuses.update(one.statuses)
         out.note = one.note
     return out
@@ -244,11 +290,19 @@ def weak_tokens(ctx: Context, server: None) -> Outcome:
 def token_in_logs(ctx: Context, server: Server) -> Outcome:
     token = (ctx.work / "token").read_text().strip()
     base = server.url.rsplit("/", 1)[0]
-    statuses = Counter(_post(f"{base}/{token}", _new_premise("A.b", 50)) for _ in range(10))
+    before = len((ctx.work / "access.log").read_text()) if (ctx.work / "access.log").is_file() else 0
+    encoded = "".join(f"%{ord(c):02X}" for c in token)
+    paths = [token] * 10 + [encoded, encoded.lower(), token[:-1], token[1:], token + "x", f"/{token}"]
+    statuses = Counter(_post(f"{base}/{path}", _new_premise("A.b", 50)) for path in paths)
     statuses.update([_post(base, b"{}")])
     time.sleep(0.5)
-    logged = (ctx.work / "access.log").read_text() + "".join(server.lines)
-    return Outcome(statuses, 11, f"{logged.count('/TOKEN/')} access-log lines, {logged.count(token)} with the token")
+    logged = (ctx.work / "access.log").read_text()[before:] + "".join(server.lines)
+    decoded = unquote(logged)
+    leaks = sum(1 for line in decoded.splitlines() if any(token[i:i + 8] in line for i in range(len(token) - 7)))
+    problems = [f"{leaks} log lines hold 8 or more characters of the token"] if leaks else []
+    return Outcome(statuses, len(paths) + 1, f"{logged.count('/TOKEN/')} access-log lines with TOKEN, "
+                   f"{logged.count('/WRONG-TOKEN')} with WRONG-TOKEN, {leaks} with 8 or more of its characters "
+                   f"(percent-encoded, cut short by one at either end, one too long, after a second slash)", problems)
 
 
 def stalled_sockets(ctx: Context, server: Server) -> Outcome:
@@ -263,7 +317,8 @@ def stalled_sockets(ctx: Context, server: Server) -> Outcome:
     statuses.update([_post(server.url, _new_premise("A.b", 50))])
     for conn in stalled:
         conn.close()
-    return Outcome(statuses, 6, f"{count:,} stalled sockets held every --max-connections slot")
+    return Outcome(statuses, 6, f"{count:,} stalled sockets held every --max-connections slot",
+                   [] if statuses.get("200", 0) == 5 else ["/health not answered"])
 
 
 def slowloris(ctx: Context, server: Server) -> Outcome:
@@ -315,7 +370,9 @@ def manifest_shapes(ctx: Context, server: Server) -> Outcome:
     warned = sum("cannot follow the run" in line for line in server.lines)
     return Outcome(client.statuses, sum(client.statuses.values()),
                    f"{warned} warning lines for 3 bad manifests; the stage written after: "
-                   f"{'served' if taken else 'NOT served'}")
+                   f"{'served' if taken else 'NOT served'}",
+                   [] if taken and warned <= 3 else [f"{warned} warning lines, the next stage "
+                                                     f"{'served' if taken else 'NOT served'}"])
 
 
 def _pipe(folder: Path) -> None:
@@ -337,7 +394,7 @@ def bad_indexes(ctx: Context, server: Server) -> Outcome:
             refused += _wait_line(server, f"stage {name} (#")
     return Outcome(client.statuses, sum(client.statuses.values()),
                    f"{refused} of 3 stages refused in one line each (an index outside the run, embeddings a pipe, "
-                   f"embeddings /dev/zero)")
+                   f"embeddings /dev/zero)", [] if refused == 3 else [f"{3 - refused} stages not refused"])
 
 
 def hot_swap(ctx: Context, server: Server) -> Outcome:
@@ -349,66 +406,282 @@ def hot_swap(ctx: Context, server: Server) -> Outcome:
         seconds = time.monotonic() - start
         time.sleep(1.0)
     return Outcome(client.statuses, sum(client.statuses.values()),
-                   f"swapped in {seconds:.1f} s" if taken else "NOT swapped")
+                   f"swapped in {seconds:.1f} s" if taken else "NOT swapped", [] if taken else ["not swapped"])
 
 
 def truncated_manifest(ctx: Context, server: None) -> Outcome:
     run = ctx.work / "cut-run"
     run.mkdir(exist_ok=True)
     (run / MANIFEST_NAME).write_text('{"version": 2, "order": ["a"], "repos": {"00-a": {"stag')
-    return _command(str(run), "--port", "0")
+    return _command(str(run), "--port", "0", work=ctx.work)
 
 
-def sighup(ctx: Context, server: Server) -> Outcome:
-    body = json.dumps({"state": STATE, "k": 3, "local_premises": [0, 1, 2], "pad": "x" * 300_000}).encode()
-    conn = _raw(_port(server), _head(len(body)) + body[:200_000])
-    deadline = time.monotonic() + 60
-    while json.loads(request(f"{server.url}/health")[1]).get("bodies_mb", 0) < 0.2:
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    server.proc.send_signal(signal.SIGHUP)
-    conn.sendall(body[200_000:])
-    status = _status_of(conn)
-    code = server.proc.wait(timeout=TIMEOUT)
-    return Outcome(Counter({status: 1, f"exit {code}": 1}), 1, "the request in flight when SIGHUP came")
+def lockout(ctx: Context, server: Server) -> Outcome:
+    """Sockets that declare the largest body and send nothing, as many as once held the whole --bodies-mb, and
+    legitimate requests meanwhile: each must be answered."""
+    port = _port(server)
+    held = [_raw(port, _head(16 << 20)) for _ in range(16)]
+    time.sleep(0.5)  # taken in by the server: their headers read, their bodies awaited
+    statuses = Counter(_post(server.url, _new_premise("A.b", 50)) for _ in range(ctx.n(40, 8)))
+    bodies = json.loads(request(f"{server.url}/health")[1])["bodies_mb"]
+    for conn in held:
+        conn.close()
+    refused = sum(n for status, n in statuses.items() if status != "200")
+    return Outcome(statuses, sum(statuses.values()),
+                   f"16 sockets each declared 16 MiB and sent nothing; the bodies' budget held {bodies} MB meanwhile",
+                   [f"{refused} legitimate requests not answered 200"] if refused else [])
+
+
+HEAVY_DECL_CHARS = 7_000  # as the finding's: the model reads 512 bytes of each, whatever its length
+
+
+def _heaviest(tag: str, premises: int) -> bytes:
+    """The most encoder work one request may ask: as many new premises as allowed, each past the encoder's cut,
+    named anew (`tag`) so that none is in the cache."""
+    new = [{"name": f"Heavy{tag}.p{i}", "decl": (f"theorem Heavy{tag}.p{i} : " + "a + b = b + a ∧ " * 500)[
+        :HEAVY_DECL_CHARS]} for i in range(premises)]
+    return json.dumps({"state": STATE, "k": 10, "new_premises": new}).encode()
+
+
+def _max_new(server: Server) -> int:
+    return int(request(f"{server.url}/max-new-premises")[1])
+
+
+def heaviest(ctx: Context, server: Server) -> Outcome:
+    """The heaviest legal requests of two kinds: the most encoder work (new premises), the most names to resolve
+    (a premise's name repeated up to the body's limit)."""
+    premises = _max_new(server)
+    body = _heaviest(f"{time.monotonic_ns()}", premises)
+    name = json.loads(request(f"{server.url}/indexed-premises")[1])[0]
+    count = ctx.n(900_000, 90_000) * 14 // (len(name) + 3)  # 15 MB of it, within --max-body-bytes
+    names = json.dumps({"state": STATE, "k": 10, "local_premises": [name] * count}).encode()
+    statuses = Counter([_post(server.url, body), _post(server.url, names)])
+    return Outcome(statuses, 2, f"{premises:,} new premises (GET /max-new-premises) of {HEAVY_DECL_CHARS:,} "
+                   f"characters, {len(body) / 2**20:.1f} MB; {count:,} premise names, {len(names) / 2**20:.1f} MB")
+
+
+STOP_WITHIN_S = 15.0
+
+
+def _stop(sig: signal.Signals) -> Callable[[Context, Server], Outcome]:
+    def stop(ctx: Context, server: Server) -> Outcome:
+        """Two CPU hogs, 3 of the heaviest legal requests in flight and a body that never arrives whole, then the
+        signal: each request answered or a 503, no traceback, an exit within STOP_WITHIN_S with 128 + N."""
+        premises = _max_new(server)
+        bodies = [_heaviest(f"{sig.name}{k}{time.monotonic_ns()}", premises) for k in range(3)]
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+        replies: list[str] = []
+        try:
+            port = _port(server)
+            stalled = _raw(port, _head(300_000) + b'{"state": "' + b"s" * 100_000)
+            answered = json.loads(request(f"{server.url}/health")[1])["requests"]
+            threads = [threading.Thread(target=lambda b=b: replies.append(_post(server.url, b))) for b in bodies]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + TIMEOUT
+            while json.loads(request(f"{server.url}/health")[1])["requests"] < answered + 3 and \
+                    time.monotonic() < deadline:  # all 3 handed to the encoder
+                time.sleep(0.02)
+            start = time.monotonic()
+            server.proc.send_signal(sig)
+            replies.append(_status_of(stalled))
+            code = server.proc.wait(timeout=TIMEOUT)
+            seconds = time.monotonic() - start
+            for t in threads:
+                t.join(timeout=TIMEOUT)
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
+        statuses = Counter(replies)
+        statuses[f"exit {code}"] += 1
+        problems = [f"{n} x {status}" for status, n in statuses.items()
+                    if status not in ("200", "503", f"exit {128 + sig}")]
+        if seconds > STOP_WITHIN_S:
+            problems.append(f"an exit {seconds:.1f} s after the signal")
+        return Outcome(statuses, 4, f"exit {code} {seconds:.1f} s after {sig.name}, under two CPU hogs, with 3 of the "
+                       f"heaviest requests ({premises} new premises each) and a body never sent whole in flight",
+                       problems)
+    return stop
+
+
+def _sparse(path: Path, size: int) -> Path:
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+def _refused_alike(ctx: Context, commands: dict[str, list[str]], what: str) -> Outcome:
+    """Commands that must refuse in one line from a file's size: each against `leanagent serve --help` (the
+    command's start, nothing read), its time within 1 s of that and its peak memory within 100 MB."""
+    start = run_command(["serve", "--help"], ctx.work)
+    statuses: Counter = Counter()
+    problems, said = [], []
+    for name, argv in commands.items():
+        done = run_command(argv, ctx.work)
+        statuses[f"exit {done.code}"] += 1
+        extra_s, extra_mb = done.seconds - start.seconds, done.peak_mb - start.peak_mb
+        said.append(f"{name} {done.seconds:.1f} s, {done.peak_mb:.0f} MB")
+        if done.code != 1 or done.err.count("\n") != 1 or "Traceback" in done.err:
+            problems.append(f"{name}: {done.last_line}")
+        if extra_s > 1.0 or extra_mb > 100:
+            problems.append(f"{name}: {extra_s:+.1f} s, {extra_mb:+.0f} MB over the command's start")
+    note = (f"{what}: {', '.join(said)} (the command's start alone: {start.seconds:.1f} s, {start.peak_mb:.0f} MB); "
+            f"{done.last_line}")
+    return Outcome(statuses, 0, note, problems)
+
+
+def big_manifest(ctx: Context, server: None) -> Outcome:
+    run = ctx.work / "big-run"
+    run.mkdir(exist_ok=True)
+    _sparse(run / MANIFEST_NAME, 2 << 30)
+    return _refused_alike(ctx, {"report": ["report", str(run)], "serve": ["serve", str(run), "--port", "0"],
+                                "retrieve": ["retrieve", str(run), "--state", "x"]}, "a 2 GiB sparse manifest")
+
+
+def big_token(ctx: Context, server: None) -> Outcome:
+    token = _sparse(ctx.work / "big-token", 1 << 30)
+    token.chmod(0o600)
+    return _refused_alike(ctx, {"serve": ["serve", str(ctx.index), "--token-file", str(token), "--port", "0"]},
+                          "a 1 GiB sparse token file")
+
+
+def missing_run(ctx: Context, server: None) -> Outcome:
+    out = _refused_alike(ctx, {"serve": ["serve", str(ctx.work / "runs" / "NAME"), "--port", "0"]},
+                         "a run that is not there")
+    if "no such run" not in out.note:
+        out.problems.append("the line does not say there is no such run")
+    return out
+
+
+def banner_host(ctx: Context, server: None) -> Outcome:
+    """`serve --host 0.0.0.0`: the URL the banner gives Lean names this machine, not localhost nor 0.0.0.0."""
+    token = ctx.work / "banner-token"
+    served = Server(ctx.index, ("--host", "0.0.0.0", "--token-file", str(token)), ctx.work / "access.log")
+    code = served.stop(signal.SIGINT)
+    host = urlsplit(served.url).hostname or ""
+    wrong = host in ("localhost", "0.0.0.0", "::") or host.startswith("127.")
+    return Outcome(Counter({f"exit {code}": 1}), 0, f"the banner's URL: http://{host}:PORT/TOKEN",
+                   [f"the banner names {host}"] if wrong else [])
+
+
+def full_disk(ctx: Context, server: None) -> Outcome:
+    """`leanagent index` onto a disk that fills midway (a small tmpfs: root only): one line, no file of it left."""
+    disk = ctx.work / "full-disk"
+    disk.mkdir(exist_ok=True)
+    pages = -(-(ctx.index / "embeddings.safetensors").stat().st_size // 4096)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={4 * (pages + 1)}k", "tmpfs", str(disk)],
+                      capture_output=True).returncode:
+        return Outcome(Counter({"not run": 1}), 0, "mounting a small tmpfs needs root")
+    try:
+        done = run_command(["index", "--model", str(ctx.work / "model"), "--dataset", str(ctx.work / "data" / "repo_0"),
+                            "--out", str(disk / "index")], ctx.work)
+        left = sorted(p.name for p in (disk / "index").iterdir()) if (disk / "index").is_dir() else []
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+    problems = [] if done.code == 1 and done.err.count("\n") == 1 else [done.last_line]
+    if left:
+        problems.append(f"left {', '.join(left)}")
+    return Outcome(Counter({f"exit {done.code}": 1}), 0, f"{len(left)} files left; {done.last_line}", problems)
+
+
+def descriptors(ctx: Context, server: Server) -> Outcome:
+    """A server under `ulimit -n 256`, 400 sockets at once: counted or refused, never "Too many open files"."""
+    before = len(server.lines)
+    port = _port(server)
+    stalled = []
+    for _ in range(ctx.n(400, 300)):
+        try:
+            stalled.append(_raw(port, b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Le"))
+        except OSError:  # refused beyond the limit, or the kernel's queue full
+            pass
+    time.sleep(1.0)
+    for conn in stalled:
+        conn.close()
+    time.sleep(1.0)
+    statuses = Counter([_post(server.url, _new_premise("A.b", 50))])
+    logged = server.lines[before:]
+    out_of = sum("Errno 24" in line for line in logged)
+    warned = next((line.strip() for line in server.lines if "the process may open" in line), "no warning")
+    return Outcome(statuses, 1, f"{len(stalled)} sockets connected of {ctx.n(400, 300)}; {out_of} lines of Errno "
+                   f"24; {warned}", [f"{out_of} lines of Errno 24"] if out_of else [])
+
+
+def manifest_grows(ctx: Context, server: Server) -> Outcome:
+    """The followed run's manifest becomes a 2 GiB sparse file (each poll read it whole), then a stage is added."""
+    with _Asking(server.url) as client:
+        run = ctx.work / "run"
+        tmp = _sparse(run / f".{MANIFEST_NAME}.big", 2 << 30)
+        os.replace(tmp, run / MANIFEST_NAME)
+        time.sleep(2.0)  # ten polls
+        ctx.add_stage("after-big")
+        taken = _wait_line(server, "now serving stage after-big")
+    warned = sum("more than a run manifest ever holds" in line for line in server.lines)
+    problems = [] if taken and warned == 1 else [f"{warned} warning lines; the next stage "
+                                                 f"{'served' if taken else 'NOT served'}"]
+    return Outcome(client.statuses, sum(client.statuses.values()),
+                   f"{warned} warning line for ten polls of a 2 GiB manifest; the stage written after: "
+                   f"{'served' if taken else 'NOT served'}", problems)
 
 
 @dataclass(frozen=True)
 class Attack:
     name: str
-    finding: str
+    bar: str  # what this attack must show beyond the common bars (`abuse.py`), for the table
     what: str
     run: Callable[[Context, Server | None], Outcome]
-    source: str = "index"  # "index", "run" (the server follows a run) or "none" (the server must not start)
+    source: str = "index"  # "index", "run" (the server follows a run) or "none" (a command that must refuse)
     args: tuple[str, ...] = ()
+    nofile: int | None = None  # the server's limit of open files (`ulimit -n`)
+    health: bool = True  # /health must be answered all along (not where the attack holds every socket there is)
+    exits: str = "exit 1"  # what a command of source "none" must end with
 
 
+FOLLOW = ("--follow-s", "0.2")
 ATTACKS: tuple[Attack, ...] = (
-    Attack("long-name", "1", "one new premise named by 512 parts (1,023 characters) over a long declaration, "
+    Attack("long-name", "200", "one new premise named by 512 parts (1,023 characters) over a long declaration, "
            "without whitespace and with it", long_name),
-    Attack("parallel-names", "2", "48 such requests of 20 kB at once", parallel_long_names),
-    Attack("million-floats", "3", "1M floats in local_premises", million_floats),
-    Attack("name-bodies", "4", "bodies of module names at --max-body-bytes, several at once", name_bodies),
-    Attack("huge-integer", "5", "integers of 4,301 and 5,000 digits, in a key nobody reads and in a list",
+    Attack("parallel-names", "200", "48 such requests of 20 kB at once", parallel_long_names),
+    Attack("million-floats", "422", "1M floats in local_premises", million_floats),
+    Attack("name-bodies", "4xx", "bodies of module names at --max-body-bytes, several at once", name_bodies),
+    Attack("huge-integer", "422", "integers of 4,301 and 5,000 digits, in a key nobody reads and in a list",
            huge_integer),
-    Attack("cache", "6", "twice --cache-mb of distinct new premises", cache_memory, args=("--cache-mb", "{cache_mb}")),
-    Attack("hang-ups", "7", "clients that hang up mid-body, and mid request line", hang_ups),
-    Attack("no-token", "8", "serve --host 0.0.0.0 without a token", no_token, source="none"),
-    Attack("weak-tokens", "9", "token files: 1 character world-readable, a '/', mode 644", weak_tokens,
+    Attack("heaviest", "200", "the heaviest legal requests: the most new premises, each past the encoder's cut; "
+           "the most premise names a body holds", heaviest),
+    Attack("lockout", "no 503", "16 sockets declaring 16 MiB bodies that never come, and legitimate requests "
+           "meanwhile", lockout, args=("--request-timeout-s", "120")),
+    Attack("cache", "within budget", "twice --cache-mb of distinct new premises", cache_memory,
+           args=("--cache-mb", "{cache_mb}", "--max-new-premises", str(CACHE_BATCH))),
+    Attack("hang-ups", "1 line", "clients that hang up mid-body, and mid request line", hang_ups),
+    Attack("no-token", "1 line", "serve --host 0.0.0.0 without a token", no_token, source="none"),
+    Attack("weak-tokens", "1 line", "token files: 1 character world-readable, a '/', mode 644", weak_tokens,
            source="none"),
-    Attack("token-logs", "9", "requests with --access-log and a token: the token in the log", token_in_logs,
+    Attack("big-token", "1 line, +1 s, +100 MB", "a 1 GiB sparse token file, mode 600", big_token, source="none"),
+    Attack("token-logs", "no 8 characters of it", "requests with --access-log and a token, some spelt otherwise "
+           "(percent-encoded, cut short, one too long): the token in the log", token_in_logs,
            args=("--token-file", "{work}/token", "--access-log")),
-    Attack("stalled-sockets", "10", "every connection slot held by a stalled socket, then GET /health",
+    Attack("banner-host", "this machine's name", "serve --host 0.0.0.0: the URL the banner gives Lean",
+           banner_host, source="none", exits="exit 130"),
+    Attack("stalled-sockets", "/health 200", "every connection slot held by a stalled socket, then GET /health",
            stalled_sockets, args=("--max-connections", "{connections}")),
-    Attack("manifest-shapes", "11", "manifests of the wrong shape and cut short while followed, then a new stage",
-           manifest_shapes, source="run", args=("--follow-s", "0.2")),
-    Attack("bad-indexes", "12", "stages whose index lies outside the run, or whose embeddings are a pipe or "
-           "/dev/zero", bad_indexes, source="run", args=("--follow-s", "0.2")),
-    Attack("hot-swap", "swap", "a new stage taken while a client asks all along", hot_swap, source="run",
-           args=("--follow-s", "0.2")),
-    Attack("cut-manifest", "13", "serve RUN_DIR with its manifest cut short", truncated_manifest, source="none"),
-    Attack("slowloris", "slowloris", "half-sent requests that stall, beside a good one", slowloris,
+    Attack("descriptors", "no Errno 24", "400 sockets at once at a server under `ulimit -n 256`", descriptors,
+           nofile=256, health=False),
+    Attack("manifest-shapes", "1 line each", "manifests of the wrong shape and cut short while followed, then a new "
+           "stage", manifest_shapes, source="run", args=FOLLOW),
+    Attack("manifest-grows", "1 line", "the followed run's manifest turned into a 2 GiB sparse file, then a new "
+           "stage", manifest_grows, source="run", args=FOLLOW),
+    Attack("bad-indexes", "1 line each", "stages whose index lies outside the run, or whose embeddings are a pipe or "
+           "/dev/zero", bad_indexes, source="run", args=FOLLOW),
+    Attack("hot-swap", "swapped", "a new stage taken while a client asks all along", hot_swap, source="run",
+           args=FOLLOW),
+    Attack("cut-manifest", "1 line", "serve RUN_DIR with its manifest cut short", truncated_manifest, source="none"),
+    Attack("big-manifest", "1 line, +1 s, +100 MB", "report, serve and retrieve of a run whose manifest is a 2 GiB "
+           "sparse file", big_manifest, source="none"),
+    Attack("missing-run", "1 line, +1 s", "serve runs/NAME, a run that is not there", missing_run, source="none"),
+    Attack("full-disk", "1 line, no file", "`leanagent index` onto a disk that fills midway", full_disk,
+           source="none"),
+    Attack("slowloris", "408", "half-sent requests that stall, beside a good one", slowloris,
            args=("--request-timeout-s", "2")),
-    Attack("sighup", "14", "SIGHUP with a request in flight", sighup),
+    *(Attack(f"stop-{sig.name[3:].lower()}", "200 or 503, exit 15 s", f"{sig.name} with 3 of the heaviest requests "
+             f"in flight, under two CPU hogs", _stop(sig)) for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)),
 )

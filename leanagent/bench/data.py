@@ -12,7 +12,7 @@ from typing import Any
 from transformers import ByT5Tokenizer
 
 from leanagent.bench.results import CorpusFigures, DataFigures
-from leanagent.bench.timing import rate, rss_mb
+from leanagent.bench.timing import rate
 from leanagent.data.corpus import Corpus
 from leanagent.data.dataset import (
     TrainDataset,
@@ -24,6 +24,7 @@ from leanagent.data.dataset import (
 from leanagent.data.theorems import load_split
 from leanagent.ground.config import DataConfig
 from leanagent.ground.names import CORPUS_FILE, TEST_PART, TRAIN_PART, VAL_PART, part_file
+from leanagent.ground.timings import rss_mb
 
 
 def bench_corpus(dataset: Path) -> tuple[Corpus, CorpusFigures]:

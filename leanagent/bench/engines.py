@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from leanagent.bench.cpu import this_cpu
 from leanagent.bench.options import EnginesOptions
 from leanagent.bench.results import Section
 from leanagent.data.corpus import Corpus
@@ -41,6 +42,7 @@ from leanagent.model.presets import write_random_encoder
 from leanagent.serve import resolve_source
 
 REFERENCE = "torch:fp32"
+# The flags (Linux's names) that decide these figures: the vector and matrix instructions each engine may use.
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
 
@@ -75,17 +77,6 @@ class EnginesFigures(Section):
         return out
 
 
-def cpu_description() -> tuple[str, str]:
-    """The CPU's model name and which of `CPU_FLAGS` it has (Linux's /proc/cpuinfo; elsewhere: unknown)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown", "unknown"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    return name, " ".join(f for f in CPU_FLAGS if f in flags) or "none of " + " ".join(CPU_FLAGS)
-
-
 def pick_states(files: tuple[Path, ...], count: int) -> list[str]:
     """`count` distinct states of the split files, evenly spread over their lengths (shortest to longest)."""
     found = sorted(set(load_states(list(files))), key=lambda s: (len(s.encode()), s))
@@ -110,8 +101,9 @@ def bench_engines(options: EnginesOptions) -> EnginesFigures:
             timed = pick_states_of(examples, options.max_states)
         if not timed:
             raise ValueError(f"{folder}: no test states in its datasets to time or rank; give --states")
-        name, flags = cpu_description()
-        figures = EnginesFigures(model, str(folder), name, flags, torch.get_num_threads(), len(timed), len(examples))
+        cpu = this_cpu()
+        figures = EnginesFigures(model, str(folder), cpu.name, cpu.describe(CPU_FLAGS), torch.get_num_threads(),
+                                 len(timed), len(examples))
         seconds, cosines = _latency(indexes, timed, options.repeats)
         rates = _premise_rates(indexes, options.premises, options.repeats)
         agreement = _agreement(indexes, examples)

@@ -24,8 +24,8 @@ from transformers import ByT5Tokenizer, T5EncoderModel
 
 from leanagent.bench.options import GradCacheOptions
 from leanagent.bench.results import Section
-from leanagent.bench.timing import peak_rss_mb, rss_mb
 from leanagent.data.theorems import load_states
+from leanagent.ground.timings import peak_rss_mb, rss_mb
 from leanagent.model.options import RetrieverOptions
 from leanagent.model.presets import encoder_config
 from leanagent.model.retriever import PremiseRetriever

@@ -241,8 +241,8 @@ class AbuseOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    size: Literal["full", "small"] = Field("full", description="full: the attacks at the sizes the findings used; "
-                                                               "small: every count shrunk (a quick check)")
+    size: Literal["full", "small"] = Field("full", description="full: each attack at the size that once hurt the "
+                                                               "server; small: every count shrunk (a quick check)")
     attacks: tuple[AttackName, ...] = Field((), description="only these attacks (default: all)")
     work: Path | None = Field(None, description="keep the index, the run and the logs here (default: a temporary "
                                                 "folder)")

@@ -10,7 +10,6 @@ busy machine. The table names the CPU, its flags that bear on bf16, torch's view
 
 from __future__ import annotations
 
-import platform
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from leanagent.bench.cpu import BF16_FLAGS, this_cpu
 from leanagent.bench.data import bench_batches
 from leanagent.bench.options import PrecisionOptions
 from leanagent.bench.results import Section
@@ -34,9 +34,6 @@ from leanagent.model.options import RetrieverOptions
 from leanagent.model.presets import write_random_encoder
 from leanagent.model.progress_bars import no_progress_bars
 from leanagent.model.retriever import PremiseRetriever
-
-# The CPU flags (Linux /proc/cpuinfo names) that decide how fast bf16 matmuls run.
-BF16_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
 @dataclass
@@ -66,18 +63,6 @@ class PrecisionFigures(Section):
         return out
 
 
-def cpu_flags() -> tuple[str, list[str]]:
-    """The CPU's model name and which of BF16_FLAGS it has (Linux; elsewhere the platform's name and none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine(), []
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    have = set(fields.get("flags", "").split())
-    return fields.get("model name", platform.machine()), [f for f in BF16_FLAGS if f in have]
-
-
 def bench_precision(options: PrecisionOptions) -> PrecisionFigures:
     threads = torch.get_num_threads()
     torch.set_num_threads(options.threads)
@@ -88,8 +73,9 @@ def bench_precision(options: PrecisionOptions) -> PrecisionFigures:
 
 
 def _measure(options: PrecisionOptions) -> PrecisionFigures:
-    cpu, flags = cpu_flags()
-    figures = PrecisionFigures(cpu=cpu, flags=flags, torch_capability=torch.backends.cpu.get_cpu_capability(),
+    cpu = this_cpu()
+    figures = PrecisionFigures(cpu=cpu.name, flags=cpu.having(BF16_FLAGS),
+                               torch_capability=torch.backends.cpu.get_cpu_capability(),
                                cpu_has_bf16=cpu_has_bf16(), auto=resolve_precision(AUTO, "cpu"),
                                threads=torch.get_num_threads(), examples=0)
     with tempfile.TemporaryDirectory(prefix="leanagent-bench-") as tmp:

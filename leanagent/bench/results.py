@@ -21,6 +21,10 @@ class Section:
         """The measured figures under their JSON keys (None: not measured, left out)."""
         return {f.name: value for f in dataclasses.fields(self) if (value := getattr(self, f.name)) is not None}
 
+    def failures(self) -> list[str]:
+        """What failed a bar of this section (a section with bars says; `leanagent bench` then exits 1)."""
+        return []
+
 
 @dataclass
 class RunInfo(Section):
@@ -30,6 +34,8 @@ class RunInfo(Section):
     device: str
     torch: str
     threads: int
+    cpu: str = ""
+    cpu_flags: str = ""  # those of `leanagent.bench.cpu.BF16_FLAGS` the CPU has
     model: str = ""
     params: int = 0
     train_model: str = ""
@@ -79,6 +85,14 @@ class RetrievalFigures(Section):
     retrieval_leanagent_style_ms_per_context: float
     retrieval_speedup: float
     retrieval_same_as_leanagent_style: bool
+    # The parts alone, and the rows each path of the selection took (`leanagent.model.topk.Selection`).
+    retrieval_scoring_path: str | None = None
+    retrieval_mask_ms_per_context: float | None = None
+    retrieval_product_ms_per_context: float | None = None
+    retrieval_selection_ms_per_context: float | None = None
+    retrieval_rows: int | None = None
+    retrieval_rows_candidates: int | None = None
+    retrieval_rows_ties: int | None = None
 
 
 @dataclass

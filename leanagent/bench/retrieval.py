@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 
 import numpy as np
 import torch
 
 from leanagent.bench.results import EmbeddingFigures, RetrievalFigures
-from leanagent.bench.timing import rate, sync
+from leanagent.bench.timing import best_of_rounds, rate, sync
 from leanagent.data.corpus import Corpus, FileRecord
 from leanagent.data.dataset import tokenize_premises
 from leanagent.model.retriever import PremiseRetriever
-from leanagent.model.topk import top_k_accessible
+from leanagent.model.topk import score_matrix, scoring_path, select_top_k, top_k_accessible
 
 
 def sub_corpus(corpus: Corpus, indices: list[int]) -> Corpus:
@@ -66,8 +65,11 @@ def bench_embedding(model: PremiseRetriever, corpus: Corpus, device: torch.devic
 def bench_retrieval(corpus: Corpus, evals: list, width: int, device: torch.device,
                     precision_dtype: torch.dtype | None, min_seconds: float, k: int = 100, batch: int = 64
                     ) -> RetrievalFigures | None:
-    """ms per context of the top-k accessible premises, the accessibility masks included (as evaluation does);
-    None without evaluation examples."""
+    """ms per context of the top-k accessible premises, the accessibility masks included (as evaluation does),
+    against LeanAgent's search on the first batch; each part alone (the masks, the product, the selection); and the
+    rows each path of the selection took (`leanagent.model.topk.Selection`): a selection that outgrows the product,
+    or rows that leave the candidates, show in the table. The five passes take turns (`best_of_rounds`), so that
+    their ratios hold on a busy machine. None without evaluation examples."""
     if not evals:
         return None
     g = torch.Generator().manual_seed(0)
@@ -75,29 +77,36 @@ def bench_retrieval(corpus: Corpus, evals: list, width: int, device: torch.devic
     corpus_emb = torch.nn.functional.normalize(torch.randn(len(corpus), width, generator=g), dim=1).to(device, dtype)
     contexts = evals[: 4 * batch]
     ctx_emb = torch.nn.functional.normalize(torch.randn(len(contexts), width, generator=g), dim=1).to(device)
+    batches = [(ctx_emb[i: i + batch], contexts[i: i + batch]) for i in range(0, len(contexts), batch)]
+    path = scoring_path(corpus_emb)
 
-    def run() -> int:
-        for i in range(0, len(contexts), batch):
-            part = contexts[i: i + batch]
-            mask = torch.stack([corpus.accessible_mask(e.file_path, e.theorem_start) for e in part])
-            top_k_accessible(ctx_emb[i: i + len(part)], corpus_emb, mask.to(device), k)
-        sync(device)
-        return len(contexts)
+    def mask(part: list) -> torch.Tensor:
+        return torch.stack([corpus.accessible_mask(e.file_path, e.theorem_start) for e in part]).to(device)
 
-    ours = 1000.0 / rate(run, min_seconds)
-    # LeanAgent's search on the first batch, same embeddings and dtype: its time, and whether it finds the same.
-    part = contexts[:batch]
-    start = time.perf_counter()
-    ref_scores, _ = leanagent_style_nearest(corpus, part, ctx_emb[: len(part)], corpus_emb, k)
-    theirs = 1000.0 * (time.perf_counter() - start) / len(part)
-    mask = torch.stack([corpus.accessible_mask(e.file_path, e.theorem_start) for e in part])
-    scores, _ = top_k_accessible(ctx_emb[: len(part)], corpus_emb, mask.to(device), k)
+    masks = [mask(part) for _, part in batches]
+    products = [score_matrix(emb, corpus_emb, path) for emb, _ in batches]
+    first_emb, first = batches[0]
+    passes = {
+        "ours": lambda: [top_k_accessible(emb, corpus_emb, mask(part), k) for emb, part in batches],
+        "leanagent": lambda: leanagent_style_nearest(corpus, first, first_emb, corpus_emb, k),
+        "mask": lambda: [mask(part) for _, part in batches],
+        "product": lambda: [score_matrix(emb, corpus_emb, path) for emb, _ in batches],
+        "selection": lambda: [select_top_k(scores, m, k) for scores, m in zip(products, masks, strict=True)],
+    }
+    seconds, last = best_of_rounds(passes, device, min_seconds)
+    ms = {name: 1000.0 * t / (len(first) if name == "leanagent" else len(contexts)) for name, t in seconds.items()}
+    tied = sum(selection.tied_rows for selection in last["selection"])
     # Scores, not indices: bf16 products tie often, and the two orders of tied premises may differ.
-    same = all(torch.equal(scores[j][torch.isfinite(scores[j])].float().cpu(), torch.tensor(ref, dtype=torch.float32))
-               for j, ref in enumerate(ref_scores))
-    return RetrievalFigures(retrieval_ms_per_context=ours, retrieval_width=width,
-                            retrieval_leanagent_style_ms_per_context=theirs, retrieval_speedup=theirs / ours,
-                            retrieval_same_as_leanagent_style=same)
+    ours, theirs = last["ours"][0][0], last["leanagent"][0]
+    same = all(torch.equal(ours[j][torch.isfinite(ours[j])].float().cpu(), torch.tensor(ref, dtype=torch.float32))
+               for j, ref in enumerate(theirs))
+    return RetrievalFigures(retrieval_ms_per_context=ms["ours"], retrieval_width=width,
+                            retrieval_leanagent_style_ms_per_context=ms["leanagent"],
+                            retrieval_speedup=ms["leanagent"] / ms["ours"], retrieval_same_as_leanagent_style=same,
+                            retrieval_scoring_path=path, retrieval_mask_ms_per_context=ms["mask"],
+                            retrieval_product_ms_per_context=ms["product"],
+                            retrieval_selection_ms_per_context=ms["selection"], retrieval_rows=len(contexts),
+                            retrieval_rows_candidates=len(contexts) - tied, retrieval_rows_ties=tied)
 
 
 def leanagent_style_nearest(corpus: Corpus, contexts: list, ctx_emb: torch.Tensor, corpus_emb: torch.Tensor,

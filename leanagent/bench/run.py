@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from leanagent.bench.cpu import BF16_FLAGS, this_cpu
 from leanagent.bench.cuda import bench_fixed_length
 from leanagent.bench.data import bench_batches, bench_corpus, bench_data
 from leanagent.bench.fisher import bench_train_vs_fisher
@@ -29,8 +30,9 @@ def run_bench(options: BenchOptions) -> BenchResult:
     training contexts (their real lengths; the premises stay the dataset's). The training rows (step, Fisher,
     and the fixed-length rows on CUDA) use the model cut to `options.layers`."""
     device = torch.device(options.device)
+    cpu = this_cpu()
     result = BenchResult(RunInfo(dataset=str(options.dataset), device=options.device, torch=torch.__version__,
-                                 threads=torch.get_num_threads()))
+                                 threads=torch.get_num_threads(), cpu=cpu.name, cpu_flags=cpu.describe(BF16_FLAGS)))
     run = result.run
     corpus, result.corpus = bench_corpus(options.dataset)
     result.data, train, evals = bench_data(options.dataset, corpus, options.split, options.min_seconds)

@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 
 from leanagent.bench.options import SwapOptions
 from leanagent.bench.results import Section
+from leanagent.bench.timing import process_peak_rss_mb, process_rss_mb
 from leanagent.data.corpus import Corpus
 from leanagent.data.synthetic_scale import ScaleSpec, write_scale_dataset
 from leanagent.ground import model_identity
@@ -61,14 +62,9 @@ class SwapFigures(Section):
         return {f"swap_{k}": v for k, v in asdict(self).items()}
 
 
-def _status(pid: int) -> dict[str, float]:
-    """VmRSS and VmHWM of a process, in MB (Linux)."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) / 1024
-    return out
+def _memory(pid: int) -> dict[str, float]:
+    """A process's resident memory now and its high-water mark, in MiB."""
+    return {"rss": process_rss_mb(pid), "peak": process_peak_rss_mb(pid)}
 
 
 def _index(model: Path, dataset: Path, out: Path, embed: str, after: Path | None = None) -> None:
@@ -130,7 +126,7 @@ def bench_swap(options: SwapOptions) -> SwapFigures:
             client = threading.Thread(target=ask, daemon=True)
             client.start()
             time.sleep(1.0)  # requests on the first stage before the swap
-            before = _status(proc.pid)
+            before = _memory(proc.pid)
             start = time.monotonic()
             _manifest(run_dir, [first, second])
             line = ""
@@ -142,14 +138,14 @@ def bench_swap(options: SwapOptions) -> SwapFigures:
                     raise RuntimeError(line.strip())
             swap_s = time.monotonic() - start
             time.sleep(3.0)  # requests on the new stage; the old one freed once its last request ends
-            after = _status(proc.pid)
+            after = _memory(proc.pid)
         finally:
             stop.set()
             proc.terminate()
             proc.wait(timeout=120)
         width = int(json.loads((model / "config.json").read_text())["d_model"])
-        return SwapFigures(options.premises, width, options.embed, round(swap_s, 2), round(before["VmRSS"], 1),
-                           round(after["VmHWM"], 1), round(after["VmRSS"], 1), sum(statuses.values()),
+        return SwapFigures(options.premises, width, options.embed, round(swap_s, 2), round(before["rss"], 1),
+                           round(after["peak"], 1), round(after["rss"], 1), sum(statuses.values()),
                            sum(n for code, n in statuses.items() if code != "200"), statuses)
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
+from leanagent.bench.cpu import BF16_FLAGS, this_cpu
 from leanagent.bench.options import SweepOptions
-from leanagent.bench.precision import cpu_flags
 from leanagent.bench.results import Section
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.ground.job import result_filename
@@ -96,8 +96,8 @@ def bench_sweep(options: SweepOptions) -> SweepFigures:
         model = write_random_encoder(work / "model", options.preset)
         base = work / "base.yaml"
         base.write_text(yaml.safe_dump(_base(work, data, model, options), sort_keys=False))
-        cpu, flags = cpu_flags()
-        figures = SweepFigures(cpu, flags, options.repos, len(SETUPS), options.max_parallel)
+        cpu = this_cpu()
+        figures = SweepFigures(cpu.name, cpu.having(BF16_FLAGS), options.repos, len(SETUPS), options.max_parallel)
         sweep = work / "sweep.yaml"
         sweep.write_text(yaml.safe_dump({"base": "base.yaml", "sweep_dir": "sweep",
                                          "max_parallel": options.max_parallel, "setups": SETUPS}, sort_keys=False))

@@ -16,6 +16,12 @@ LABELS = [
     ("retrieval_leanagent_style_ms_per_context", "retrieval, LeanAgent's search (ms/context)"),
     ("retrieval_speedup", "retrieval speed-up over LeanAgent's search"),
     ("retrieval_same_as_leanagent_style", "retrieval scores equal LeanAgent's search"),
+    ("retrieval_scoring_path", "  its product's scoring path"),
+    ("retrieval_mask_ms_per_context", "  its accessibility masks alone (ms/context)"),
+    ("retrieval_product_ms_per_context", "  its product alone (ms/context)"),
+    ("retrieval_selection_ms_per_context", "  its selection alone (ms/context)"),
+    ("retrieval_rows_candidates", "  rows decided among the candidates"),
+    ("retrieval_rows_ties", "  rows with a tie past the candidates"),
     ("train_s_per_example", "training step (s/example)"), ("fisher_s_per_example", "Fisher pass, loop (s/example)"),
     ("fisher_over_train", "Fisher loop / training per example"),
     ("fisher_vectorised_s_per_example", "Fisher pass, vectorised (s/example)"),
@@ -34,13 +40,16 @@ def format_table(result: BenchResult) -> str:
     figures = result.flat()
     run, corpus, step = result.run, result.corpus, result.train_step
     lines = [f"leanagent bench: {run.dataset} ({corpus.num_premises if corpus else None} premises, "
-             f"{corpus.num_files if corpus else None} files), model {run.model}, device {run.device}"]
+             f"{corpus.num_files if corpus else None} files), model {run.model}, device {run.device}",
+             f"  CPU {run.cpu} [{run.cpu_flags}], {run.threads} threads, torch {run.torch}"]
     for key, label in LABELS:
         value = figures.get(key)
         if isinstance(value, bool):
             lines.append(f"  {label:<46} {'yes' if value else 'NO':>12}")
         elif isinstance(value, (int, float)):
             lines.append(f"  {label:<46} {value:>12.4g}")
+        elif isinstance(value, str):
+            lines.append(f"  {label:<46} {value:>12}")
     if result.fisher is not None:
         lines.append(f"  {'Fisher method auto takes here':<46} {result.fisher.fisher_auto:>12}")
         for name, figures_of_pass in result.fisher.passes.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -37,22 +38,25 @@ def request(url: str, method: str = "GET", body: bytes | None = None, timeout: f
 @dataclass
 class Outcome:
     """What an attack function returns: the answers it got (status -> count; a refusal's `exit N`), how many
-    requests it sent, and a note for the table."""
+    requests it sent, a note for the table, and where its own bar was not met."""
 
     statuses: Counter = field(default_factory=Counter)
     requests: int = 0
     note: str = ""
+    problems: list[str] = field(default_factory=list)  # the attack's own bar, where it was not met
 
 
 class Server:
     """`leanagent serve SOURCE --port 0 ARGS` as a user runs it: its URL from the banner, its log collected by a
     thread (so the pipe never fills), its process for psutil."""
 
-    def __init__(self, source: Path, args: tuple[str, ...], stdout: Path) -> None:
+    def __init__(self, source: Path, args: tuple[str, ...], stdout: Path, nofile: int | None = None) -> None:
+        """`nofile`: the process's limit of open files, soft and hard (`ulimit -n`)."""
+        limit = None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
         with open(stdout, "a") as out:  # uvicorn's access log, when asked for
             self.proc = subprocess.Popen([sys.executable, "-m", "leanagent.cli", "serve", str(source), "--port",
                                           "0", *args], stderr=subprocess.PIPE, stdout=out, text=True,
-                                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, preexec_fn=limit)
         self.lines: list[str] = []
         banner = self._read_banner()
         self.url = banner.split(" at ", 1)[1].split(";", 1)[0]

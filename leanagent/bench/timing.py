@@ -1,27 +1,30 @@
-"""How the bench times things on a shared, noisy machine: rates over a minimum time, best-of-rounds, memory."""
+"""How the bench times things on a shared, noisy machine: rates over a minimum time, best-of-rounds; another
+process's memory (this process's: `leanagent.ground.timings`)."""
 
 from __future__ import annotations
 
-import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 
 
-def rss_mb() -> float:
-    """This process's resident memory, in MiB."""
-    return psutil.Process().memory_info().rss / 2**20
+def process_rss_mb(pid: int) -> float:
+    """Another process's resident memory now, in MiB (this process's: `leanagent.ground.timings.rss_mb`)."""
+    return psutil.Process(pid).memory_info().rss / 2**20
 
 
-def peak_rss_mb() -> float:
-    """This process's resident high-water mark so far, in MiB (getrusage: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+def process_peak_rss_mb(pid: int) -> float:
+    """Another process's resident high-water mark, in MiB: Linux's VmHWM, read by hand (psutil has no peak; this
+    process's: `leanagent.ground.timings.peak_rss_mb`)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/{pid}/status has no VmHWM")
 
 
 def rate(fn: Callable[[], int], min_seconds: float, min_calls: int = 3) -> float:

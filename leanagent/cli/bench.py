@@ -31,7 +31,15 @@ from leanagent.bench.options import (
     SwapOptions,
     SweepOptions,
 )
-from leanagent.cli.common import CommandError, add_model_options, check_device, model_from_args
+from leanagent.bench.results import Section
+from leanagent.cli.common import (
+    CommandError,
+    add_model_options,
+    check_device,
+    check_out_file,
+    check_out_folder,
+    model_from_args,
+)
 from leanagent.ground.names import CORPUS_FILE, DEFAULT_SPLIT, TEST_PART, TRAIN_PART, part_file
 
 
@@ -60,8 +68,12 @@ def _check_path(options: BenchOptions) -> None:
 
 
 def _check_empty_work(options: CurriculumOptions | SwapOptions | AbuseOptions | SweepOptions) -> None:
-    if options.work is not None and options.work.exists() and any(options.work.iterdir()):
-        raise CommandError(f"--work {options.work}: not empty; give a new folder (nothing was overwritten)")
+    check_out_folder("--work", options.work, new_or_empty=True)
+
+
+def _check_serve(options: ServeOptions) -> None:
+    check_out_folder("WORK", options.work)  # reused when present, so it may hold the last run's files
+    check_device(options.device)
 
 
 def _check_linux(options: SwapOptions) -> None:
@@ -151,9 +163,10 @@ SECTIONS: tuple[BenchSection, ...] = (
                  "batching:batching_table", positional=("index", "dataset"), check=_check_batching),
     BenchSection("serve", ServeOptions, "real `leanagent serve` processes, batched and not: latency and requests/s "
                  "at 1, 8 and 32 clients, cold starts", "serving:bench_serve", "serving:serve_table",
-                 positional=("work",), check=lambda options: check_device(options.device)),
-    BenchSection("abuse", AbuseOptions, "issue 38's attacks on real `leanagent serve` processes: per attack the "
-                 "answers, the server's CPU seconds, its peak memory and /health's worst latency (Linux)",
+                 positional=("work",), check=_check_serve),
+    BenchSection("abuse", AbuseOptions, "known attacks on real `leanagent serve` processes (and commands that must "
+                 "refuse at once): per attack the answers, the server's CPU seconds, its peak memory, /health's worst "
+                 "latency and a verdict; exits 1 when one fails (Linux)",
                  "abuse:bench_abuse", "abuse:abuse_table", check=_check_empty_work),
 )
 
@@ -174,6 +187,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     section: BenchSection = args.bench_section
     options = model_from_args(section.options, args)
+    check_out_file("--json", args.json)  # before minutes of measuring, not after
     if section.check is not None:
         section.check(options)
     measure, table = _named(section.measure), _named(section.table)
@@ -184,6 +198,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(table(figures))
     if args.json:
         Path(args.json).write_text(json.dumps(figures.flat(), indent=2, sort_keys=True, default=str))
+    failed = figures.failures() if isinstance(figures, Section) else []
+    if failed:  # a section with bars (abuse): a row that fails one fails the command
+        raise CommandError(f"bench {section.name}: {len(failed)} failed: {', '.join(failed)}")
     return 0
 
 

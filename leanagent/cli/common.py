@@ -24,9 +24,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
+from leanagent.ground.atomic import out_file_problem, out_folder_problem
 from leanagent.ground.config import format_validation_error
-from leanagent.ground.names import AUTO, DTYPE_CHOICES, ENGINE_CHOICES
+from leanagent.ground.names import AUTO, DTYPE_CHOICES, ENGINE_CHOICES, INDEX_FILE
 from leanagent.model.engines import ENGINES
+from leanagent.run.manifest import MANIFEST_NAME, ManifestUnreadableError, read_manifest
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2  # argparse's own
@@ -42,6 +44,40 @@ class CommandError(Exception):
 def option_error(exc: ValidationError) -> CommandError:
     """Options validated by a pydantic model whose fields are the command's flags: named as the flags are."""
     return CommandError("--" + format_validation_error(exc).replace("_", "-").replace("; ", "; --"))
+
+
+def check_out_file(flag: str, path: str | Path | None) -> None:
+    """`--json OUT` and the like, refused in one line before the work whose figures the file is to hold: a folder
+    there, or a folder for it that cannot be made or written."""
+    problem = None if path is None else out_file_problem(Path(path))
+    if problem is not None:
+        raise CommandError(f"{flag} {problem}")
+
+
+def check_out_folder(flag: str, folder: str | Path | None, new_or_empty: bool = False) -> None:
+    """`--work DIR` and the like: `out_folder_problem`'s line, naming the flag, before any work."""
+    problem = None if folder is None else out_folder_problem(Path(folder), new_or_empty)
+    if problem is not None:
+        raise CommandError(f"{flag} {problem}")
+
+
+def check_run_or_index(source: Path) -> None:
+    """SOURCE of `serve` and `retrieve`: a run's folder (its manifest.json, read through its schema now) or an
+    index's (its index.json), said in one line before the model's stack is imported: a missing run was reported as
+    an index folder 48 s later (torch imported first), and a 2 GB manifest was read after it."""
+    what = f"SOURCE is a run's folder (RUN_DIR, with its {MANIFEST_NAME}) or an INDEX folder (with its {INDEX_FILE})"
+    if not source.exists():
+        raise CommandError(f"{source}: no such run or index: nothing is there; {what}")
+    if not source.is_dir():
+        raise CommandError(f"{source}: a file, not a run or an index; {what}")
+    if (source / MANIFEST_NAME).exists():  # a manifest cut short, of the wrong shape or too large: one line
+        try:
+            read_manifest(source / MANIFEST_NAME)
+        except ManifestUnreadableError as exc:
+            raise CommandError(str(exc)) from None
+    elif not (source / INDEX_FILE).exists():
+        raise CommandError(f"{source}: not a run that has started (no {MANIFEST_NAME}) nor an index (no "
+                           f"{INDEX_FILE}); {what}")
 
 
 def check_device(device: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from leanagent.cli.common import CommandError
+from leanagent.cli.common import CommandError, check_out_file
 from leanagent.ground.config import ConfigError, PipelineConfig
 from leanagent.ground.names import DEFAULT_SPLIT
 
@@ -77,6 +77,7 @@ def cmd_curriculum(args: argparse.Namespace) -> int:
     from leanagent.ground.atomic import write_json_atomic
     from leanagent.preflight.checks import check_unique_names
 
+    check_out_file("--json", args.json)
     paths = [Path(d).resolve() for d in args.datasets]
     for d, path in zip(args.datasets, paths, strict=True):
         if not (path / args.split).is_dir():

@@ -77,6 +77,7 @@ def _export_hf(args: argparse.Namespace) -> int:
 
 def _export_leancopilot(args: argparse.Namespace) -> int:
     from leanagent.export.leancopilot import export_leancopilot
+    from leanagent.export.leancopilot_native import DEFAULT_K
     from leanagent.index.files import PremiseIndexError
     from leanagent.model.ct2 import Ct2Missing
     from leanagent.serve import ServeError, resolve_source
@@ -92,9 +93,14 @@ def _export_leancopilot(args: argparse.Namespace) -> int:
     for warning in done.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     what = f"stage {stage['stage']} (#{stage['stage_number']}), " if stage else ""
-    print(f"wrote {done.out} from {what}{folder}: {done.premises:,} premises ({done.width} wide); code of "
-          f"{done.code_from_corpus:,} from their corpora, of the rest from the embedded text; README.md says where "
-          f"LeanCopilot reads the two folders")
+    rest = done.premises - done.code_from_corpus
+    code = (f"code of all {done.premises:,} from their corpora" if not rest else
+            f"code of {done.code_from_corpus:,} from their corpora, of the other {rest:,} from the embedded text")
+    print(f"wrote {done.out} from {what}{folder}: {done.premises:,} premises ({done.width} wide); {code}; README.md "
+          f"says where LeanCopilot reads the two folders")
+    print(f"checked as LeanCopilot runs it on {done.checked_states:,} states: {DEFAULT_K} premises each (its "
+          f"default k), never the placeholder row 0, which ranked {done.placeholder_best_rank:,} of "
+          f"{done.premises + 1:,} at best")
     for aside in done.moved_aside:
         print(f"moved aside: {aside}")
     for target in done.installed:

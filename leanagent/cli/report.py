@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from leanagent.cli.common import CommandError
+from leanagent.cli.common import CommandError, check_out_file
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -28,6 +28,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from leanagent.report.sweep import is_sweep
     from leanagent.run.manifest import MANIFEST_NAME
 
+    check_out_file("--json", args.json)
+    check_out_file("--png", args.png)
     if len(args.sources) == 1 and is_sweep(Path(args.sources[0])):
         return _report_sweep(args)
     try:

@@ -8,8 +8,15 @@ import sys
 import time
 from pathlib import Path
 
-from leanagent.cli.common import CommandError, add_dtype_argument, add_model_check_arguments, check_device
+from leanagent.cli.common import (
+    CommandError,
+    add_dtype_argument,
+    add_model_check_arguments,
+    check_device,
+    check_run_or_index,
+)
 from leanagent.cli.model import BASE_MODEL_HELP
+from leanagent.ground.json_files import MIB, read_capped
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +57,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     from leanagent.checkpoints.files import BadFileError
     from leanagent.data.errors import DatasetError
     from leanagent.index.build import build_index
-    from leanagent.index.files import PremiseIndexError
+    from leanagent.index.files import IndexNotWritten, PremiseIndexError
     from leanagent.model.loading import ModelSourceError
 
     check_device(args.device)
@@ -60,28 +67,39 @@ def cmd_index(args: argparse.Namespace) -> int:
         meta = build_index(Path(args.checkpoint or args.model), Path(args.dataset), Path(args.out),
                            device=args.device, batch_tokens=args.batch_tokens, force=args.force, dtype=args.dtype,
                            engine=args.engine, base_model=args.base_model)
-    except (PremiseIndexError, ModelSourceError, BadFileError, DatasetError, FileNotFoundError) as exc:
+    except (PremiseIndexError, ModelSourceError, BadFileError, DatasetError, FileNotFoundError,
+            IndexNotWritten) as exc:
         raise CommandError(str(exc)) from None
     print(f"indexed {meta['num_premises']} premises of {meta['num_files']} files ({meta['embedding_dim']} wide) "
           f"in {meta['embed_seconds']:.1f}s ({meta['engine']} {meta['embedded_at']}): {args.out}")
     return 0
 
 
+STATE_FILE_BYTES = 4 * MIB  # far past any proof state (the model reads its first 1,024 bytes)
+
+
+def read_state_file(path: Path) -> str:
+    """A proof state's file: a regular file of at most STATE_FILE_BYTES, checked on the open file before it is read,
+    in UTF-8 (one line naming it otherwise)."""
+    try:
+        return read_capped(path, STATE_FILE_BYTES, "proof state's file", CommandError).decode("utf-8")
+    except CommandError as exc:
+        raise CommandError(f"--state-file {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise CommandError(f"--state-file {path}: not UTF-8 text (byte {exc.start})") from None
+
+
 def cmd_retrieve(args: argparse.Namespace) -> int:
+    check_device(args.device)
+    state = args.state if args.state_file is None else read_state_file(Path(args.state_file))
+    check_run_or_index(Path(args.index))  # before the model's stack is imported: one line, now
+
     from leanagent.index.files import FILE_WITHOUT_LINE, PremiseIndexError
     from leanagent.index.query import PremiseIndex
     from leanagent.serve import ServeError, resolve_source
 
-    check_device(args.device)
     if (args.file is None) != (args.line is None):  # before the model is loaded
         raise CommandError(FILE_WITHOUT_LINE)
-    if args.state_file is not None:
-        try:
-            state = Path(args.state_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CommandError(f"--state-file {args.state_file}: cannot be read ({exc.__class__.__name__})") from None
-    else:
-        state = args.state
     try:
         loading = time.perf_counter()
         folder, stage = resolve_source(Path(args.index))

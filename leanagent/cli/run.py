@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from leanagent.cli.common import VERBOSE_HELP, CommandError
+from leanagent.ground.config import ConfigError
 from leanagent.ground.supervision import Interrupted, interrupt_on_signals
+from leanagent.launch.base import JobStatus, LaunchError
+from leanagent.launch.registry import cancel_run, run_status
+from leanagent.run.manifest import JOBS_DIR, not_a_run
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -40,13 +46,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=cmd_sweep)
 
-    p = sub.add_parser("status", help="each stage's queued job and its state, under any launcher with a queue")
-    p.add_argument("run_dir", help="the run's folder (run_dir of its config)")
-    p.set_defaults(func=cmd_status)
-
-    p = sub.add_parser("cancel", help="end every job of a run still queued or running in a launcher's queue")
-    p.add_argument("run_dir", help="the run's folder (run_dir of its config)")
-    p.set_defaults(func=cmd_cancel)
+    for name, command in QUEUE_COMMANDS.items():
+        p = sub.add_parser(name, help=command.help)
+        p.add_argument("run_dir", help="the run's folder (run_dir of its config)")
+        p.set_defaults(func=cmd_queue, queue_command=command)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -73,46 +76,49 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             return exc.exit_code
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    """What a run has in a queue (and what its stages' last jobs became)."""
-    from leanagent.ground.config import ConfigError
-    from leanagent.launch.base import LaunchError
-    from leanagent.launch.registry import run_status
+@dataclass(frozen=True)
+class QueueCommand:
+    """`status` or `cancel`: what it asks every launcher about a run (`leanagent.launch.registry`), what it says when
+    no launcher has a job of the run in a queue, and its line per job."""
 
+    help: str
+    ask: Callable[[Path], list[tuple[str, JobStatus]]]  # run_dir -> (launcher, job) for each job of the run
+    nothing: str
+    line: Callable[[str, JobStatus, Path], str]  # (launcher, job, its stage) -> the line printed
+
+
+QUEUE_COMMANDS = {
+    "status": QueueCommand("each stage's queued job and its state, under any launcher with a queue", run_status,
+                           "nothing queued (no job of this run was submitted to a queue)",
+                           lambda launcher, job, stage: f"{job.job_id:>10}  {job.state:<28} {stage}  ({launcher})"),
+    "cancel": QueueCommand("end every job of a run still queued or running in a launcher's queue", cancel_run,
+                           "nothing queued, nothing cancelled",
+                           lambda launcher, job, stage: f"cancelled {job.job_id} ({launcher}, was {job.state}): "
+                                                        f"{stage}"),
+}
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    """What a run has in a queue (`status`), or every such job ended (`cancel`: what a SIGKILLed flow could not do).
+    A path that is no run is refused: "nothing queued" would say a run is idle that is not there at all."""
+    command: QueueCommand = args.queue_command
     run_dir = Path(args.run_dir)
+    problem = not_a_run(run_dir)
+    if problem is not None:
+        raise CommandError(problem)
     try:
-        jobs = run_status(run_dir)
+        jobs = command.ask(run_dir)
     except (ConfigError, LaunchError) as exc:
         raise CommandError(str(exc)) from None
     if not jobs:
-        print(f"{run_dir}: nothing queued (no job of this run was submitted to a queue)")
-        return 0
+        print(f"{run_dir}: {command.nothing}")
     for launcher, job in jobs:
-        print(f"{job.job_id:>10}  {job.state:<28} {_stage(run_dir, job.job_dir)}  ({launcher})")
-    return 0
-
-
-def cmd_cancel(args: argparse.Namespace) -> int:
-    """End every job of a run still in a queue (a SIGKILLed flow could not)."""
-    from leanagent.ground.config import ConfigError
-    from leanagent.launch.base import LaunchError
-    from leanagent.launch.registry import cancel_run
-
-    run_dir = Path(args.run_dir)
-    try:
-        ended = cancel_run(run_dir)
-    except (ConfigError, LaunchError) as exc:
-        raise CommandError(str(exc)) from None
-    if not ended:
-        print(f"{run_dir}: nothing queued, nothing cancelled")
-        return 0
-    for launcher, job in ended:
-        print(f"cancelled {job.job_id} ({launcher}, was {job.state}): {_stage(run_dir, job.job_dir)}")
+        print(command.line(launcher, job, _stage(run_dir, job.job_dir)))
     return 0
 
 
 def _stage(run_dir: Path, job_dir: Path) -> Path:
     try:
-        return job_dir.relative_to(run_dir / "jobs")
+        return job_dir.relative_to(run_dir / JOBS_DIR)
     except ValueError:
         return job_dir

@@ -15,6 +15,7 @@ from leanagent.cli.common import (
     add_model_check_arguments,
     add_model_options,
     check_device,
+    check_run_or_index,
     model_from_args,
 )
 
@@ -72,7 +73,6 @@ def read_token(file: str | None) -> tuple[str | None, str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from leanagent.run.manifest import MANIFEST_NAME, ManifestUnreadableError, read_manifest
     from leanagent.serve.access import AccessError, require_token
     from leanagent.serve.schemas import ServeLimits
 
@@ -85,12 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         require_token(args.host, token, args.insecure_no_token)
     except AccessError as exc:
         raise CommandError(str(exc)) from None
-    source = Path(args.source)
-    if (source / MANIFEST_NAME).is_file():  # a RUN_DIR's manifest cut short or of the wrong shape: one line, now
-        try:
-            read_manifest(source / MANIFEST_NAME)
-        except ManifestUnreadableError as exc:
-            raise CommandError(str(exc)) from None
+    check_run_or_index(Path(args.source))  # before the server's modules (torch, uvicorn): one line, now
     from leanagent.serve import ServeError, serve  # the model's stack: seconds to import
 
     try:

@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers import ByT5Tokenizer
 
-from leanagent.ground.atomic import file_mode, refuse_non_empty, write_atomic
+from leanagent.ground.atomic import file_mode, out_folder_problem, refuse_non_empty, write_atomic
 from leanagent.model.loading import RETRIEVER_FILE, LoadedModel, load_model
 from leanagent.model.progress_bars import no_progress_bars
 
@@ -34,9 +34,10 @@ def export_model(source: str | Path, out: str | Path, force: bool = False, base_
     With `force`, model and tokenizer files already there are replaced (see `_remove_model_files`).
     """
     out = Path(out)
+    problem = out_folder_problem(out)  # a folder that cannot be written: said before the model is loaded
+    if problem is not None:
+        raise FileExistsError(problem)
     loaded = load_model(source, base_model=base_model)  # before touching `out`: a bad source must leave it as it was
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} exists and is not a folder; nothing was overwritten")
     if force and out.is_dir():
         if out.resolve() == loaded.source.resolve():
             raise FileExistsError(f"{out} is the model being exported; choose another folder")

@@ -1,5 +1,6 @@
 """File writes that lose nothing: atomic replacement, so a reader (another rank, a rerun, a Prefect
-task) never sees half a file, and a refusal to write into a folder that already holds something."""
+task) never sees half a file; a refusal to write into a folder that already holds something; and the one check of a
+folder (or a file) a command is about to write, before any work."""
 
 from __future__ import annotations
 
@@ -72,8 +73,47 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def refuse_non_empty(folder: Path) -> None:
-    """Generators write whole folders; one that holds anything may hold a user's work."""
+def out_folder_problem(folder: Path, new_or_empty: bool = False) -> str | None:
+    """Why a command cannot write into `folder` (made, with its parents, where missing), in one line that starts
+    with the folder; None when it can. Asked before any work, so that a slip costs a second, not a job:
+
+    - something other than a folder (a file, a link to nothing) stands where the folder or a parent of it goes;
+    - the nearest folder that exists takes no new file (a read-only filesystem, permissions, an immutable folder):
+      found by creating a file there and removing it at once, the one answer the filesystem itself gives
+      (`os.access` says yes to root whatever the mount or the folder's attributes say);
+    - with `new_or_empty`, it holds something: a generator writes whole folders, and one that holds anything may
+      hold a user's work.
+    """
     folder = Path(folder)
-    if folder.exists() and any(folder.iterdir()):
-        raise FileExistsError(f"{folder} exists and is not empty; nothing was overwritten")
+    existing = folder
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is not a folder" if existing.exists() else "is a link to nothing"
+        if existing == folder:
+            return f"{folder} exists and {what}; nothing was overwritten"
+        return f"{folder}: its parent {existing} {what}"
+    try:
+        file_mode(existing)  # a file created and removed: the filesystem's own answer
+        held = new_or_empty and existing == folder and any(folder.iterdir())
+    except OSError as exc:
+        return f"{folder}: cannot write in {existing} ({exc.strerror or exc}); choose a folder you can write to"
+    return f"{folder} exists and is not empty; nothing was overwritten" if held else None
+
+
+def refuse_non_empty(folder: Path) -> None:
+    """A folder a generator writes whole: FileExistsError with `out_folder_problem`'s line when it holds anything,
+    when something other than a folder stands where it goes, or when it cannot be written."""
+    problem = out_folder_problem(folder, new_or_empty=True)
+    if problem is not None:
+        raise FileExistsError(problem)
+
+
+def out_file_problem(path: Path) -> str | None:
+    """Why a command cannot write the file `path` (its folder made where missing), in one line; None when it can.
+    Asked before the work whose figures the file is to hold."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{path} is a folder; give a file name"
+    problem = out_folder_problem(path.parent)
+    return None if problem is None else f"{path}: {problem}"

@@ -36,6 +36,12 @@ def part_file(part: str) -> str:
 
 PART_FILES: tuple[str, ...] = tuple(part_file(part) for part in PARTS)  # train.json, val.json, test.json
 
+# A premise index (`leanagent index`, a run's stage): the file that makes a folder one (`leanagent.index.files` has
+# the rest), named here so that a command can tell an index from a run before it imports torch; and its served name
+# lists, which a sweep tells apart (an index extends the previous stage's) in the flow's process, without torch.
+INDEX_FILE = "index.json"
+NAMES_FILE = "names.json"
+
 
 # ---- the encoder ------------------------------------------------------------------------------------------------
 
@@ -64,12 +70,6 @@ TorchDtypeChoice = Literal["auto", TorchDtype]
 TORCH_DTYPE_CHOICES: tuple[str, ...] = get_args(TorchDtypeChoice)
 EngineChoice = Literal["auto", Engine]
 ENGINE_CHOICES: tuple[str, ...] = get_args(EngineChoice)
-
-# ---- a premise index folder (leanagent.index) ---------------------------------------------------------------------
-# index.json (written last: without it a folder reads as unfinished) and the served name lists: read where no torch
-# is loaded (a sweep tells two indexes' lists apart, and moves an index.json, in the flow's process).
-INDEX_FILE = "index.json"
-NAMES_FILE = "names.json"
 
 # `lifelong.fisher_estimator`: the estimators of `leanagent.model.fisher.registry`, by name.
 FisherEstimatorName = Literal["per_example", "reference"]

@@ -7,6 +7,7 @@ reads as unfinished. Readers are `leanagent.index.read`; this module imports no 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -17,7 +18,7 @@ import torch
 
 from leanagent.data.corpus import Corpus
 from leanagent.data.lean_names import lean_name, module_name
-from leanagent.ground.atomic import refuse_non_empty, write_atomic, write_bytes_atomic
+from leanagent.ground.atomic import out_folder_problem, refuse_non_empty, write_atomic, write_bytes_atomic
 from leanagent.ground.config import DataConfig
 from leanagent.ground.json_files import MIB, JsonFileError, read_json_file
 from leanagent.ground.names import INDEX_FILE, NAMES_FILE
@@ -35,6 +36,14 @@ NORM_TOLERANCE = 0.05  # a stored row is a unit vector rounded to bf16
 CONTEXT_MAX_LEN: int = DataConfig.model_fields["max_seq_len"].default
 
 FILE_WITHOUT_LINE = "--file and --line go together: accessibility is a position in a file"
+
+
+class IndexNotWritten(OSError):
+    """An index's files could not all be written (ENOSPC, EDQUOT, EROFS...); those written were removed. The message
+    is one line naming the folder."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class PremiseIndexError(ValueError):
@@ -66,19 +75,27 @@ def write_index(out: Path, corpus: Corpus, embeddings: torch.Tensor, meta: dict[
     if rows.shape[0] != len(corpus):
         raise ValueError(f"{len(rows)} embeddings for {len(corpus)} premises")
     blob = save({"embeddings": rows}, metadata={"format": str(FORMAT_VERSION)})
-    _clear_out(out)
-    write_bytes_atomic(out / EMBEDDINGS_FILE, blob)
-    write_atomic(out / PREMISES_FILE, lambda f: _write_premises(f, corpus))
-    write_atomic(out / FILES_FILE, lambda f: _write_files(f, corpus))
     names = served_names(corpus, names_before)
-    write_atomic(out / NAMES_FILE, lambda f: json.dump(names, f, ensure_ascii=False))
-    # Each file's size: a reader checks them all before it reads any (a file swapped for a pipe or a device).
-    sizes = {name: (out / name).stat().st_size for name in (EMBEDDINGS_FILE, PREMISES_FILE, FILES_FILE, NAMES_FILE)}
-    meta = {**meta, "format": FORMAT_VERSION, "embeddings_sha256": hashlib.sha256(blob).hexdigest(),
-            "file_sizes": sizes,
-            "num_premises": int(rows.shape[0]), "num_files": len(corpus.paths), "embedding_dim": int(rows.shape[1]),
-            "dtype": "bfloat16", "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    write_atomic(out / INDEX_FILE, lambda f: json.dump(meta, f, indent=2, sort_keys=True))
+    try:
+        _clear_out(out)
+        write_bytes_atomic(out / EMBEDDINGS_FILE, blob)
+        write_atomic(out / PREMISES_FILE, lambda f: _write_premises(f, corpus))
+        write_atomic(out / FILES_FILE, lambda f: _write_files(f, corpus))
+        write_atomic(out / NAMES_FILE, lambda f: json.dump(names, f, ensure_ascii=False))
+        # Each file's size: a reader checks them all before it reads any (a file swapped for a pipe or a device).
+        sizes = {name: (out / name).stat().st_size for name in (EMBEDDINGS_FILE, PREMISES_FILE, FILES_FILE,
+                                                                  NAMES_FILE)}
+        meta = {**meta, "format": FORMAT_VERSION, "embeddings_sha256": hashlib.sha256(blob).hexdigest(),
+                "file_sizes": sizes, "num_premises": int(rows.shape[0]), "num_files": len(corpus.paths),
+                "embedding_dim": int(rows.shape[1]), "dtype": "bfloat16",
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        write_atomic(out / INDEX_FILE, lambda f: json.dump(meta, f, indent=2, sort_keys=True))
+    except OSError as exc:  # a full disk, a quota, a folder gone read-only: none of the index's files stays
+        for name in INDEX_FILES:
+            with contextlib.suppress(OSError):
+                (out / name).unlink(missing_ok=True)
+        raise IndexNotWritten(exc.errno, f"{out}: the index cannot be written ({exc.strerror or exc}); none of "
+                                         f"its files was left there") from None
     return meta
 
 
@@ -94,9 +111,11 @@ def read_names(folder: Path) -> dict[str, list[str]] | None:
 
 
 def check_out(out: Path, force: bool) -> None:
-    """A non-empty folder is refused unless `force`, before any time is spent embedding."""
-    if out.exists() and not out.is_dir():
-        raise PremiseIndexError(f"--out {out}: exists and is not a folder; nothing was overwritten")
+    """A folder that cannot be written is refused, and a non-empty one unless `force`, before any time is spent
+    embedding."""
+    problem = out_folder_problem(out)
+    if problem is not None:
+        raise PremiseIndexError(f"--out {problem}")
     if not force:
         try:
             refuse_non_empty(out)

@@ -202,9 +202,14 @@ class PremiseIndex:
         longest, so 32 states cost about one pass of their total length, not 32 passes. Padding is masked: each
         row is its own pass's up to float rounding."""
         tokenizer = self.encoder.tokenizer
-        parts = [tokenize_texts(tokenizer, [strip_goal_count(s) for s in states], self.state_max_len)]
+        parts = []
+        if states:
+            parts.append(tokenize_texts(tokenizer, [strip_goal_count(s) for s in states], self.state_max_len))
         if texts:
             parts.append(tokenize_texts(tokenizer, texts, self.premise_max_len))
+        if not parts:
+            width = self.embeddings.shape[1]
+            return self.embeddings.new_empty((0, width)), self.embeddings.new_empty((0, width))
         width = max(ids.shape[1] for ids, _ in parts)
         ids = torch.cat([torch.nn.functional.pad(i, (0, width - i.shape[1])) for i, _ in parts])
         mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for _, m in parts])

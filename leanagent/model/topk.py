@@ -5,18 +5,19 @@ per context. LeanAgent instead sorts every premise per context and walks the ran
 testing membership in a set; it raises ValueError when fewer than k premises are accessible (the
 first file of a repository). Here a context simply gets the accessible ones it has.
 
-Masking the whole score matrix before the top k costs more than the product itself on a CPU
-(a 64 x 180k fill), and a context can usually see a large share of the corpus. So the top
-`slack * k` candidates are taken unmasked, the accessible ones among them kept in rank order, and
-only a context whose candidates cannot decide (fewer than k accessible among them, or a tie with
-the last candidate reaching into its top k) is masked and ranked in full. The result is the same
-as masking first.
+The selection (`select_top_k`) masks first and sorts only a few: the inaccessible scores become -inf (`_masked`,
+the cost of a copy), the `slack * k` best of each row are taken (`topk`) and ordered. A row is decided there unless
+its k-th score equals the last candidate's: premises of that score outside the candidates may come first by key,
+and a row with fewer than k accessible premises ends in such a tie (at -inf). Those rows, and only they, take the
+tied premises of the whole row by key (a `topk` of their ranks). The result is that of ordering each whole masked
+row by score and key, and nothing sorts a whole row. (The selection before this took the candidates unmasked and
+sorted in full every row they could not decide: at Mathlib's scale, where a context sees a few tenths of the
+corpus, most rows, at several times the cost of the product.)
 
-Equal scores are ordered by `tie_key` (smaller first; by default the column): under bf16 the
-product rounds scores to 8 bits of mantissa and premises tie often (LeanAgent's ranking leaves
-their order to its sort), and a ranking must not depend on where a premise's row happens to be:
-the same premises, embedded together with other corpora's (`evaluation.CorpusEmbedding`) or alone,
-rank the same.
+Equal scores are ordered by `tie_key` (smaller first; by default the column; equal keys by column): under bf16
+the product rounds scores to 8 bits of mantissa and premises tie often (LeanAgent's ranking leaves their order to
+its sort), and a ranking must not depend on where a premise's row happens to be: the same premises, embedded
+together with other corpora's (`evaluation.CorpusEmbedding`) or alone, rank the same.
 
 The product itself (`score_matrix`) takes one of the `SCORING` paths. bf16 rows on a CPU without bf16 matmuls (AVX2
 only, as on most laptops) make oneDNN emulate the bf16 product: measured 3.6x slower than fp32 at width 1,472 and
@@ -33,11 +34,13 @@ in fp32. `exact` says what the caller's scores are:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from leanagent.model.dtypes import cpu_has_bf16
 
-SLACK = 4
+SLACK = 2  # candidates per premise taken: a tie at the k-th score rarely reaches past 2k under bf16
 NATIVE, FP32_CHUNKS = "native", "fp32-chunks"
 SCORING = {NATIVE: "the product in the rows' dtype",
            FP32_CHUNKS: "bf16 rows upcast to fp32 in chunks, multiplied in fp32"}
@@ -78,14 +81,85 @@ def score_matrix(context_emb: torch.Tensor, rows: torch.Tensor, path: str = NATI
     return flipped.t().contiguous() if exact else flipped.t().to(rows.dtype).contiguous()
 
 
-def _ordered(scores: torch.Tensor, keys: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
-    """Positions of each row sorted by score (descending), equal scores by key (ascending); with `first`, rows'
-    True entries before their False ones (each group in that order)."""
-    order = torch.sort(keys, dim=1, stable=True).indices
-    order = order.gather(1, torch.sort(scores.gather(1, order), dim=1, descending=True, stable=True).indices)
-    if first is not None:
-        order = order.gather(1, torch.sort((~first.gather(1, order)).to(torch.uint8), dim=1, stable=True).indices)
-    return order
+class Selection(NamedTuple):
+    """The k best accessible premises per row, best first, and how many rows took the tie path (`select_top_k`)."""
+
+    scores: torch.Tensor  # (rows, k); a row with fewer than k accessible premises ends in -inf
+    indices: torch.Tensor  # (rows, k) premise columns
+    # Rows whose k-th score tied with the last candidate (among them every row with fewer than k accessible
+    # premises), which took the tied premises from the whole row; the others were decided among the candidates.
+    # `leanagent bench path` counts both: many tied rows, or a selection slower than the product, is a slow path.
+    tied_rows: int
+
+
+def _ordered(scores: torch.Tensor, keys: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions of each row sorted by score (descending), equal scores by key (ascending), equal keys by `columns`
+    (ascending; None: by position)."""
+    order = None if columns is None else torch.sort(columns, dim=1).indices
+    by_key = torch.sort(keys if order is None else keys.gather(1, order), dim=1, stable=True).indices
+    order = by_key if order is None else order.gather(1, by_key)
+    return order.gather(1, torch.sort(scores.gather(1, order), dim=1, descending=True, stable=True).indices)
+
+
+# Each float dtype's integer of the same width: `_masked` works on the floats' bits.
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+         torch.float64: torch.int64}
+
+
+def _masked(scores: torch.Tensor, accessible: torch.Tensor) -> torch.Tensor:
+    """`torch.where(accessible, scores, -inf)`, bit for bit, in bitwise passes over the scores' bits: on a CPU
+    `where` with a boolean mask is not vectorised (torch 2.13) and took about 5x the time of this, half the product's
+    at width 64 (76k premises, one thread)."""
+    bits = _BITS.get(scores.dtype)
+    if bits is None:
+        return torch.where(accessible, scores, float("-inf"))
+    neg_inf = int(torch.tensor(float("-inf"), dtype=scores.dtype).view(bits))
+    out = scores.view(bits) ^ neg_inf  # ((x ^ c) & all ones) ^ c == x; ((x ^ c) & 0) ^ c == c
+    out &= accessible.to(bits).neg_()  # all ones where accessible, zero elsewhere
+    out ^= neg_inf
+    return out.view(scores.dtype)
+
+
+def _key_ranks(key: torch.Tensor) -> torch.Tensor:
+    """Each premise's place in the order by key, then column: one distinct integer per premise."""
+    order = torch.sort(key, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.arange(len(key), device=key.device)
+    return ranks
+
+
+def select_top_k(scores: torch.Tensor, accessible: torch.Tensor, k: int, slack: int = SLACK,
+                 tie_key: torch.Tensor | None = None) -> Selection:
+    """The k best accessible premises of each row of `scores` (contexts x premises), best first, equal scores by
+    `tie_key` then column (module docstring). `accessible`: a boolean mask of the same shape."""
+    accessible = accessible.to(scores.device)
+    rows, n = scores.shape
+    k = min(k, n)
+    if k == 0:
+        return Selection(scores[:, :0], torch.zeros(rows, 0, dtype=torch.long, device=scores.device), 0)
+    key = torch.arange(n, device=scores.device) if tie_key is None else tie_key.to(scores.device)
+    masked = _masked(scores, accessible)
+    width = min(n, slack * k)
+    cand_scores, cand_idx = masked.topk(width, dim=1)
+    # With the default key (the column) the key orders equal keys too; a given key may repeat (evaluation's -1 for
+    # premises of other corpora, never accessible), and then the column does.
+    order = _ordered(cand_scores, key[cand_idx], None if tie_key is None else cand_idx)[:, :k]
+    top_scores, top_idx = cand_scores.gather(1, order), cand_idx.gather(1, order)
+    if width == n:
+        return Selection(top_scores, top_idx, 0)
+    tied = (top_scores[:, -1] == cand_scores[:, -1]).nonzero().flatten()
+    if len(tied):
+        # Every premise scoring above the k-th is among the candidates, in order; the rest of the k are the
+        # premises of the k-th score with the smallest (key, column), from the whole row.
+        row = masked[tied]
+        last = top_scores[tied, -1:]
+        above = (top_scores[tied] > last).sum(dim=1, keepdim=True)
+        ranks = key if tie_key is None else _key_ranks(key)
+        by_key = torch.where(row == last, ranks, n).topk(k, dim=1, largest=False).indices
+        place = torch.arange(k, device=scores.device)[None]
+        picked = torch.where(place < above, top_idx[tied], by_key.gather(1, (place - above).clamp(min=0)))
+        top_scores[tied], top_idx[tied] = row.gather(1, picked), picked
+    return Selection(top_scores, top_idx, len(tied))
 
 
 def top_k_accessible(context_emb: torch.Tensor, corpus_emb: torch.Tensor, accessible: torch.Tensor,
@@ -97,28 +171,8 @@ def top_k_accessible(context_emb: torch.Tensor, corpus_emb: torch.Tensor, access
     end in -inf scores. The product runs in the corpus embedding's dtype (bf16 on a GPU, as under
     bf16-mixed autocast, where evaluation runs). `tie_key`: one integer per premise, which orders equal
     scores (default: the premise's index). `exact` and `path`: how the product runs (`score_matrix`; default path:
-    `scoring_path`'s).
+    `scoring_path`'s). The selection: `select_top_k`.
     """
     scores = score_matrix(context_emb, corpus_emb, path or scoring_path(corpus_emb, exact), exact)
-    accessible = accessible.to(scores.device)
-    rows, n = scores.shape
-    k = min(k, n)
-    key = torch.arange(n, device=scores.device) if tie_key is None else tie_key.to(scores.device)
-    width = min(n, slack * k)
-    cand_scores, cand_idx = scores.topk(width, dim=1)
-    ok = accessible.gather(1, cand_idx)
-    # Accessible candidates first, each group best first, equal scores by key.
-    order = _ordered(cand_scores, key[cand_idx], first=ok)[:, :k]
-    top_scores = cand_scores.gather(1, order).masked_fill(~ok.gather(1, order), float("-inf"))
-    top_idx = cand_idx.gather(1, order)
-    # Undecided among the candidates: too few accessible, or the last candidate ties with the k-th best (premises
-    # of that score outside the candidates may come first by key). Rank those rows in full.
-    undecided = ok.sum(dim=1) < k
-    if width < n:
-        undecided |= top_scores[:, -1] == cand_scores[:, -1]
-    short = undecided.nonzero().flatten()
-    if len(short):
-        masked = scores[short].masked_fill(~accessible[short], float("-inf"))
-        full = _ordered(masked, key.expand(len(short), n))[:, :k]
-        top_scores[short], top_idx[short] = masked.gather(1, full), full
-    return top_scores, top_idx
+    selection = select_top_k(scores, accessible, k, slack, tie_key)
+    return selection.scores, selection.indices

@@ -3,7 +3,8 @@ lifelong flow (`lifelong_retrieval`, before the curriculum starts) both come thr
 
 A refusal costs seconds; the same problem found by the ranks costs a queue wait, a GPU allocation
 and a traceback. Each check returns its problems as one clear message each; `PreflightError`
-carries them all. Nothing here writes anything.
+carries them all. Nothing here writes anything (but a file made and removed at once, to see that the run's or the
+job's folder takes files: `leanagent.ground.atomic.out_folder_problem`).
 
 - datasets validate (`leanagent.data.validate.dataset_problems`);
 - the input checkpoint and Fisher file are whole (`leanagent.checkpoints.ours`);
@@ -11,7 +12,8 @@ carries them all. Nothing here writes anything.
   cache (or, online, its config.json can be fetched); a job starting from a checkpoint needs no model;
 - the launcher (`leanagent.launch.registry`): its name, its config section, and its own checks of where the
   ranks will run (this machine's GPUs, a static rendezvous, a cluster's partitions);
-- the filesystem of the run (or job) folder has room for the checkpoints and Fisher files it will keep.
+- the run (or job) folder is a folder, or can be made, and takes files; its filesystem has room for the
+  checkpoints and Fisher files it will keep.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from leanagent.data.validate import dataset_problems
-from leanagent.ground.atomic import format_bytes
+from leanagent.ground.atomic import format_bytes, out_folder_problem
 from leanagent.ground.config import PipelineConfig, RepoConfig
 from leanagent.ground.job import PROGRAMS, JobInputError
 from leanagent.ground.json_files import MIB, JsonFileError, read_json_file
@@ -278,6 +280,9 @@ def preflight_job(cfg: PipelineConfig, program: str, datasets: Sequence[Path], o
                   free_bytes: int | None = None, device_count: int | None = None) -> None:
     """Everything one job needs, checked before it is launched; raises PreflightError listing each problem."""
     problems = check_launcher(cfg, device_count) + check_options(cfg)
+    folder = out_folder_problem(out) if out is not None else None
+    if folder is not None:
+        problems.append(f"job folder {folder}")
     checkpoint_config: dict[str, Any] | None = None
     unknown = False  # a bad input file: what it would have told us (architecture, size) is unknown
     if checkpoint is not None:
@@ -354,6 +359,9 @@ def preflight_run(cfg: PipelineConfig, repos: Sequence[RepoConfig] | None = None
     # This module's own checks first, then those of the floors below (the model's options, the launcher, the
     # datasets); the problems are listed in the order a reader fixes them: where it runs, what, on what.
     problems = []
+    folder = out_folder_problem(cfg.run_dir)  # a file there, or a folder that takes no file: before any job
+    if folder is not None:
+        problems.append(f"run_dir {folder}")
     start = cfg.lifelong.start_checkpoint
     if start is not None and not start.exists():
         problems.append(f"lifelong.start_checkpoint: {start}: no such checkpoint file or folder")

@@ -20,6 +20,7 @@ from leanagent.ground.json_files import MIB, read_json_file, validate_as
 from leanagent.ground.results import JobResult
 
 MANIFEST_NAME = "manifest.json"
+JOBS_DIR = "jobs"  # run_dir/jobs/STAGE: each stage's job folder
 # The most a manifest holds: a few kB per stage, and a run of a hundred repositories has about 5,000 stages.
 MAX_MANIFEST_BYTES = 64 * MIB
 
@@ -124,6 +125,20 @@ def check_manifest(data: Any, path: Path) -> dict[str, Any]:
     """`data` when it is a run manifest (`ManifestRecord`); ManifestUnreadableError naming the file and the key."""
     validate_as(data, ManifestRecord, str(path), "run manifest", ManifestUnreadableError, _UNREADABLE)
     return data
+
+
+def not_a_run(path: Path) -> str | None:
+    """Why `path` is no run_dir of `leanagent run`, in one line naming it (no such folder, a file, a folder with
+    neither a manifest nor job folders); None when it is one. A run writes its manifest before its first job; a run
+    whose manifest is gone but whose jobs may still be queued keeps its `jobs` folder, and is still one."""
+    path = Path(path)
+    if path.is_file():
+        return f"{path}: a file, not a run_dir of `leanagent run`"
+    if not path.is_dir():
+        return f"{path}: no such folder (not a run_dir of `leanagent run`)"
+    if not (path / MANIFEST_NAME).is_file() and not (path / JOBS_DIR).is_dir():
+        return f"{path}: a folder with neither {MANIFEST_NAME} nor {JOBS_DIR}/ (not a run_dir of `leanagent run`)"
+    return None
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

@@ -4,24 +4,23 @@ The sequence of repositories only grows at its end (`check_sequence`): each reco
 name and dataset (the SHA-256 of every file the run reads), so a removed, renamed, reordered or edited one is
 refused by name before anything is written.
 
-Why a lock: two flows writing one run_dir would race on the same job folders. The lock is an fcntl.flock, so the
-kernel releases it when the holder dies and a stale lock file never blocks. This module knows nothing of Prefect:
-the flow is one caller among others.
+Why a lock: two flows writing one run_dir would race on the same job folders. The lock is an fcntl.flock
+(`leanagent.ground.pid_lock`), so the kernel releases it when the holder dies and a stale lock file never blocks.
+This module knows nothing of Prefect: the flow is one caller among others.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from leanagent.ground.atomic import write_json_atomic
 from leanagent.ground.config import PipelineConfig
 from leanagent.ground.names import AUTO
+from leanagent.ground.pid_lock import LockHeld, PidLock
 from leanagent.run.fingerprint import (
     DECIDED_BY_THE_RUN,
     check_config,
@@ -56,59 +55,31 @@ class RunStateWriteError(OSError):
     """The manifest could not be written (a full disk, a read-only folder); the file on disk is as it was."""
 
 
-class RunLock:
+class RunLock(PidLock):
     """An exclusive, non-blocking flock on run_dir/.lock, holding the owner's pid for the error message."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / LOCK_NAME
-        self._fd: int | None = None
+        super().__init__(Path(run_dir) / LOCK_NAME)
 
-    def acquire(self) -> RunLock:
+    def acquire(self, wait_s: float = 0.0, on_wait: Callable[[str], None] | None = None) -> RunLock:
         """Take the lock (once: acquiring a held lock again is a no-op, so `with lock:` may follow)."""
-        if self._fd is not None:
-            return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        self._lock_or_refuse(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
+        try:
+            super().acquire(wait_s, on_wait)
+        except LockHeld as exc:
+            raise self._refusal(exc) from None
         return self
 
     def probe(self) -> None:
         """Refuse now, writing nothing, when another process holds the lock (`leanagent run` asks before it starts
-        Prefect). A shared lock, taken and let go at once: no lock file means nobody holds it."""
+        Prefect)."""
         try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            return
-        self._lock_or_refuse(fd, fcntl.LOCK_SH)
-        os.close(fd)
+            super().probe()
+        except LockHeld as exc:
+            raise self._refusal(exc) from None
 
-    def _lock_or_refuse(self, fd: int, kind: int) -> None:
-        try:
-            fcntl.flock(fd, kind | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise RunLockedError(f"{self.path.parent} is in use by another run (pid {holder}); wait for it to end, "
-                                 f"or choose another run_dir") from None
-
-    def release(self) -> None:
-        if self._fd is None:
-            return
-        # Truncate first: a reader between unlock and close must not blame a pid that has let go.
-        os.ftruncate(self._fd, 0)
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
-        self._fd = None
-
-    def __enter__(self) -> RunLock:
-        return self.acquire()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.release()
+    def _refusal(self, exc: LockHeld) -> RunLockedError:
+        return RunLockedError(f"{self.path.parent} is in use by another run (pid {exc.holder}); wait for it to end, "
+                              f"or choose another run_dir")
 
 
 class RunState:

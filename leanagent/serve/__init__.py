@@ -35,11 +35,13 @@ one request's passes at a time under a lock instead (docs/serving.md has the mea
 `leanagent serve RUN_DIR` serves a lifelong run's newest finished stage and follows the run (`follow.py`). On an
 open network every request is bounded before its work: its connection's time to send it whole and the number of
 open connections, with a few kept for `/health` (`protocol.py`), its body's size and the bytes all bodies hold at
-once (`app.BodyBudget`: past it a 503), its JSON values counted before any is decoded, its lists checked whole and
-its names' lengths as it is decoded (`parse.py`), the new-premise cache's real bytes (`cache.py`). An access token
+once, counted as they arrive (`app.BodyBudget`: past it a 503), its JSON values counted before any is decoded, its
+lists checked whole and its names' lengths as it is decoded (`parse.py`), the new-premise cache's real bytes
+(`cache.py`). An access token
 rides in the URL's path (`app.TokenGate`); beyond this machine one is required, and it is checked and kept out of
-every log line (`access.py`). No response names a path of this machine, and nothing a client can send is a
-traceback in the log.
+every log line, in any spelling (`access.py`). No response names a path of this machine, and nothing a client can
+send is a traceback in the log. At a stop, requests running are answered or get a 503 before uvicorn's window ends
+(`app.Stop`).
 
 The package, one concern a module: `schemas.py` (what a request may hold, and the limits), `parse.py` (a body to a
 request, under the limits), `cache.py` (new premises' embeddings), `batching.py` (shared encoder passes),

@@ -8,12 +8,15 @@ one. No response names a path of this machine, and the OpenAPI schema is served 
 
 What a request may cost, and who waits:
 
-- a body's bytes are reserved in one budget for all requests (`BodyBudget`, `bodies_mb`) as they arrive, and its
-  decoded size once it is counted; a request that does not fit is a 503 with Retry-After, so a crowd of large
-  bodies costs at most the budget, never the machine's memory;
+- a body's bytes are reserved in one budget for all requests (`BodyBudget`, `bodies_mb`) as they arrive (a declared
+  length reserves nothing: sockets that promise bodies and send nothing hold nothing), and its decoded size once it
+  is counted; a request that does not fit is a 503 with Retry-After, so a crowd of large bodies costs at most the
+  budget, never the machine's memory;
 - bodies are decoded off the event loop, at most `parse_slots` at once (the rest wait on the loop, holding no
   thread): the event loop stays free for `GET /health`, which is answered on it, without a thread;
-- a client that hangs up mid-body is one short line a minute in the log (`NOTICES`), never a traceback.
+- a client that hangs up mid-body is one short line a minute in the log (`NOTICES`), never a traceback;
+- at a stop (`Stop`), requests running are answered for a while, then each one left is a 503 and the encoder drops
+  its work, so none is cut off by the end of uvicorn's graceful window (a 500 and a traceback each).
 """
 
 from __future__ import annotations
@@ -25,20 +28,21 @@ import json
 import logging
 import os
 import threading
-from contextlib import nullcontext
+from collections.abc import Callable, Coroutine
+from contextlib import nullcontext, suppress
 from typing import Any
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from leanagent.index.query import PremiseIndex
-from leanagent.serve.follow import ServerHolder, give_back_memory
+from leanagent.serve.follow import ServerHolder, trim_heap
 from leanagent.serve.parse import excerpt, parse_request
 from leanagent.serve.protocol import NOTICES
-from leanagent.serve.schemas import RequestError, ServeLimits
+from leanagent.serve.schemas import RequestError, ServeLimits, ServerStopping
 from leanagent.serve.server import PremiseServer
 
 LOG = logging.getLogger("leanagent.serve")
@@ -85,7 +89,7 @@ class ClientGone(Exception):
 class BodyBudget:
     """Bytes that request bodies hold across all requests at once, taken as they arrive and given back when each
     request ends. When the last request that held a large share ends, the C allocator is told to give its free
-    pages back (`give_back_memory`), so the resident memory returns near its baseline after a burst."""
+    pages back (`trim_heap`), so the resident memory returns near its baseline after a burst."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -96,17 +100,27 @@ class BodyBudget:
     def take(self, n: int, what: str, own: int = 0) -> None:
         """Reserve `n` more bytes for a request that holds `own` already: a 503 while others hold too much, a 413
         when the request alone could never fit."""
+        with self._lock:
+            self._fits(n, what, own)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+            self._since_trim += n
+
+    def check(self, n: int, what: str) -> None:
+        """Whether `n` more bytes would fit now (a 503 or a 413 as `take` gives), reserving nothing: a declared body
+        is refused before its bytes are read when they could not be held, but only bytes that arrived hold the
+        budget (16 sockets that declared 16 MiB each and sent nothing held the 256 MB of every other request)."""
+        with self._lock:
+            self._fits(n, what, 0)
+
+    def _fits(self, n: int, what: str, own: int) -> None:
         if own + n > self.capacity:
             raise RequestError(413, f"{what} needs {(own + n) / 2**20:,.1f} MB for request bodies, more than this "
                                     f"server's --bodies-mb {self.capacity / 2**20:,.0f} holds for all requests "
                                     f"together; send less, or restart the server with a larger --bodies-mb")
-        with self._lock:
-            if self.used + n > self.capacity:
-                raise Busy(f"the server holds {self.used / 2**20:,.0f} MB of request bodies, near its "
-                           f"--bodies-mb {self.capacity / 2**20:,.0f}; {what} must wait: retry in a moment")
-            self.used += n
-            self.peak = max(self.peak, self.used)
-            self._since_trim += n
+        if self.used + n > self.capacity:
+            raise Busy(f"the server holds {self.used / 2**20:,.0f} MB of request bodies, near its --bodies-mb "
+                       f"{self.capacity / 2**20:,.0f}; {what} must wait: retry in a moment")
 
     def give(self, n: int) -> None:
         with self._lock:
@@ -114,42 +128,138 @@ class BodyBudget:
             trim = not self.used and self._since_trim >= TRIM_AFTER_BYTES
             if trim:
                 self._since_trim = 0
-        if trim:
-            give_back_memory()
+        if trim:  # bodies are freed as their last reference goes: no garbage collection needed, only the trim
+            trim_heap()
 
 
 class _Held:
-    """What one request has taken of the budget, given back once, whatever ends it."""
+    """What one request has taken of the budget, given back once, whatever ends it. Nothing is taken after that (a
+    decoding thread left to end on its own at a stop)."""
 
     def __init__(self, budget: BodyBudget) -> None:
         self.budget = budget
         self.bytes = 0
+        self._lock = threading.Lock()
+        self._released = False
 
     def take(self, n: int, what: str) -> None:
-        self.budget.take(n, what, self.bytes)
-        self.bytes += n
+        with self._lock:
+            if self._released:
+                raise ServerStopping()
+            self.budget.take(n, what, self.bytes)
+            self.bytes += n
 
     def release(self) -> None:
-        self.budget.give(self.bytes)
-        self.bytes = 0
+        with self._lock:
+            self._released = True
+            n, self.bytes = self.bytes, 0
+        self.budget.give(n)
+
+
+class Stop:
+    """A server's stop, as its requests see it. `begin(within_s)` (on the server's event loop, when uvicorn's graceful
+    shutdown starts): requests running go on for `within_s`; then each one still running is answered 503
+    (`ServerStopping`) and what `when_over` was given runs (`ServerHolder.abort`: the encoder drops its work), so that
+    nothing is left for uvicorn to cancel when its own, longer window ends."""
+
+    def __init__(self) -> None:
+        self.begun = False
+        self._over: asyncio.Event | None = None
+        self._then: list[Callable[[], None]] = []
+
+    def when_over(self, then: Callable[[], None]) -> None:
+        self._then.append(then)
+
+    def _event(self) -> asyncio.Event:  # made on the server's loop, when first asked for
+        if self._over is None:
+            self._over = asyncio.Event()
+        return self._over
+
+    def begin(self, within_s: float) -> None:
+        if not self.begun:
+            self.begun = True
+            asyncio.get_running_loop().call_later(within_s, self._end)
+
+    def _end(self) -> None:
+        self._event().set()
+        for then in self._then:
+            then()
+
+    async def race(self, work: Coroutine[Any, Any, Any]) -> Any:
+        """`work`'s result, or ServerStopping once the stop's time is over; `work` is then cancelled (the threads it
+        waits for are left to end on their own, which `ServerHolder.abort` makes quick)."""
+        over = self._event()
+        task = asyncio.ensure_future(work)
+        waiter = asyncio.ensure_future(over.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=1.0)  # its own clean-up (the body's budget given back)
+        if task.done() and not task.cancelled():
+            return task.result()  # answered (or refused) before the stop's time was over, or just as it was
+        raise ServerStopping()
+
+
+class _StopGuard:
+    """ASGI, outermost: a request that uvicorn cancels at the end of its graceful window (`Stop` leaves none, but a
+    stop of its own, a second Ctrl-C, may) is answered 503 when nothing was sent yet, and ends without a traceback:
+    uvicorn logs every exception an app raises, with its traceback, and answers it with a 500."""
+
+    def __init__(self, app: Any, stop: Stop) -> None:
+        self.app = app
+        self.stop = stop
+
+    def __getattr__(self, name: str) -> Any:  # the app's own attributes (FastAPI's `state`)
+        return getattr(self.app, name)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except asyncio.CancelledError:
+            if not self.stop.begun:
+                raise
+            if not started:
+                with suppress(Exception):
+                    await _error(503, ServerStopping().message, {"Retry-After": str(RETRY_AFTER_S)})(
+                        scope, receive, send)
+
+
+async def _in_thread(work: Callable[[], Any]) -> Any:
+    """`work()` in a worker thread; if the request is cancelled meanwhile (a stop), the thread is left to end on its
+    own rather than waited for."""
+    return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
 
 
 async def _read_body(request: Request, limit: int, held: _Held) -> list[bytes]:
     """The body's chunks, refused as soon as they pass `limit` bytes (declared or streamed), so a huge one is never
-    held, each chunk taken from the shared budget as it arrives; joined and decoded in a worker thread."""
+    held, each chunk taken from the shared budget as it arrives; joined and decoded in a worker thread. A declared
+    length that does not fit what others hold now is refused before a byte is read, but reserves nothing: a body
+    holds the budget with the bytes it sent, never with the bytes it promised."""
     declared = request.headers.get("content-length")
-    reserved = int(declared) if declared is not None and declared.isdigit() else 0
-    if reserved > limit:
-        raise RequestError(413, f"body of {reserved:,} bytes, more than this server's {limit:,}")
-    held.take(reserved, "this body")  # a declared body is reserved whole before a byte of it is read
+    promised = int(declared) if declared is not None and declared.isdigit() else 0
+    if promised > limit:
+        raise RequestError(413, f"body of {promised:,} bytes, more than this server's {limit:,}")
+    held.budget.check(promised, "this body")
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
                 raise RequestError(413, f"body of more than {limit:,} bytes, this server's limit")
-            if size > reserved:
-                held.take(min(len(chunk), size - reserved), "this body")
+            held.take(len(chunk), "this body")
             chunks.append(chunk)
     except ClientDisconnect:
         raise ClientGone() from None
@@ -180,10 +290,12 @@ class TokenGate:
 
 
 def create_app(source: PremiseIndex | PremiseServer | ServerHolder, limits: ServeLimits | None = None,
-               token: str | None = None, openapi: bool = False) -> Any:
+               token: str | None = None, openapi: bool = False, stop: Stop | None = None) -> Any:
     """The premise-selection API (see the package docstring) over an index, a server, or a holder whose server may
     be swapped (`leanagent.serve.follow`); run it with uvicorn or mount it. `token`: paths start with it.
-    `openapi`: serve /openapi.json (the schema of the endpoints).
+    `openapi`: serve /openapi.json (the schema of the endpoints). `stop`: begun when the server is told to stop
+    (`leanagent serve` begins it as uvicorn's graceful shutdown starts); requests still running when its time is
+    over get a 503.
 
     No route declares a parameter for FastAPI to validate: `/retrieve` reads and checks its body itself
     (`_read_body`, `parse_request`), so that a body is refused at its size limit and every refusal has one shape."""
@@ -196,6 +308,8 @@ def create_app(source: PremiseIndex | PremiseServer | ServerHolder, limits: Serv
                   openapi_url="/openapi.json" if openapi else None,
                   description="Lean's premise-selection protocol (premiseSelection.apiBaseUrl)")
     app.state.holder = holder
+    stop = stop or Stop()
+    stop.when_over(holder.abort)
     budget = app.state.bodies = BodyBudget(int(limits.bodies_mb * 2**20))
     # Decoding is Python work under the GIL: a few at once keep the cores busy; more would only slow the event
     # loop's turn (and /health's) without answering anyone sooner.
@@ -243,6 +357,9 @@ def create_app(source: PremiseIndex | PremiseServer | ServerHolder, limits: Serv
 
     @app.post("/retrieve")
     async def retrieve(request: Request) -> Response:
+        return await stop.race(_retrieve(request))
+
+    async def _retrieve(request: Request) -> Response:
         if not slots:
             slots.append(asyncio.Semaphore(max(2, os.cpu_count() or 2)))
         held = _Held(budget)
@@ -263,18 +380,18 @@ def create_app(source: PremiseIndex | PremiseServer | ServerHolder, limits: Serv
                         return parse_request(body, server.limits, decoding)
 
                     async with slots[0]:
-                        parsed = await run_in_threadpool(parse)
+                        parsed = await _in_thread(parse)
 
                     def answer() -> bytes:
                         ranked = server.retrieve(parsed, arrival)
                         # Scores come from unit vectors: finite, or a 500 rather than invalid JSON.
                         return json.dumps(ranked, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
-                    body = await run_in_threadpool(answer)
+                    body = await _in_thread(answer)
                     holder.answered()
                     return Response(body, media_type="application/json")
         finally:
             parsed = None  # the decoded body goes before its bytes are given back (and memory trimmed)
             held.release()
 
-    return TokenGate(app, token) if token else app
+    return _StopGuard(TokenGate(app, token) if token else app, stop)

@@ -9,6 +9,10 @@ arriving (read and checked, not yet handed over), so a lone client never waits. 
 ranked against the index together (`rank`: one product of all their states with the embeddings, which are read
 once per pass instead of once per request), each with its own mask and k, on the encoder's thread too (see
 `encode`).
+
+At a server's stop (`abort`), requests still waiting and the pass under way end at once with a 503
+(`ServerStopping`): a pass of many new premises is encoded `PART_TOKENS` at a time, the stop looked for between
+parts, so the thread ends within one part, not after every request it holds.
 """
 
 from __future__ import annotations
@@ -26,6 +30,26 @@ import torch
 
 from leanagent.index.query import PremiseIndex
 from leanagent.serve.cache import EmbeddingCache
+from leanagent.serve.schemas import ServerStopping
+
+# New premises a pass encodes between two looks for a stop: 16 premises at the index's usual 512 bytes (within a
+# second with the tiny encoder on a loaded 2-core CPU).
+PART_TOKENS = 8192
+
+
+def token_parts(texts: list[str], budget: int, max_len: int) -> list[list[str]]:
+    """`texts` in consecutive parts of at most `budget` tokens each (ByT5: a byte a token, cut at `max_len`); at
+    least one text a part, and one part (maybe empty) when they all fit."""
+    parts: list[list[str]] = [[]]
+    tokens = 0
+    for text in texts:
+        n = min(len(text.encode()), max_len)
+        if parts[-1] and tokens + n > budget:
+            parts.append([])
+            tokens = 0
+        parts[-1].append(text)
+        tokens += n
+    return parts
 
 
 @dataclass
@@ -64,6 +88,7 @@ class EncoderBatcher:
         self._arriving = 0
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._aborted = False
 
     def close(self, wait_s: float = 0.0) -> None:
         """End the encoder's thread once the requests it holds are answered (a server swapped out lets go of its
@@ -74,6 +99,17 @@ class EncoderBatcher:
             thread = self._thread
         if wait_s and thread is not None and thread is not threading.current_thread():
             thread.join(timeout=wait_s)
+
+    def abort(self) -> None:
+        """The server stops: every request waiting, and the one whose pass is under way (at its next part), ends with
+        `ServerStopping`; the thread then ends. Idempotent."""
+        with self._cond:
+            self._aborted = self._closed = True
+            waiting = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        for job in waiting:
+            job.future.set_exception(ServerStopping())
 
     @contextmanager
     def arriving(self) -> Iterator[Arrival]:
@@ -100,6 +136,8 @@ class EncoderBatcher:
             min(len(t.encode()), self.index.premise_max_len) for t in texts)
         job = _Job(state, texts, tokens, query, finish)
         with self._cond:
+            if self._aborted:
+                raise ServerStopping()
             if self._closed:
                 raise RuntimeError("this server was swapped out and closed")
             if self._thread is None:
@@ -159,7 +197,14 @@ class EncoderBatcher:
             found.update(hits)
             missing.extend(t for t in misses if t not in found)
         missing = list(dict.fromkeys(missing))
-        states, rows = self.index.encode_together([job.state for job in jobs], missing)
+        parts = token_parts(missing, min(self.token_budget, PART_TOKENS), self.index.premise_max_len)
+        states, first = self.index.encode_together([job.state for job in jobs], parts[0])
+        encoded = [first]
+        for part in parts[1:]:  # many new premises: a token budget at a time, the stop looked for between them
+            if self._aborted:
+                raise ServerStopping()
+            encoded.append(self.index.encode_together([], part)[1])
+        rows = torch.cat(encoded) if len(encoded) > 1 else first
         self.cache.store(missing, rows)
         found.update(zip(missing, rows, strict=True))
         self.passes += 1

@@ -74,6 +74,7 @@ class ServerHolder:
         self._lock = threading.Lock()
         self._current: PremiseServer | None = server
         self._users: dict[int, int] = {}
+        self._in_use: dict[int, PremiseServer] = {}  # servers with a request running (a swapped-out one among them)
         self.requests = 0  # retrievals answered, by whichever server (`answered`)
 
     @property
@@ -92,6 +93,7 @@ class ServerHolder:
         with self._lock:
             server = self.current
             self._users[id(server)] = self._users.get(id(server), 0) + 1
+            self._in_use[id(server)] = server
         try:
             yield server
         finally:
@@ -100,8 +102,17 @@ class ServerHolder:
                 done = not self._users[id(server)] and server is not self._current
                 if not self._users[id(server)]:
                     del self._users[id(server)]
+                    del self._in_use[id(server)]
             if done:
                 server.close()
+
+    def abort(self) -> None:
+        """The process stops: every server with requests running (and the current one) ends them with a 503 at
+        once (`PremiseServer.abort`)."""
+        with self._lock:
+            servers = [*self._in_use.values(), *([self._current] if self._current is not None else [])]
+        for server in servers:
+            server.abort()
 
     def release(self, wait_s: float) -> None:
         """Let go of the served stage when the server has stopped, its threads ended (up to `wait_s` each): its
@@ -128,6 +139,13 @@ def give_back_memory() -> None:
     `malloc_trim`): a swapped-out stage's model and embeddings are freed when its last request ends, but glibc keeps
     freed heap pages for the process unless told, so its resident memory would stay at the peak of the swap."""
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """The C allocator's free pages handed back to the system (glibc's `malloc_trim`), without a garbage collection
+    (which holds the interpreter's lock: 2 s on a loaded machine, every other thread waiting). A ctypes call lets
+    the lock go while it runs."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):  # not glibc (macOS): its allocator returns pages itself

@@ -5,9 +5,11 @@ run goes on (`follow.py`). The index is loaded and the app built before the sock
 meets a half-built server. The socket is bound here, not by uvicorn, so that `port=0` works and the announced URL
 names the real port. Connections are bounded (`protocol.py`): a request must arrive whole within
 `request_timeout_s`, and at most `max_connections` are open, within the process's descriptor limit (raised to
-its hard limit where it can be). SIGINT, SIGTERM and SIGHUP stop it gracefully (uvicorn's own handlers while it
-runs, ours around them), and the process exits 128 + the signal's number, as every leanagent command does,
-saying why it stopped and how many retrievals it answered.
+its hard limit where it can be, else the connections and the accept burst lowered to fit). SIGINT, SIGTERM and
+SIGHUP stop it gracefully (uvicorn's own handlers while it runs, ours around them): requests running get
+`STOP_ANSWERED_S` to be answered, then each one left a 503 (`app.Stop`), well within uvicorn's window, and the
+process exits 128 + the signal's number, as every leanagent command does, saying why it stopped and how many
+retrievals it answered.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import resource
 import signal
 import socket
@@ -24,6 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import uvicorn
 
 from leanagent.ground.names import AUTO
@@ -32,7 +36,7 @@ from leanagent.index.files import PremiseIndexError
 from leanagent.index.query import PremiseIndex
 from leanagent.run.manifest import ManifestUnreadableError
 from leanagent.serve.access import REDACTED, AccessError, RedactToken, is_loopback, require_token
-from leanagent.serve.app import create_app, returnable_large_allocations
+from leanagent.serve.app import Stop, create_app, returnable_large_allocations
 from leanagent.serve.follow import (
     DEFAULT_FOLLOW_S,
     ServerHolder,
@@ -49,9 +53,18 @@ from leanagent.serve.server import PremiseServer, StageInfo
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 23337
 GRACEFUL_SHUTDOWN_S = 10
+# Of uvicorn's window, the time requests running at a stop have to finish; those left then get a 503 (`Stop`), and
+# the rest of the window is for their answers to go out, so uvicorn never cancels one (a 500 and a traceback).
+STOP_ANSWERED_S = 5.0
 # At the stop, at most this long for a stage being loaded and for the encoder's thread, before the model is freed.
 RELEASE_WAIT_S = 10.0
-SPARE_DESCRIPTORS = 64  # beside the connections: the index's files, logs, the model's threads
+SPARE_DESCRIPTORS = 32  # beside the connections and those open at the start: a new stage's files, the manifest
+# Connections asyncio accepts in one go when the listening socket is ready (the `backlog` uvicorn passes it, also the
+# kernel's queue). Each holds a descriptor before it is counted, or refused, two turns of the event loop later, so
+# up to four such bursts are open beyond the connections counted: the descriptors must leave room for them.
+ACCEPT_BURST = 2048  # uvicorn's default backlog
+BURSTS_IN_FLIGHT = 4
+MIN_BURST = 8
 
 
 class ServeError(Exception):
@@ -79,16 +92,37 @@ def newest_stage(run_dir: Path) -> Stage:
 def lean_url(host: str, port: int, token: str | None = None) -> str:
     """The URL to give Lean (premiseSelection.apiBaseUrl): an address that listens on every interface is reached
     by this machine's name."""
-    shown = socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+    shown = machine_name() if host in ("0.0.0.0", "::", "") else host
     shown = f"[{shown}]" if ":" in shown else shown
     return f"http://{shown}:{port}" + (f"/{token}" if token else "")
 
 
-def descriptor_room(wanted: int, log: Callable[[str], None]) -> int:
-    """Connections the process can keep open: `wanted`, after raising the soft descriptor limit towards the hard one
-    if it must, or as many as the limit leaves (said once)."""
+def machine_name() -> str:
+    """The name other machines reach this one by: its fully qualified name, unless that is a loopback name (where
+    /etc/hosts maps the host's name to 127.0.0.1 beside `localhost`, `getfqdn` gives `localhost`), then its host
+    name, then its first address that is not loopback."""
+    for name in (socket.getfqdn(), socket.gethostname()):
+        if name and not _loopback_name(name):
+            return name
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family in (socket.AF_INET, socket.AF_INET6) and not is_loopback(address.address.split("%")[0]):
+                return address.address.split("%")[0]
+    return socket.gethostname() or "localhost"
+
+
+def _loopback_name(name: str) -> bool:
+    return name == "localhost" or name.startswith("localhost.") or name.endswith(".localhost") or is_loopback(name)
+
+
+def descriptor_room(wanted: int, log: Callable[[str], None]) -> tuple[int, int]:
+    """(connections, accept burst) the process can hold within its descriptor limit: `wanted` connections and
+    `ACCEPT_BURST`, after raising the soft limit towards the hard one if it must; or, where the limit is lower, a
+    burst and as many connections as it leaves (said once), so that the process never runs out of descriptors
+    ("Too many open files") however fast clients connect."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = wanted + SPARE_DESCRIPTORS
+    base = _open_descriptors() + SPARE_DESCRIPTORS
+    need = wanted + base + BURSTS_IN_FLIGHT * ACCEPT_BURST
     if soft != resource.RLIM_INFINITY and soft < need:
         target = need if hard == resource.RLIM_INFINITY else min(need, hard)
         try:
@@ -96,11 +130,26 @@ def descriptor_room(wanted: int, log: Callable[[str], None]) -> int:
             soft = target
         except (ValueError, OSError):
             pass
-    if soft != resource.RLIM_INFINITY and soft < need:
-        room = max(1, soft - SPARE_DESCRIPTORS)
-        log(f"warning: --max-connections {wanted}: the process may open {soft} files, so at most {room} connections")
-        return room
-    return wanted
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return wanted, ACCEPT_BURST
+    burst = (soft - base - wanted) // BURSTS_IN_FLIGHT  # every connection wanted, a smaller burst
+    if burst >= MIN_BURST:
+        return wanted, burst
+    burst = max(MIN_BURST, (soft - base) // (2 * BURSTS_IN_FLIGHT))  # else half the room for the bursts
+    room = max(1, soft - base - BURSTS_IN_FLIGHT * burst)
+    log(f"warning: --max-connections {wanted}: the process may open {soft} files, so at most {room} connections, "
+        f"{burst} accepted at once (raise `ulimit -n` for more)")
+    return min(room, wanted), burst
+
+
+def _open_descriptors() -> int:
+    """Descriptors open now (the index's files, the model's, logs, the listening socket)."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(folder))
+        except OSError:
+            continue
+    return 64  # no way to count them here: a margin
 
 
 class _Server(uvicorn.Server):
@@ -108,9 +157,14 @@ class _Server(uvicorn.Server):
     signal meets ours (`interrupt_on_signals`, an exception wherever the main thread is, uvicorn's imports
     included); after it, uvicorn's own handlers, which stop it gracefully."""
 
-    def __init__(self, config: uvicorn.Config, ready: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, ready: Callable[[], None], stop: Stop) -> None:
         super().__init__(config)
         self._ready = ready
+        self._stop = stop
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._stop.begin(STOP_ANSWERED_S)
+        await super().shutdown(sockets=sockets)
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         quiet_accept_errors(asyncio.get_running_loop())
@@ -174,8 +228,9 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
         holder = ServerHolder(load(stage.index if stage else source, stage))
     except PremiseIndexError as exc:
         raise ServeError(str(exc)) from None
-    app = create_app(holder, token=token, openapi=openapi)  # before listening: never a half-built server
-    connections = descriptor_room(limits.max_connections + limits.health_connections, log)
+    stop = Stop()
+    app = create_app(holder, token=token, openapi=openapi, stop=stop)  # before listening: never a half-built server
+    connections, burst = descriptor_room(limits.max_connections + limits.health_connections, log)
     try:
         sock = listen(host, port)
     except OSError as exc:
@@ -185,7 +240,7 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
     health = min(limits.health_connections, connections // 2)
     config = uvicorn.Config(app, http=bounded_protocol(limits.request_timeout_s, connections - health, health),
                             log_level="info" if access_log else "warning", access_log=access_log,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, backlog=burst,
                             # The app has no start-up or shut-down handlers. uvicorn's lifespan task catches every
                             # BaseException: a Ctrl-C landing in it during start-up was swallowed, and that server
                             # went on serving (seen once, found idle in its event loop hours later).
@@ -199,7 +254,7 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
     try:
         # Ours until uvicorn takes the signals over, and again after: it shuts down gracefully, then re-raises
         # the signal it got, which ours turns into Interrupted. A signal during start-up stops as cleanly.
-        with interrupt_on_signals(), _quiet_logs(token):
+        with interrupt_on_signals(), quiet_logs(token):
             _warn_beyond_loopback(bound_host, bound_port, token, log)
             where = f" ({REDACTED}: {token_source})" if token else ""
             banner = (f"serving {count} premises of {what} ({engine_line}) at {url}; in Lean: "
@@ -210,7 +265,7 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
                 if follower is not None:
                     follower.start()
 
-            _Server(config, ready).run(sockets=[sock])
+            _Server(config, ready, stop).run(sockets=[sock])
     except Interrupted as exc:
         code, reason = exc.exit_code, str(exc)
     finally:
@@ -222,20 +277,29 @@ def serve(source: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, d
     return code
 
 
+# The loggers a server's lines go through (uvicorn's, ours, asyncio's), and the root one, whose handlers print them.
+LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "leanagent", "leanagent.serve", "asyncio", "")
+
+
 @contextlib.contextmanager
-def _quiet_logs(token: str | None) -> Iterator[None]:
+def quiet_logs(token: str | None) -> Iterator[None]:
     """uvicorn's log as a shared server needs it: its per-request warnings (a malformed request, one a client can
-    send thousands of) at most once a minute each, and the token in no line (the access log has whole paths)."""
-    filters = [(logging.getLogger("uvicorn.error"), OncePerMinute())]
+    send thousands of) at most once a minute each, and the token in no line (the access log has whole paths): on
+    each logger and on each handler that prints, so a line from a logger below them is redacted too."""
+    filters: list[tuple[logging.Logger | logging.Handler, logging.Filter]] = [
+        (logging.getLogger("uvicorn.error"), OncePerMinute())]
     if token:
-        filters += [(logging.getLogger(name), RedactToken(token)) for name in ("uvicorn.access", "uvicorn.error")]
-    for logger, f in filters:
-        logger.addFilter(f)
+        redact = RedactToken(token)
+        loggers = [logging.getLogger(name) for name in LOGGERS]
+        handlers = {id(h): h for logger in loggers for h in logger.handlers}
+        filters += [(where, redact) for where in (*loggers, *handlers.values())]
+    for where, f in filters:
+        where.addFilter(f)
     try:
         yield
     finally:
-        for logger, f in filters:
-            logger.removeFilter(f)
+        for where, f in filters:
+            where.removeFilter(f)
 
 
 def _warn_beyond_loopback(host: str, port: int, token: str | None, log: Callable[[str], None]) -> None:

@@ -6,14 +6,19 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 
 class ServeLimits(BaseModel):
-    """What one request may ask and what the server holds; the defaults fit the Lean client's own (it sends up to
-    2048 new premises). Each is a `leanagent serve` flag of the same name."""
+    """What one request may ask and what the server holds. Each is a `leanagent serve` flag of the same name.
+
+    Why 64 new premises: each costs an encoder pass over up to 512 bytes, whatever the rest of the request. At
+    Lean's own 2,048 the heaviest legal request took 29 s of CPU with the demo's tiny encoder on a 2-core CPU
+    without AMX (CTranslate2 fp32, a loaded machine), against the 2 s a request may cost; 128 took 1.7-2.1 s, 64
+    about 1 s. Lean's client asks GET /max-new-premises and sends at most that many, so it needs no setting."""
 
     model_config = ConfigDict(extra="forbid")
 
     max_k: int = Field(1024, gt=0, description="a larger k is answered with this many premises")
-    max_new_premises: int = Field(2048, ge=0, description="new premises one request may send; what GET "
-                                                          "/max-new-premises returns")
+    max_new_premises: int = Field(64, ge=0, description="new premises one request may send (each an encoder pass "
+                                                        "of up to 512 bytes); what GET /max-new-premises returns, "
+                                                        "and Lean's client sends at most that many")
     max_name_chars: int = Field(1024, gt=0, description="a new premise's name, checked before any work on it")
     max_decl_chars: int = Field(100_000, gt=0, description="a new premise's declaration (the model reads its first "
                                                            "512 bytes)")
@@ -77,3 +82,11 @@ class RequestError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+class ServerStopping(RequestError):
+    """The server was told to stop (a signal) while this request waited or ran past the time left to finish it: a
+    503 to retry, never a 500."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "the server is stopping (it was told to): retry in a moment, once it is back")

@@ -21,10 +21,10 @@ from leanagent.data.lean_names import lean_name, module_name, name_key
 from leanagent.ground import model_identity
 from leanagent.index.query import PremiseIndex
 from leanagent.model.topk import top_k_accessible
-from leanagent.serve.batching import Arrival, EncoderBatcher
+from leanagent.serve.batching import PART_TOKENS, Arrival, EncoderBatcher, token_parts
 from leanagent.serve.cache import EmbeddingCache
 from leanagent.serve.parse import excerpt
-from leanagent.serve.schemas import RequestError, RetrieveRequest, ServeLimits
+from leanagent.serve.schemas import RequestError, RetrieveRequest, ServeLimits, ServerStopping
 
 
 class _Groups:
@@ -64,6 +64,7 @@ class PremiseServer:
         self.stage = stage
         self.limits = limits or ServeLimits()
         self._encoder = threading.Lock()
+        self._stopping = threading.Event()
         self._cache = EmbeddingCache(int(self.limits.cache_mb * 2**20))
         self._stats = threading.Lock()
         # Batched (the default): one thread runs the encoder for every request (see batching.py); unbatched:
@@ -135,6 +136,8 @@ class PremiseServer:
             self.requests += 1
         if self.batcher is None:
             with self._encoder:
+                if self._stopping.is_set():
+                    raise ServerStopping()
                 state = self.index.encode_state(request.state)
                 new_rows = self._embed(texts)
                 [indexed] = self._top_indexed(state, [(mask, k)])
@@ -174,7 +177,12 @@ class PremiseServer:
             return emb.new_empty((0, emb.shape[1]))
         found, missing = self._cache.lookup(texts)
         if missing:
-            rows = self.index.encode_premises(missing)
+            parts = []
+            for part in token_parts(missing, PART_TOKENS, self.index.premise_max_len):
+                if self._stopping.is_set():  # many new premises: a token budget at a time, the stop looked for
+                    raise ServerStopping()
+                parts.append(self.index.encode_premises(part))
+            rows = torch.cat(parts) if len(parts) > 1 else parts[0]
             self._cache.store(missing, rows)
             found.update(zip(missing, rows, strict=True))
         return torch.stack([found[t] for t in texts])
@@ -222,6 +230,13 @@ class PremiseServer:
                 "engine": self.index.engine, "dtype": self.index.dtype, "scoring": self.index.scoring,
                 "warnings": len(self.index.warnings)}
 
+    def abort(self) -> None:
+        """The process stops: requests waiting for the encoder, or in its pass, end with a 503 (`ServerStopping`)
+        within one part of a pass (`token_parts`), and the encoder's thread ends."""
+        self._stopping.set()
+        if self.batcher is not None:
+            self.batcher.abort()
+
     def close(self, wait_s: float = 0.0) -> None:
         """Stop the encoder's thread (waiting up to `wait_s` for it); what holds the index (the model, the
         embeddings) goes with this server."""
@@ -234,13 +249,15 @@ def _positions(values: list[int | str], count: int, position_of: Callable[[str],
     """Positions in the list GET `endpoint` returns, each value given as a position or as a name (a premise's as
     Lean writes it, with or without `«»`): the first unknown name or bad position refused, naming it."""
     if any(isinstance(v, str) for v in values):
-        resolved = []
+        resolved, known = [], {}  # each distinct name looked up once: a list may repeat one a million times
         for i, v in enumerate(values):
             if isinstance(v, str):
-                position = position_of(v)
+                position = known.get(v)
                 if position is None:
-                    raise RequestError(422, f"{field_name}[{i}]: {excerpt(v)} is not a {what} name in GET "
-                                            f"{endpoint}")
+                    position = known[v] = position_of(v)
+                    if position is None:
+                        raise RequestError(422, f"{field_name}[{i}]: {excerpt(v)} is not a {what} name in GET "
+                                                f"{endpoint}")
                 v = position
             resolved.append(v)
         values = resolved

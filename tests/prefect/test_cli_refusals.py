@@ -105,6 +105,25 @@ def test_a_run_dir_in_use_is_refused_in_one_line_naming_the_holder(demo_assets, 
     assert run.stderr.count("\n") == 1 and _flow_runs() == runs
 
 
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_run_dir_that_is_no_folder_is_refused_in_one_line_before_prefect(where, demo_assets, write_cpu_config,
+                                                                           tmp_path):
+    """README promises one line for a bad run_dir; it was a `NotADirectoryError` traceback from the run's lock."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a user's file")
+    run_dir = notes if where == "a file" else notes / "run"
+    config = write_cpu_config(tmp_path / "config.yaml", run_dir, demo_assets.repos[:1])
+    runs = _flow_runs()
+    run = _command("run", "--config", str(config))
+    expected = (f"error: run_dir {notes} exists and is not a folder; nothing was overwritten" if where == "a file"
+                else f"error: run_dir {run_dir}: its parent {notes} is not a folder")
+    assert run.returncode == 1 and run.stderr == expected + "\n" and run.stdout == "", run.stderr
+    assert _flow_runs() == runs and notes.read_text() == "a user's file"
+    state = lifelong_retrieval(config_path=str(config), return_state=True)  # a deployment's run: the same line
+    assert state.is_failed() and state.name == REFUSED and state.message == expected.removeprefix("error: ")
+    assert notes.read_text() == "a user's file"
+
+
 def test_bad_input_answers_before_prefect_starts(demo_assets, write_cpu_config, tmp_path):
     """No server configured: the temporary server would be the slow part, and a bad input must not start it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}

@@ -7,6 +7,7 @@ embeddings, a plain dot product, a sort), not from the server's code path.
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ import psutil
 import pytest
 import uvicorn
 
+from leanagent.bench.attacks import measured
 from leanagent.data.corpus import serialize_premise
 from leanagent.data.synthetic import write_demo_repos
 from leanagent.index.build import build_index
@@ -52,10 +54,10 @@ NEW_CLIENT = ('{"state":"x y n m : Nat\\n⊢ Eq (HAdd.hAdd (glend 0) (blix (quon
 class LiveServer:
     """uvicorn in a thread on a socket bound to 127.0.0.1:0 (no port race), stopped as Ctrl-C would stop it."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, access_log: bool = False) -> None:
         self.sock = listen("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))  # logs reach caplog
+        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=access_log))  # logs reach caplog
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:
@@ -116,14 +118,18 @@ LONG = 60  # seconds a test waits at most for what a server does at once: genero
 
 
 @contextmanager
-def serving(source: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`leanagent serve SOURCE ARGS --port 0` as a user runs it; (its URL, the process), stopped with SIGINT."""
+def serving(source: Path, *args: str, env: dict[str, str] | None = None,
+            nofile: int | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`leanagent serve SOURCE ARGS --port 0` as a user runs it; (its URL, the process), stopped with SIGINT.
+    `nofile`: its limit of open files, soft and hard (`ulimit -n`)."""
     # PYTHONFAULTHANDLER: a server that does not stop is sent SIGABRT, which then prints every thread's stack.
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT), "PYTHONFAULTHANDLER": "1",
                 **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "leanagent.cli", "serve", str(source), "--port", "0", *args],
                             stderr=subprocess.PIPE, text=True, env=full_env, cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE if "--access-log" in args else None)  # uvicorn's access log
+                            stdout=subprocess.PIPE if "--access-log" in args else None,  # uvicorn's access log
+                            preexec_fn=None if nofile is None else lambda: resource.setrlimit(
+                                resource.RLIMIT_NOFILE, (nofile, nofile)))
     try:
         lines = []
         while True:
@@ -145,6 +151,18 @@ def serving(source: Path, *args: str, env: dict[str, str] | None = None) -> Iter
                 said = proc.stderr.read()
                 pytest.fail(f"`leanagent serve` still ran {LONG} s after SIGINT; its stderr after the banner, "
                             f"with every thread's stack:\n{said[-6000:]}")
+
+
+def command_alone(argv: list[str], tmp_path: Path) -> tuple[int, bool, str, int]:
+    """`leanagent ARGV` in a process of its own: its exit code, whether it imported torch, its stderr and its peak
+    resident memory in bytes (measured from a small process: see `leanagent.bench.attacks.PEAK`)."""
+    said = tmp_path / "command.said"
+    probe = ("import sys\nfrom leanagent.cli.main import main\n"
+             f"try:\n    main({argv!r})\nexcept SystemExit as exc:\n"
+             f"    open({str(said)!r}, 'w').write(f\"{{exc.code}} {{'torch' in sys.modules}}\")\n")
+    done = measured([sys.executable, "-c", probe], tmp_path, {"PYTHONPATH": str(REPO_ROOT)})
+    code, torch_loaded = said.read_text().split()
+    return int(code), torch_loaded == "True", done.err, int(done.peak_mb * 2**20)
 
 
 def stall(port: int) -> socket.socket:

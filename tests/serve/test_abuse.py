@@ -17,6 +17,7 @@ import psutil
 import pytest
 import torch
 
+from leanagent.serve import ServeLimits
 from leanagent.serve.cache import ENTRY_OVERHEAD, EmbeddingCache
 
 from .conftest import LONG, OLD_CLIENT, STATE, peak_rss, post, serving, until
@@ -88,13 +89,13 @@ def test_a_million_wrong_entries_are_one_error_and_no_gigabytes(built) -> None:
 
 def test_bodies_past_the_shared_budget_get_503_and_health_is_answered(built) -> None:
     """Four 60 MB bodies at once took 4.8 GB and stalled /health for 24 s: nothing bounded the bodies held at once.
-    Here a body held half-sent keeps its bytes reserved; the next one that would pass --bodies-mb is a 503."""
+    Here a body held half-sent keeps the bytes it sent reserved; the next one that would pass --bodies-mb is a 503."""
     with serving(built["root"] / "index", "--bodies-mb", "2") as (url, proc):
         port = int(url.rsplit(":", 1)[1])
         body = json.dumps({"state": STATE, "k": 3, "pad": "x" * 400_000}).encode()
-        slow = _raw(port, _headers(len(body)) + body[:300_000])  # reserved whole as declared: 0.4 MB of the 2
-        until(lambda: httpx.get(f"{url}/health", timeout=LONG).json()["bodies_mb"] >= 0.3)
-        refused = _reply(_raw(port, _headers(1_700_000)))  # its headers alone: refused before its body is read
+        slow = _raw(port, _headers(len(body)) + body[:300_000])  # the 0.29 MB it sent, of the 2
+        until(lambda: httpx.get(f"{url}/health", timeout=LONG).json()["bodies_mb"] >= 0.25)
+        refused = _reply(_raw(port, _headers(1_900_000)))  # its headers alone: refused before its body is read
         assert refused.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in refused.lower()
         assert b"--bodies-mb 2" in refused
         assert httpx.get(f"{url}/health", timeout=LONG).status_code == 200
@@ -105,6 +106,20 @@ def test_bodies_past_the_shared_budget_get_503_and_health_is_answered(built) -> 
         # A body that could never fit the budget, even alone, is a 413: retrying would not help.
         never = post(url, json.dumps({"state": STATE, "pad": "x" * 1_000_000}))
         assert never.status_code == 413 and "--bodies-mb" in never.json()["error"]
+
+
+def test_sockets_that_declare_bodies_and_send_little_hold_only_what_they_sent(built) -> None:
+    """16 sockets that each declared Content-Length 16777216 and sent nothing held the default 256 MB budget: every
+    legitimate request got 503 until they timed out, and reconnecting kept it so. A body holds what it sent."""
+    with serving(built["root"] / "index", "--request-timeout-s", "600") as (url, proc):  # held all along
+        port = int(url.rsplit(":", 1)[1])
+        held = [_raw(port, _headers(16 << 20) + b'{"state": "' + b"s" * 8181) for _ in range(16)]  # 8 KiB each
+        until(lambda: httpx.get(f"{url}/health", timeout=LONG).json()["bodies_mb"] >= 0.1)  # all 16 being read
+        statuses = [post(url, OLD_CLIENT).status_code for _ in range(20)]
+        assert httpx.get(f"{url}/health", timeout=LONG).json()["bodies_mb"] == 0.1
+        for conn in held:
+            conn.close()
+    assert statuses == [200] * 20
 
 
 def test_clients_that_hang_up_mid_body_are_one_line_and_no_traceback(built) -> None:
@@ -142,6 +157,44 @@ def test_sighup_ends_the_server_as_sigterm_does(built, in_flight) -> None:
         assert proc.wait(timeout=LONG) == 128 + signal.SIGHUP
         log = proc.stderr.read()
     assert "stopped (SIGHUP)" in log and "Traceback" not in log, log
+
+
+def _heaviest(premises: int = ServeLimits().max_new_premises, decl_chars: int = 600) -> bytes:
+    """As many new premises as a request may send, each longer than the encoder reads: its most encoder work."""
+    new = [{"name": f"Heavy.p{i}", "decl": f"theorem Heavy.p{i} : " + "a + b = b + a ∧ " * (decl_chars // 16)}
+           for i in range(premises)]
+    return json.dumps({"state": STATE, "k": 5, "new_premises": new}).encode()
+
+
+@pytest.mark.parametrize("sig, heavy", [(signal.SIGTERM, True), (signal.SIGINT, False), (signal.SIGHUP, False)])
+def test_a_stop_answers_or_refuses_every_request_in_flight_in_time_without_a_traceback(built, sig, heavy) -> None:
+    """A signal with 3 of the heaviest requests in flight on a loaded machine gave 3 x 500, 6 tracebacks
+    (`CancelledError: timeout graceful shutdown exceeded`) and an exit after 60 s: uvicorn cancelled what outlasted
+    its window. Now what is still running when the stop's time is over is a 503 (a body that never arrives whole
+    always is), the encoder drops its work, and the exit code is 128 + N."""
+    replies: list[bytes] = []
+    with serving(built["root"] / "index", "--request-timeout-s", "600") as (url, proc):
+        port = int(url.rsplit(":", 1)[1])
+        body = json.dumps({"state": STATE, "k": 3, "pad": "x" * 300_000}).encode()
+        stalled = _raw(port, _headers(len(body)) + body[:200_000])  # never sent whole: in flight to the end
+        until(lambda: httpx.get(f"{url}/health", timeout=LONG).json()["bodies_mb"] >= 0.15)
+        threads = []
+        if heavy:
+            heaviest = _heaviest()
+            conns = [_raw(port, _headers(len(heaviest)) + heaviest) for _ in range(3)]
+            threads = [threading.Thread(target=lambda c=c: replies.append(_reply(c))) for c in conns]
+            for t in threads:
+                t.start()
+            until(lambda: httpx.get(f"{url}/health", timeout=LONG).json()["requests"] == 3)  # handed to the encoder
+        proc.send_signal(sig)
+        refused = _reply(stalled)
+        assert proc.wait(timeout=LONG) == 128 + sig
+        for t in threads:
+            t.join(timeout=LONG)
+        log = proc.stderr.read()
+    assert refused.startswith(b"HTTP/1.1 503 ") and b"the server is stopping" in refused, refused[:300]
+    assert all(r.startswith((b"HTTP/1.1 200 ", b"HTTP/1.1 503 ")) for r in replies) and len(replies) == 3 * heavy
+    assert "Traceback" not in log and "graceful shutdown exceeded" not in log and f"stopped ({sig.name})" in log, log
 
 
 def test_the_cache_holds_what_it_counts(built) -> None:

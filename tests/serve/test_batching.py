@@ -10,11 +10,15 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from leanagent.data.corpus import serialize_premise
 from leanagent.serve import PremiseServer, RetrieveRequest, ServeLimits, create_app
+from leanagent.serve.batching import token_parts
+from leanagent.serve.schemas import ServerStopping
 
-from .conftest import LiveServer
+from .conftest import LONG, LiveServer
 
 
 def _bodies(built) -> list[dict]:
@@ -90,3 +94,29 @@ def test_a_pass_ranked_together_equals_each_request_ranked_alone(built) -> None:
     for mine, theirs in zip(together, alone, strict=True):
         assert [name for _, name in mine] == [name for _, name in theirs]
         assert [s for s, _ in mine] == pytest.approx([s for s, _ in theirs], abs=1e-6)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.text(max_size=40), max_size=30), st.integers(1, 64), st.integers(1, 32))
+def test_token_parts_keep_the_order_and_each_part_within_its_budget(texts, budget, max_len) -> None:
+    """A pass of many new premises is encoded a part at a time, the server's stop looked for between parts: the parts
+    are the texts in order, each within the budget unless one text alone is over it."""
+    parts = token_parts(texts, budget, max_len)
+    assert [t for part in parts for t in part] == texts and parts and all(parts[1:])
+    for part in parts:
+        tokens = sum(min(len(t.encode()), max_len) for t in part)
+        assert tokens <= budget or len(part) == 1
+
+
+def test_an_aborted_encoder_answers_what_waits_and_what_comes_with_a_503(built) -> None:
+    """At a stop the encoder's thread ended after every request it held: with the heaviest requests queued, the
+    process exited a minute after the signal. Aborted, each request waiting or still to come is a 503 at once."""
+    server = PremiseServer(built["index"], ServeLimits())
+    server.abort()
+    with pytest.raises(ServerStopping):
+        server.retrieve(RetrieveRequest(state="x", k=3, new_premises=[{"name": "A.b", "decl": "theorem A.b : True"}]))
+    server.close(wait_s=LONG)
+    plain = PremiseServer(built["index"], ServeLimits(batching=False))
+    plain.abort()
+    with pytest.raises(ServerStopping):
+        plain.retrieve(RetrieveRequest(state="x", k=3))

@@ -103,3 +103,45 @@ def test_serve_refuses_a_stale_index_and_serves_it_with_force(stale_index) -> No
     assert warning.startswith("warning: ") and "used anyway (--force)" in warning, warning
     assert serving.startswith("serving "), serving
     assert rc == 128 + signal.SIGTERM
+
+
+@pytest.mark.parametrize("what", ["missing", "file", "empty"])
+def test_serve_of_a_run_that_is_not_there_is_one_line_before_torch(tmp_path, what) -> None:
+    """`serve runs/NAME` for a run that does not exist spoke of an index folder, 48 s later (torch imported first)."""
+    source = tmp_path / "runs" / "NAME"
+    if what == "file":
+        source.parent.mkdir()
+        source.write_text("x")
+    elif what == "empty":
+        source.mkdir(parents=True)
+    probe = ("import sys\nfrom leanagent.cli.main import main\n"
+             f"try:\n    main(['serve', {str(source)!r}])\n"
+             "except SystemExit as exc:\n    print(exc.code, 'torch' in sys.modules, 'uvicorn' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.stdout.split() == ["1", "False", "False"], (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"error: {source}: "), done.stderr
+    assert "run" in done.stderr and "RUN_DIR" in done.stderr
+
+
+def test_index_on_a_full_disk_is_one_line_and_leaves_no_file_of_it(built, tmp_path) -> None:
+    """`leanagent index` on a full disk was a traceback (Errno 28). Now one line, and the files written before the
+    disk filled are removed: nothing half-written is there to look like an index."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    pages = -(-(built["root"] / "index" / "embeddings.safetensors").stat().st_size // 4096)
+    size = f"size={4 * (pages + 1)}k"  # room for the embeddings and a page more: the next file fills it
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("needs to mount a small tmpfs (root, CAP_SYS_ADMIN) to fill a disk")
+    try:
+        done = subprocess.run([sys.executable, "-m", "leanagent.cli", "index", "--model", str(built["root"] / "model"),
+                               "--dataset", str(built["repo"]), "--out", str(disk / "index")], capture_output=True,
+                              text=True, cwd=REPO_ROOT, timeout=300,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)})
+        left = sorted(p.name for p in (disk / "index").iterdir())
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr == (f"error: {disk / 'index'}: the index cannot be written (No space left on device); none "
+                           f"of its files was left there\n")
+    assert left == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 
 from leanagent.serve import PremiseServer, RetrieveRequest, ServeLimits, create_app
 from leanagent.serve.cache import EmbeddingCache
+from leanagent.serve.process import machine_name
 
 from .conftest import (
     LONG,
@@ -27,6 +29,7 @@ from .conftest import (
     REPO_ROOT,
     STATE,
     LiveServer,
+    command_alone,
     open_connections,
     peak_rss,
     post,
@@ -86,6 +89,32 @@ def test_connections_beyond_the_limit_are_closed_at_once(built) -> None:
             time.sleep(0.1)
 
 
+def test_a_low_descriptor_limit_lowers_the_connections_and_is_never_run_out_of(built) -> None:
+    """With `ulimit -n 256` the connections were lowered with a warning, yet "[Errno 24] Too many open files" was
+    logged: asyncio accepts up to the listen backlog (uvicorn's 2,048) in one go, before any is counted. The burst
+    is lowered with the limit, so 400 sockets at once are counted or refused, never past the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1024:  # this process holds 400 sockets at once
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 1024), hard))
+    with serving(built["root"] / "index", nofile=256) as (url, proc):
+        assert "the process may open 256 files, so at most " in proc.banner, proc.banner
+        room = int(proc.banner.split("so at most ", 1)[1].split()[0])  # with the 8 kept for /health
+        port = int(url.rsplit(":", 1)[1])
+        stalled = []
+        for _ in range(400):
+            try:
+                stalled.append(stall(port))
+            except OSError:  # refused (reset) beyond the limit, or the kernel's queue full: a client's retry
+                pass
+        until(lambda: open_connections(proc.pid, port) >= room - 8)  # every slot taken, the rest refused
+        for conn in stalled:
+            conn.close()
+        until(lambda: post(url, OLD_CLIENT).status_code == 200)
+        proc.send_signal(signal.SIGINT)
+        log = proc.stderr.read()
+    assert "Too many open files" not in log and "Errno 24" not in log and "Traceback" not in log, log
+
+
 def test_while_stalled_sockets_hold_every_slot_health_is_answered_and_nothing_else(built) -> None:
     """1,024 stalled sockets once held every slot and a normal GET /health was reset. Connections beyond
     --max-connections are kept for /health alone: answered and closed; any other path a 503 to retry."""
@@ -114,12 +143,12 @@ def test_a_large_body_and_too_many_positions_are_refused_as_they_are_read(built)
         tiny = b'{"name":"a","decl":"b"},'
         body = b'{"state":"s","new_premises":[' + tiny * 2_600_000 + b'{"name":"a","decl":"b"}]}'
         answer = post(url, body)
-        assert answer.status_code == 413 and "a body of more than 9,256 JSON values" in answer.json()["error"]
+        assert answer.status_code == 413 and "a body of more than 1,320 JSON values" in answer.json()["error"]
         # Twelve million names in a module list, 60 MB: the same (it was parsed and validated whole: 1.6 GB).
         names = b'{"state":"s","imported_modules":[' + b'"a",' * 12_000_000 + b'"a"]}'
         assert post(url, names).status_code == 413
-        many = post(url, json.dumps({"state": "s", "local_premises": [0] * 5000}))
-        assert many.status_code == 413 and "5,000 premises and modules named, more than this server's 1,000" in \
+        many = post(url, json.dumps({"state": "s", "local_premises": [0] * 1200}))
+        assert many.status_code == 413 and "1,200 premises and modules named, more than this server's 1,000" in \
             many.json()["error"]
         # The body's bytes are held while read, never millions of objects: far from the 2.46 GB they took.
         assert peak_rss(proc.pid) - before < 600 * 2**20
@@ -165,9 +194,16 @@ def test_a_token_in_the_path_is_required_and_lean_is_told_the_url(built, tmp_pat
             assert token not in refused.text
         assert post(url, OLD_CLIENT).status_code == 200
         assert httpx.get(f"{url}/indexed-modules", timeout=LONG).json()[0] == "Core.Basic"
+        # Percent-encoded, it is the token still; cut short by a character, it is not: neither is logged as sent.
+        encoded = "".join(f"%{ord(c):02X}" for c in token)
+        assert httpx.get(f"{base}/{encoded}/health", timeout=LONG).status_code == 200
+        assert httpx.get(f"{base}/{token[:-1]}/health", timeout=LONG).status_code == 404
         proc.send_signal(signal.SIGINT)
         log = proc.stderr.read() + proc.stdout.read()
-    assert '"POST /TOKEN/retrieve HTTP/1.1" 200' in log and token not in log, log  # the access log, redacted
+    assert '"POST /TOKEN/retrieve HTTP/1.1" 200' in log and '"GET /TOKEN/health HTTP/1.1" 200' in log, log
+    assert '"GET /WRONG-TOKEN/health HTTP/1.1" 404' in log, log  # the access log, redacted
+    assert token[:16] not in log and token[-16:] not in log and encoded[:24] not in log, log
+    assert "Traceback" not in log and "Logging error" not in log, log  # uvicorn's formatter reads the arguments
 
 
 def test_no_response_names_a_path_and_the_schema_is_off_unless_asked(built) -> None:
@@ -192,7 +228,9 @@ def test_every_interface_needs_a_token_or_says_it_serves_anyone(built, tmp_path)
     assert "needs an access token" in refused.stderr and "--insecure-no-token" in refused.stderr
     with serving(built["root"] / "index", "--host", "0.0.0.0", "--insecure-no-token") as (url, proc):
         assert "warning: listening on every network interface without a token" in proc.banner
-        assert "0.0.0.0" not in url and url.startswith(f"http://{socket.getfqdn()}:")
+        # The server's machine by name: not 0.0.0.0, and not `localhost` where getfqdn() says so (a host whose
+        # /etc/hosts maps its name to 127.0.0.1 beside localhost: then its host name).
+        assert url.startswith(f"http://{machine_name()}:") and "0.0.0.0" not in url and "localhost" not in url
     with serving(built["root"] / "index", "--host", "0.0.0.0", "--token-file", str(tmp_path / "t")) as (url, proc):
         assert "with a token in the URL's path" in proc.banner
 
@@ -212,6 +250,21 @@ def test_a_weak_token_or_a_token_file_others_can_read_is_refused(built, tmp_path
                              cwd=REPO_ROOT, timeout=LONG, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1 and match in refused.stderr, refused.stderr
     assert content.strip() not in refused.stderr or len(content.strip()) < 2
+
+
+def test_a_token_file_of_a_gigabyte_is_refused_unread(built, tmp_path) -> None:
+    """A 1 GiB sparse token file (mode 600) was read whole: 2,086 MB of memory. Now refused from its size."""
+    big = tmp_path / "token"
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)
+    big.chmod(0o600)
+    code, torch_loaded, err, peak = command_alone(["serve", str(built["root"] / "index"), "--token-file", str(big)],
+                                                  tmp_path)
+    assert code == 1 and not torch_loaded and err.count("\n") == 1, err
+    assert err.startswith(f"error: --token-file {big}: 1.1 GB, more than a token file ever holds (4.1 KB)"), err
+    big.chmod(0o644)  # refused before it is opened: the memory of a refusal
+    idle = command_alone(["serve", str(built["root"] / "index"), "--token-file", str(big)], tmp_path)
+    assert idle[0] == 1 and "readable by others" in idle[2] and peak - idle[3] < 100 * 2**20, (peak, idle)
 
 
 def test_sigint_ends_the_server_with_130(built) -> None:

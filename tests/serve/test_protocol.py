@@ -60,7 +60,7 @@ def test_indexed_lists_are_stable_and_named_as_lean_names(live, built) -> None:
     assert premises == [p["full_name"] for p in index.premises] and len(premises) == 38
     assert httpx.get(f"{live.url}/indexed-modules").json() == modules  # the same order every time
     assert httpx.get(f"{live.url}/indexed-premises").json() == premises
-    assert httpx.get(f"{live.url}/max-new-premises").text == "2048"
+    assert httpx.get(f"{live.url}/max-new-premises").text == "64"
     health = httpx.get(f"{live.url}/health").json()
     assert health["status"] == "ok" and health["premises"] == 38 and health["modules"] == 4
 

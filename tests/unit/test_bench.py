@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from prefect.settings import PREFECT_API_URL
 
+from leanagent.bench.abuse import AbuseFigures, AttackRow
 from leanagent.bench.results import (
     BenchResult,
     FisherFigures,
@@ -39,6 +40,9 @@ JSON_KEYS = {"corpus_load_s", "corpus_order_padding_fraction", "corpus_rss_mb", 
              "fisher_s_per_example", "model", "num_files", "num_premises", "num_train_examples", "params",
              "retrieval_leanagent_style_ms_per_context", "retrieval_ms_per_context",
              "retrieval_same_as_leanagent_style", "retrieval_speedup", "retrieval_width", "threads",
+             "retrieval_scoring_path", "retrieval_mask_ms_per_context", "retrieval_product_ms_per_context",
+             "retrieval_selection_ms_per_context", "retrieval_rows", "retrieval_rows_candidates",
+             "retrieval_rows_ties", "cpu", "cpu_flags",
              "tokenize_premises_per_s", "torch", "train_examples_per_s", "train_max_len", "train_model",
              "train_s_per_example", "train_step_batches", "train_step_examples", "train_step_layers",
              "train_step_loss_rel_diff", "train_step_max_len", "train_step_padded_examples_per_s",
@@ -65,6 +69,10 @@ def test_bench_writes_every_figure(tmp_path, capsys):
         assert isinstance(results[key], float) and math.isfinite(results[key]) and results[key] >= 0, key
     assert results["num_premises"] > 0 and results["device"] == "cpu"
     assert results["retrieval_same_as_leanagent_style"] is True
+    assert results["retrieval_rows_candidates"] + results["retrieval_rows_ties"] == results["retrieval_rows"] > 0
+    for part in ("mask", "product", "selection"):
+        assert results[f"retrieval_{part}_ms_per_context"] > 0, part
+    assert results["cpu"] and results["cpu_flags"]
     assert results["train_max_len"] == results["train_step_max_len"] == 1024  # LeanAgent's data.max_seq_len
     # Sorting processes fewer padding tokens and computes the same loss (fp32, dropout off).
     assert results["train_token_efficiency_sorted"] > results["train_token_efficiency_padded"]
@@ -72,6 +80,7 @@ def test_bench_writes_every_figure(tmp_path, capsys):
     assert "compile_s" not in results and "train_step_compiled_examples_per_s" not in results
     out = capsys.readouterr().out
     assert "negatives + collate" in out and "retrieval scores equal LeanAgent's search" in out
+    assert "its selection alone" in out and "rows with a tie past the candidates" in out
     assert "sorted + one mask" in out and "token eff." in out
 
 
@@ -305,13 +314,31 @@ def test_the_abuse_section_replays_attacks_on_real_servers(tmp_path):
     """`bench abuse --size small`, on three attacks of each kind (a request, a followed run, a refused start): every
     row judged, none failing, the table printed with each attack."""
     figures = _bench(["abuse", "--size", "small", "--attacks", "huge-integer", "manifest-shapes", "no-token",
-                      "--work", str(tmp_path / "work")], tmp_path / "abuse.json")
+                      "big-token", "--work", str(tmp_path / "work")], tmp_path / "abuse.json")
     rows = {row["attack"]: row for row in figures["rows"]}
-    assert set(rows) == {"huge-integer", "manifest-shapes", "no-token"} and figures["failed"] == []
+    assert set(rows) == {"huge-integer", "manifest-shapes", "no-token", "big-token"} and figures["failed"] == []
     assert rows["huge-integer"]["statuses"] == {"422": 2} and rows["huge-integer"]["cpu_s"] is not None
     assert rows["no-token"]["statuses"] == {"exit 1": 1}
+    assert rows["big-token"]["statuses"] == {"exit 1": 1} and "more than a token file ever holds" in \
+        rows["big-token"]["note"] and rows["big-token"]["problems"] == []
     assert "the stage written after: served" in rows["manifest-shapes"]["note"]
     assert rows["manifest-shapes"]["health_worst_s"] is not None and rows["manifest-shapes"]["peak_rss_mb"] > 0
+
+
+def test_a_failed_row_fails_the_abuse_section_and_one_not_run_does_not():
+    """`bench abuse` exited 0 when rows of its table said FAIL: each row's own bar and the common ones make its
+    verdict, and `failures` (what makes the command exit 1) lists every failed row but those not run."""
+    def row(name: str, **kw) -> AttackRow:
+        base = {"statuses": {"200": 1}, "requests": 1, "cpu_s": 0.1, "cpu_s_per_request": 0.1, "idle_rss_mb": 400,
+                "peak_rss_mb": 410, "health_worst_s": 0.1, "health_failures": 0}
+        r = AttackRow(name, "bar", "what", **{**base, **kw})
+        r.verdict = r.judge()
+        return r
+    figures = AbuseFigures("small", [row("fine"), row("slow", cpu_s_per_request=2.5), row("own", problems=["x"]),
+                                     row("five", statuses={"500": 1}), row("stuck", health_worst_s=3.0)])
+    figures.rows.append(AttackRow("root", "bar", "what", {"not run": 1}, 0, verdict="not run: needs root"))
+    assert [r.verdict for r in figures.rows[:5]] == ["ok", "FAIL: CPU", "FAIL: x", "FAIL: a 5xx", "FAIL: /health"]
+    assert figures.failures() == ["slow", "own", "five", "stuck"]
 
 
 def test_the_precision_section_times_each_precision_and_names_the_cpu(tmp_path, capsys):

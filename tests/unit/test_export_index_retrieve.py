@@ -311,7 +311,7 @@ def test_cli_index_then_retrieve_json(trained, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["retrieve", "{root}/missing", "--state", "x"], "missing: no such index folder"),
+    (["retrieve", "{root}/missing", "--state", "x"], "missing: no such run or index"),
     (["retrieve", "{index}", "--state", "x", "--file", "Nope.lean", "--line", "1"], "--file Nope.lean"),
     (["retrieve", "{index}", "--state", "x", "--file", "{path}", "--line", "0"], "--line 0: lines start at 1"),
     (["retrieve", "{index}", "--state", "x", "--file", "{path}"], "--file and --line go together"),

@@ -106,6 +106,27 @@ def test_status_and_cancel_of_a_run_with_nothing_queued_say_so(tmp_path, capsys)
         assert info.value.code == 0 and capsys.readouterr().out == expected + "\n"
 
 
+@pytest.mark.parametrize("command", ["status", "cancel"])
+def test_status_and_cancel_of_a_path_that_is_no_run_say_so_and_exit_1(command, tmp_path, capsys):
+    """"nothing queued" would tell a user with a typo in the path that the run is idle."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "manifest-only").mkdir()
+    (tmp_path / "manifest-only" / "manifest.json").write_text("{}")  # a run before its first job: one all the same
+    for path, expected in ((tmp_path / "missing", "no such folder (not a run_dir of `leanagent run`)"),
+                           (notes, "a file, not a run_dir of `leanagent run`"),
+                           (tmp_path / "empty", "a folder with neither manifest.json nor jobs/ (not a run_dir of "
+                                                "`leanagent run`)")):
+        with pytest.raises(SystemExit) as info:
+            cli_main([command, str(path)])
+        captured = capsys.readouterr()
+        assert info.value.code == 1 and captured.out == "" and captured.err == f"error: {path}: {expected}\n"
+    with pytest.raises(SystemExit) as info:
+        cli_main([command, str(tmp_path / "manifest-only")])
+    assert info.value.code == 0 and "nothing queued" in capsys.readouterr().out
+
+
 def test_the_docs_sketch_of_a_launcher_of_ones_own_is_a_plugin():
     page = (REPO_ROOT / "docs" / "slurm.md").read_text()
     part = page[page.index("## Write your own launcher"):page.index("## How it is tested")]

@@ -196,6 +196,25 @@ def test_a_refused_flow_writes_nothing_into_run_dir(assets, tmp_path):
     assert not cfg.run_dir.exists()
 
 
+def test_a_run_dir_or_job_folder_that_cannot_be_written_is_refused_first(assets, tmp_path, unwritable_folder):
+    """A file where run_dir goes (or where a parent of it goes), or a folder that takes no file, is one problem
+    naming run_dir, listed first: the flow would otherwise fail at its lock, after Prefect started."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a user's file")
+    for run_dir, expected in ((notes, f"run_dir {notes} exists and is not a folder; nothing was overwritten"),
+                              (notes / "run", f"run_dir {notes / 'run'}: its parent {notes} is not a folder"),
+                              (unwritable_folder / "run", f"run_dir {unwritable_folder / 'run'}: cannot write in "
+                                                          f"{unwritable_folder} (")):
+        cfg = cpu_config(assets, tmp_path).model_copy(update={"run_dir": run_dir})
+        with pytest.raises(PreflightError) as info:
+            preflight_run(cfg, free_bytes=BIG)
+        assert info.value.problems[0].startswith(expected) and len(info.value.problems) == 1, info.value.problems
+        with pytest.raises(PreflightError) as info:
+            preflight_job(cfg, "train", [assets["repo"]], run_dir / "jobs" / "train", free_bytes=BIG)
+        assert info.value.problems[0].startswith("job folder ") and len(info.value.problems) == 1
+    assert notes.read_text() == "a user's file" and not any(unwritable_folder.iterdir())
+
+
 def test_repositories_need_distinct_names_and_at_least_one(assets, tmp_path):
     twins = cpu_config(assets, tmp_path).model_copy(update={"repos": [RepoConfig(path=assets["repo"]),
                                                RepoConfig(path=assets["repo_b"], name=assets["repo"].name)]})
