@@ -19,6 +19,7 @@ from leanagent.ground.supervision import Interrupted, interrupt_on_signals
 from leanagent.launch.base import JobStatus, LaunchError
 from leanagent.launch.registry import cancel_run, run_status
 from leanagent.run.manifest import JOBS_DIR, not_a_run
+from leanagent.run.sweep import SHARED_DIR, SWEEP_RECORD
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -100,9 +101,12 @@ QUEUE_COMMANDS = {
 
 def cmd_queue(args: argparse.Namespace) -> int:
     """What a run has in a queue (`status`), or every such job ended (`cancel`: what a SIGKILLed flow could not do).
-    A path that is no run is refused: "nothing queued" would say a run is idle that is not there at all."""
+    A path that is no run is refused: "nothing queued" would say a run is idle that is not there at all. A sweep's
+    folder stands for its shared folder, where every job of its setups runs."""
     command: QueueCommand = args.queue_command
     run_dir = Path(args.run_dir)
+    if (run_dir / SWEEP_RECORD).is_file():  # a sweep's jobs are its shared folder's (leanagent.run.shared)
+        run_dir = run_dir / SHARED_DIR
     problem = not_a_run(run_dir)
     if problem is not None:
         raise CommandError(problem)

@@ -346,3 +346,14 @@ def test_leanagent_sweep_refuses_bad_input_in_one_line_before_prefect(tmp_path: 
     missing = tmp_path / "missing.yaml"
     assert code.value.code == 1 and capsys.readouterr().err == f"error: {missing}: no such config file\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_status_and_cancel_of_a_sweep_ask_about_its_shared_jobs(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    sweep = tmp_path / "sweep"
+    (sweep / "shared" / "jobs").mkdir(parents=True)
+    (sweep / SWEEP_RECORD).write_text(json.dumps({"version": 1, "order": [], "setups": {}}))
+    for command, said in (("status", "nothing queued"), ("cancel", "nothing queued, nothing cancelled")):
+        with pytest.raises(SystemExit) as code:
+            main([command, str(sweep)])
+        assert code.value.code == 0 and capsys.readouterr().out.startswith(f"{sweep / 'shared'}: {said}")
