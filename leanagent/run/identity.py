@@ -12,8 +12,9 @@ runs such a job once (`leanagent.run.shared`), and tells it from another by `job
 - the starting checkpoint's (or, without one, the base model's) and the Fisher file's SHA-256;
 - for an evaluation that writes a premise index: its datasets' content, and the lists of the index it extends;
 - the settings that change the result: the run's fingerprint (`leanagent.run.fingerprint`: the keys that make a
-  run its experiment), less those this program does not read (`IGNORED`), and less `lifelong.ewc_lambda` for a
-  training job without a Fisher file (EWC has nothing to anchor to: the same job with EWC on or off).
+  run its experiment), less those this program does not read (`IGNORED`: a Fisher pass or an evaluation reads no
+  learning rate), and less `lifelong.ewc_lambda` for a training job without a Fisher file (EWC has nothing to
+  anchor to: the same job with EWC on or off).
 
 A file is hashed once per process and state (path, inode, size, modification time): a checkpoint read by the Fisher,
 the evaluation and the next training job is read from disk once.
@@ -43,12 +44,18 @@ from leanagent.run.fingerprint import fingerprint_fields
 # and what is kept of a run's checkpoints is the flow's business after the job.
 IGNORED_BY_EVERY_PROGRAM = ("lifelong.curriculum", "lifelong.dataset_strategy", "lifelong.replay_fraction",
                             "lifelong.keep_checkpoints", "lifelong.start_checkpoint")
+# What only training reads: the optimizer and its schedule (`PremiseRetriever.configure_optimizers`; a Fisher pass
+# configures none), and the training Trainer's clipping, accumulation, early stopping and checkpoints
+# (`leanagent.train.trainer.build_training_trainer`; the Fisher and evaluation Trainers take none of them).
+TRAINING_ONLY = ("lifelong.ewc_lambda", "lifelong.epochs_per_repo", "lifelong.checkpoint", "model.lr",
+                 "model.warmup_steps", "trainer.gradient_clip_val", "trainer.accumulate_grad_batches",
+                 "trainer.early_stopping_patience", "trainer.save_top_k", "trainer.checkpoint_every_n_steps",
+                 "trainer.checkpoint_every_minutes")
 # Settings a program does not read, by program (every program of leanagent.ground.job.PROGRAMS has an entry).
 IGNORED: dict[str, tuple[str, ...]] = {
     "train": ("lifelong.fisher_estimator",),
-    "fisher": ("lifelong.ewc_lambda", "lifelong.epochs_per_repo", "lifelong.checkpoint"),
-    "evaluate": ("lifelong.ewc_lambda", "lifelong.epochs_per_repo", "lifelong.checkpoint",
-                 "lifelong.fisher_estimator"),
+    "fisher": TRAINING_ONLY,
+    "evaluate": (*TRAINING_ONLY, "lifelong.fisher_estimator"),
 }
 # What a training job without a Fisher file does not read: EWC's weight multiplies a penalty it does not have.
 IGNORED_WITHOUT_FISHER = ("lifelong.ewc_lambda",)

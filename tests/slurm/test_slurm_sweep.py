@@ -1,9 +1,10 @@
 """A sweep under `launcher: slurm`: two setups at once, each submitting its own jobs, queued together.
 
-One repository, two setups that differ in their learning rate: the untrained evaluation is one SLURM job for both,
-then each setup trains, computes its Fisher and evaluates in jobs of its own. Each training job is held after its
-first step (the fault hook's HOLD, limited to the shared training folders) until the test has seen both setups'
-training jobs in the queue at the same time: concurrency shown by the queue itself, not by timing.
+One repository, two setups that differ in their learning rate: the untrained evaluation (which reads no learning
+rate) is one SLURM job for both, then each setup trains, computes its Fisher and evaluates in jobs of its own. Each
+training job is held after its first step (the fault hook's HOLD, limited to the shared training folders) until the
+test has seen both setups' training jobs in the queue at the same time: concurrency shown by the queue itself, not
+by timing.
 """
 
 from __future__ import annotations

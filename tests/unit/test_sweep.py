@@ -179,6 +179,9 @@ def test_ewc_lambda_is_in_a_training_identity_only_with_a_fisher(tmp_path: Path,
         assert job_identity(off, job).digest() == job_identity(on, job).digest()
     lr = off.model_copy(update={"model": off.model.model_copy(update={"lr": 2e-3})})
     assert job_identity(off, first).digest() != job_identity(lr, first).digest()
+    for program in ("fisher", "evaluate"):  # no optimizer: the untrained evaluation of an lr sweep is one job
+        job = _job(program, [unit_repo], tmp_path / "j", checkpoint=fisher)
+        assert job_identity(off, job).digest() == job_identity(lr, job).digest()
     assert set(IGNORED) == set(PROGRAMS)  # every program says what it does not read
 
 
