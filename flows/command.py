@@ -21,10 +21,11 @@ from pathlib import Path
 
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import report_from_manifest
+from leanagent.report.sweep import load_sweep, sweep_text
 from leanagent.run.manifest import MANIFEST_NAME, read_manifest
 from leanagent.run.plan import BAD_INPUT, UNRECORDED, RunPlan, plan_run
 from leanagent.run.state import RunLock
-from leanagent.run.sweep import SweepPlan, plan_sweep_file
+from leanagent.run.sweep import SWEEP_RECORD, SweepPlan, plan_sweep_file
 
 
 def run_from_cli(config_path: str, overrides: Sequence[str] = ()) -> int:
@@ -104,9 +105,11 @@ def sweep_from_cli(sweep_path: str, overrides: Sequence[str] = (), base: str | N
     except BAD_INPUT as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if all(setup.plan.nothing_new() is not None for setup in plan.setups) and _sweep_table(plan.sweep_dir,
-                                                                                          complete=True):
+    rows = load_sweep(plan.sweep_dir) if (plan.sweep_dir / SWEEP_RECORD).is_file() else []
+    done = {row.name for row in rows if row.run is not None}
+    if all(setup.plan.nothing_new() is not None and setup.name in done for setup in plan.setups):
         print(f"nothing new: every setup of {plan.sweep_dir} has finished")
+        _sweep_table(plan.sweep_dir)
         return 0
     return _sweep_flow(plan)
 
@@ -142,16 +145,10 @@ def _sweep_flow(plan: SweepPlan) -> int:
     return 0
 
 
-def _sweep_table(sweep_dir: Path, complete: bool = False) -> bool:
-    """Print the sweep's table (with `complete`, only if every setup of sweep.json has finished); whether it did."""
-    from leanagent.report.sweep import load_sweep, sweep_text
-
-    rows = load_sweep(sweep_dir) if (sweep_dir / "sweep.json").is_file() else []
-    if not rows or (complete and any(row.run is None for row in rows)):
-        return False
-    print(sweep_text(rows, source=str(sweep_dir)))
+def _sweep_table(sweep_dir: Path) -> None:
+    """The sweep's table, as `leanagent report SWEEP_DIR` prints it, and where to look further."""
+    print(sweep_text(load_sweep(sweep_dir), source=str(sweep_dir)))
     print(f"\neach setup's recall matrix: leanagent report {sweep_dir}/NAME; shared jobs: {sweep_dir}/shared/jobs")
-    return True
 
 
 class _NotTwice(logging.Filter):
