@@ -1,4 +1,5 @@
-"""`leanagent run`: the lifelong flow in this process, as a command. The one seam between the CLI and the flows.
+"""`leanagent run` and `leanagent sweep`: the flows in this process, as commands. The one seam between the CLI and
+the flows.
 
 The library (`leanagent/`) knows nothing of Prefect; `leanagent/cli/` reaches the app layer only here,
 for the one command that runs a flow. It adds what a terminal needs around the flow:
@@ -20,9 +21,11 @@ from pathlib import Path
 
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import report_from_manifest
+from leanagent.report.sweep import load_sweep, sweep_text
 from leanagent.run.manifest import MANIFEST_NAME, read_manifest
 from leanagent.run.plan import BAD_INPUT, UNRECORDED, RunPlan, plan_run
 from leanagent.run.state import RunLock
+from leanagent.run.sweep import SWEEP_RECORD, SweepPlan, plan_sweep_file
 
 
 def run_from_cli(config_path: str, overrides: Sequence[str] = ()) -> int:
@@ -83,6 +86,70 @@ def _run_flow(plan: RunPlan) -> int:
     print(report_from_manifest(read_manifest(Path(summary["manifest"]))).text(time_table=False))
     print(f"\nmanifest: {summary['manifest']} (each job's time: leanagent report {summary['run_dir']})")
     return 0
+
+
+def sweep_from_cli(sweep_path: str, overrides: Sequence[str] = (), base: str | None = None,
+                   sweep_dir: str | None = None, max_parallel: int | None = None) -> int:
+    """`leanagent sweep --config FILE`: every setup checked (as `leanagent run` checks its config), then the sweep
+    flow in this process, then its table. `base`, `sweep_dir`, `max_parallel`: the sweep file's keys, replaced
+    (paths given here are relative to the working directory); `overrides`: settings for every setup.
+
+    0 when every setup finished, 1 on bad input (one line) or when a setup failed (the table says which), 128 +
+    signal when interrupted (every job ended; rerun to resume). A sweep with nothing to do prints its table without
+    starting Prefect."""
+    try:
+        plan = plan_sweep_file(sweep_path, list(overrides), base, sweep_dir, max_parallel)
+        RunLock(plan.sweep_dir).probe()
+        for setup in plan.setups:
+            RunLock(setup.run_dir).probe()
+    except BAD_INPUT as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    rows = load_sweep(plan.sweep_dir) if (plan.sweep_dir / SWEEP_RECORD).is_file() else []
+    done = {row.name for row in rows if row.run is not None}
+    if all(setup.plan.nothing_new() is not None and setup.name in done for setup in plan.setups):
+        print(f"nothing new: every setup of {plan.sweep_dir} has finished")
+        _sweep_table(plan.sweep_dir)
+        return 0
+    return _sweep_flow(plan)
+
+
+def _sweep_flow(plan: SweepPlan) -> int:
+    from prefect.exceptions import ExternalSignal
+
+    from leanagent.flows.lifelong import REFUSED
+    from leanagent.flows.stages import describe_interrupt
+    from leanagent.flows.sweep import lifelong_sweep
+    from leanagent.flows.temporary_server import TemporaryServerError, send_queued, temporary_server
+
+    try:
+        with temporary_server(), _NotTwice.on_the_console(REFUSED):
+            try:
+                state = lifelong_sweep(plan=plan, return_state=True)
+            finally:
+                send_queued()
+    except (*BAD_INPUT, *UNRECORDED, TemporaryServerError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, ExternalSignal) as exc:
+        code = getattr(exc, "exit_code", None) or 128 + int(getattr(exc, "signal", signal.SIGINT))
+        print(f"interrupted by {describe_interrupt(exc)}: every job was ended; rerun the same command to resume",
+              file=sys.stderr)
+        return code
+    if state.name == REFUSED:
+        print(f"error: {state.message}", file=sys.stderr)
+        return 1
+    _sweep_table(plan.sweep_dir)
+    if not state.is_completed():
+        print(f"error: {state.message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _sweep_table(sweep_dir: Path) -> None:
+    """The sweep's table, as `leanagent report SWEEP_DIR` prints it, and where to look further."""
+    print(sweep_text(load_sweep(sweep_dir), source=str(sweep_dir)))
+    print(f"\neach setup's recall matrix: leanagent report {sweep_dir}/NAME; shared jobs: {sweep_dir}/shared/jobs")
 
 
 class _NotTwice(logging.Filter):

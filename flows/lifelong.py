@@ -36,6 +36,7 @@ from leanagent.run.manifest import (
     stage_name,
 )
 from leanagent.run.plan import BAD_INPUT, INLINE, UNRECORDED, RunPlan, plan_run, progress_line
+from leanagent.run.shared import SharedWork
 from leanagent.run.state import RunLock, RunState
 from leanagent.run.strategy import training_datasets
 from leanagent.tasks.data import order_curriculum
@@ -75,7 +76,8 @@ def planned(config: PipelineConfig | None, config_path: str | None, plan: RunPla
 
 @flow(name="lifelong-retrieval")
 def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | None = None,
-                       options: JobOptions | None = None, plan: RunPlan | None = None) -> dict:
+                       options: JobOptions | None = None, plan: RunPlan | None = None,
+                       shared_dir: str | None = None) -> dict:
     """Train the premise retriever over the configured repositories, lifelong, and report what it learned and forgot.
 
     Every input is checked before anything is written or launched; a refused run ends Failed (state "Refused")
@@ -94,6 +96,8 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
             heartbeat timeout. Default: 2 retries, no deadline, a 1-hour heartbeat timeout.
         plan: The checked run `leanagent run` hands over (`leanagent.run.plan.RunPlan`), so that nothing is
             checked twice; leave it empty in a form: the flow checks `config` or `config_path` itself.
+        shared_dir: A sweep's shared folder (`lifelong_sweep` gives it to each setup): a job whose inputs another
+            setup's job has is run there once and linked into this run. Leave it empty for a run of its own.
     """
     try:
         # Model, devices, disk, a run_dir of another experiment or a sequence the config does not extend, every
@@ -112,7 +116,8 @@ def lifelong_retrieval(config: PipelineConfig | None = None, config_path: str | 
             # `trainer.precision: auto`: the precision the run started in, if it has one
             plan = plan.model_copy(update={"cfg": state.config})
             state.extend([plan.entries[r.display_name] for r in ordered], plan.given, plan.source)
-            return _run_curriculum(plan, ordered, state, options or JobOptions())
+            shared = SharedWork(root=Path(shared_dir)) if shared_dir else None
+            return _run_curriculum(plan, ordered, state, options or JobOptions(), shared)
         except (*BAD_INPUT, *UNRECORDED) as exc:  # one line, no traceback (UNRECORDED: the disk went wrong)
             return refused(exc)
 
@@ -123,7 +128,8 @@ def refused(exc: Exception) -> State:
     return Failed(name=REFUSED, message=str(exc), data=exc)
 
 
-def _run_curriculum(plan: RunPlan, ordered: list[RepoConfig], state: RunState, options: JobOptions) -> dict:
+def _run_curriculum(plan: RunPlan, ordered: list[RepoConfig], state: RunState, options: JobOptions,
+                    shared: SharedWork | None = None) -> dict:
     """Every stage of `ordered` the manifest does not have finished, each recorded as it ends. Returns what the flow
     returns: the report as plain data (what `leanagent run` prints) and where the run lives."""
     logger = get_run_logger()
@@ -134,7 +140,7 @@ def _run_curriculum(plan: RunPlan, ordered: list[RepoConfig], state: RunState, o
     waiting = [name for name in names if name in plan.waiting or name not in plan.kept]
     if waiting:
         report = _train(plan.cfg, ordered, waiting, state, options, RunArtifacts(RunReport(names), state.path,
-                                                                                 not_ready))
+                                                                                 not_ready), shared)
     else:
         line = plan.nothing_new() or f"nothing new: {progress_line(len(names), 0, len(not_ready))}"
         logger.info(line)
@@ -146,7 +152,7 @@ def _run_curriculum(plan: RunPlan, ordered: list[RepoConfig], state: RunState, o
 
 
 def _train(cfg: PipelineConfig, ordered: list[RepoConfig], waiting: list[str], state: RunState, options: JobOptions,
-           artifacts: RunArtifacts) -> RunReport:
+           artifacts: RunArtifacts, shared: SharedWork | None = None) -> RunReport:
     """Per repository: train, compute the Fisher, evaluate every repository seen so far. Stage i trains (and computes
     its Fisher) on what its dataset strategy's entry says (`leanagent.data.strategies`): repository i itself
     (`single`), repositories 0..i merged (`merge_all`), or that merge with a drawn share of each earlier
@@ -157,7 +163,7 @@ def _train(cfg: PipelineConfig, ordered: list[RepoConfig], waiting: list[str], s
     datasets = training_datasets(cfg, report.names, [r.path for r in ordered], state, log=logger.info)
     jobs = cfg.run_dir / JOBS_DIR
     ewc = cfg.lifelong.ewc_lambda > 0
-    stages = Stages(state, options, artifacts)
+    stages = Stages(state, options, artifacts, shared)
 
     def job(program: str, data: list[Path], out: Path, timeout: float | None, **fields: Any) -> JobRequest:
         # The flow has validated every dataset; the jobs need not read them again (evaluation would, n^2 times).

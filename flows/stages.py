@@ -4,7 +4,10 @@ One context, `recording`, says how a stage's outcome reaches the manifest: `runn
 with its result, `failed` with the error, or `interrupted` when it was stopped from outside (it reruns). Every
 stage goes through it: one training or Fisher job (`Stages.run`), or one evaluation job that scores a model on
 several repositories, each its own stage (`Stages.evaluations`). Each is one `JobRequest`, launched by the task
-`rank_job`; what a stage records is the result model its job returned.
+`rank_job`; what a stage records is the result model its job returned. In a sweep's setup the launch is
+cached by the job's identity (`leanagent.tasks.shared`): a job another setup of the sweep has run, or is running,
+is not run again, and its files and result are made this setup's own (`Stages._launch`, the one place a shared
+result becomes a stage's).
 """
 
 # No `from __future__ import annotations`: see flows/lifelong.py (Prefect resolves the flow module's annotations).
@@ -20,9 +23,12 @@ from leanagent.flows.artifacts import RunArtifacts
 from leanagent.ground.job import JobRequest
 from leanagent.ground.results import EvaluateResult, JobResult, StageResult
 from leanagent.ground.supervision import HoldSignals
+from leanagent.run.identity import job_identity
+from leanagent.run.shared import SharedWork, finished_result
 from leanagent.run.state import RunState, RunStateWriteError
 from leanagent.tasks.jobs import rank_job
 from leanagent.tasks.options import JobOptions
+from leanagent.tasks.shared import shared_task
 
 # A stage stopped from outside, not failed: Ctrl-C or SIGTERM (the CLI's handlers raise KeyboardInterrupt
 # subclasses), Prefect's TerminationSignal (a runner's cancel or any SIGTERM to a flow-run process), an
@@ -71,10 +77,12 @@ def recording(state: RunState, names: list[str], artifacts: RunArtifacts | None)
 
 class Stages:
     """The stages of one run, each a job of the task `rank_job` (retried as `options` say), skipped when the manifest
-    has it finished, and recorded in the manifest and the artifacts either way."""
+    has it finished, and recorded in the manifest and the artifacts either way. With `shared` (a sweep's setup), each
+    job is shared with the sweep's other setups by its identity."""
 
-    def __init__(self, state: RunState, options: JobOptions, artifacts: RunArtifacts | None = None) -> None:
-        self.state, self.options, self.artifacts = state, options, artifacts
+    def __init__(self, state: RunState, options: JobOptions, artifacts: RunArtifacts | None = None,
+                 shared: SharedWork | None = None) -> None:
+        self.state, self.options, self.artifacts, self.shared = state, options, artifacts, shared
 
     def _finished(self, name: str) -> StageResult | None:
         done = self.state.stage_done(name)
@@ -85,9 +93,19 @@ class Stages:
         return done
 
     def _launch(self, run_name: str, job: JobRequest) -> JobResult:
-        task = rank_job.with_options(task_run_name=run_name, retries=self.options.retries,
-                                     retry_delay_seconds=self.options.retry_delay_s)
-        return task(job=job)
+        retries = {"task_run_name": run_name, "retries": self.options.retries,
+                   "retry_delay_seconds": self.options.retry_delay_s}
+        if self.shared is None:
+            return rank_job.with_options(**retries)(job=job)
+        # A sweep's setup: the job in its shared folder, run there once for every setup whose job has its identity.
+        done = finished_result(job)  # made this setup's own before a crash, or run before the sweep
+        if done is not None:
+            return done
+        identity = job_identity(job).digest()
+        shared = self.shared.request(job, identity)
+        get_run_logger().info(f"{run_name}: identity {identity[:12]}, shared by the sweep's setups in {shared.out}")
+        ran = shared_task(self.shared, **retries)(job=shared)
+        return self.shared.materialize(ran, job, log=get_run_logger().info)
 
     def run(self, name: str, job: JobRequest) -> StageResult:
         """Skip a stage the manifest has finished; otherwise run its job and record the outcome either way. The

@@ -167,6 +167,31 @@ def lifelong_run3(prefect_harness: None, tmp_path_factory: pytest.TempPathFactor
     return FinishedRun(config_path, root / "single", state.state_details.flow_run_id, state.result())
 
 
+@dataclass(frozen=True)
+class MergeAllRun(FinishedRun):
+    repos: list[Path]  # the copies of the three demo repositories it ran on
+
+
+@pytest.fixture(scope="session")
+def merge_all_run3(prefect_harness: None, tmp_path_factory: pytest.TempPathFactory, demo_assets: DemoAssets,
+                   write_cpu_config: Callable[..., Path]) -> MergeAllRun:
+    """`lifelong_run3`'s config under `lifelong.dataset_strategy: merge_all`, on copies of its repositories (a test
+    may edit one, and restores it), run once: merge_all's own tests, and the sweep's reference for that setup."""
+    import shutil
+
+    from leanagent.flows.lifelong import lifelong_retrieval
+
+    root = tmp_path_factory.mktemp("merge_all")
+    repos = [Path(shutil.copytree(r, root / "data" / r.name)) for r in demo_assets.repos[:3]]
+    config = write_cpu_config(root / "merge_all.yaml", root / "merge_all", repos,
+                              lifelong={"dataset_strategy": "merge_all"})
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")  # as `lifelong_run3`: compared with runs of other layouts bit for bit
+        state = lifelong_retrieval(config_path=str(config), return_state=True)
+    assert state.is_completed(), state.message
+    return MergeAllRun(config, root / "merge_all", state.state_details.flow_run_id, state.result(), repos)
+
+
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in override.items():

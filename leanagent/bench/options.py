@@ -119,6 +119,22 @@ class CurriculumOptions(BaseModel):
                                                 "folder, removed at the end)")
 
 
+class SweepOptions(BaseModel):
+    """What `leanagent bench sweep` runs: the repositories, the setups' trainer, and how many setups at once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    repos: PositiveInt = Field(3, description="repositories each setup learns")
+    theorems: PositiveInt = Field(60, description="theorems of each repository")
+    epochs: PositiveInt = Field(1, description="lifelong.epochs_per_repo (LeanAgent's 1)")
+    max_parallel: PositiveInt = Field(2, description="setups the sweep runs at once")
+    accelerator: Literal["cpu", "gpu"] = Field("cpu", description="where the jobs run")
+    devices: PositiveInt = Field(2, description="ranks per job (on a GPU: GPUs)")
+    preset: Preset = Field(TINY, description="the random encoder's shape")
+    work: Path | None = Field(None, description="keep the data, model, the sweep and the runs alone here (default: a "
+                                                "temporary folder, removed at the end)")
+
+
 class ProjectionOptions(BaseModel):
     """LeanAgent's curriculum at its scale. Defaults: its 14 repositories, one epoch each, on 4 GPUs, a Mathlib-sized
     shared dependency; the rates are the bench's on one H200 (byt5-small, bf16)."""

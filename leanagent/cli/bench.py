@@ -29,6 +29,7 @@ from leanagent.bench.options import (
     ProjectionOptions,
     ServeOptions,
     SwapOptions,
+    SweepOptions,
 )
 from leanagent.bench.results import Section
 from leanagent.cli.common import (
@@ -66,7 +67,7 @@ def _check_path(options: BenchOptions) -> None:
     check_device(options.device)
 
 
-def _check_empty_work(options: CurriculumOptions | SwapOptions | AbuseOptions) -> None:
+def _check_empty_work(options: CurriculumOptions | SwapOptions | AbuseOptions | SweepOptions) -> None:
     check_out_folder("--work", options.work, new_or_empty=True)
 
 
@@ -131,6 +132,13 @@ SECTIONS: tuple[BenchSection, ...] = (
                              "run` twice in one sitting (model.embed_premises: all, then needed) and reads every "
                              "job's time by part and the premises it embedded from the two manifests. Minutes on a "
                              "CPU.", check=_check_empty_work),
+    BenchSection("sweep", SweepOptions, "four of LeanAgent's Table 4 setups as one sweep (their shared jobs run "
+                 "once) and each alone: jobs launched, job seconds and wall time of each, the same results",
+                 "sweep:bench_sweep", "sweep:sweep_table",
+                 description="Writes repositories and a tiny encoder, then runs `leanagent sweep` on four setups "
+                             "(single and merge all, EWC off and on) and the same four setups with `leanagent run`, "
+                             "one after the other, each command in its own process with its own Prefect server. "
+                             "Tens of minutes on a 2-core CPU.", check=_check_empty_work),
     BenchSection("projection", ProjectionOptions, "LeanAgent's curriculum at its scale (14 repositories, Mathlib, 4 "
                  "GPUs), from embedding and step rates: passes and hours, before and after embedding once "
                  "(arithmetic)", "curriculum:project_curriculum", "curriculum:projection_table"),

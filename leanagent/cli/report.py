@@ -1,4 +1,5 @@
-"""`report`: recall matrices and LeanAgent's lifelong metrics of one run, or of several side by side."""
+"""`report`: recall matrices and LeanAgent's lifelong metrics of one run, of several side by side, or of a sweep's
+setups (a SWEEP_DIR: one row per setup, Table 4's way)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from leanagent.cli.common import CommandError, check_out_file
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="recall matrices and LeanAgent's lifelong metrics of runs, side by side")
     p.add_argument("sources", nargs="+", metavar="SOURCE",
-                   help="a run_dir (with manifest.json) or a JSON file {names, test_recall_at_10 (lower-triangular "
-                        "rows, percent), val_recall_at_10}")
+                   help="a run_dir (with manifest.json), a sweep_dir (with sweep.json: its setups side by side), or a "
+                        "JSON file {names, test_recall_at_10 (lower-triangular rows, percent), val_recall_at_10}")
     p.add_argument("--markdown", action="store_true", help="print markdown instead of plain text")
     p.add_argument("--json", metavar="OUT", help="write {runs: [{source, WF5, FM, EBWT, WP5, IP, CFR, composite, "
                                                  "avg, ...}]} here, in the order given")
@@ -24,10 +25,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     from leanagent.ground.atomic import write_json_atomic
     from leanagent.report import SourceError, comparison_json, comparison_text, load_run, write_png
+    from leanagent.report.sweep import is_sweep
     from leanagent.run.manifest import MANIFEST_NAME
 
     check_out_file("--json", args.json)
     check_out_file("--png", args.png)
+    if len(args.sources) == 1 and is_sweep(Path(args.sources[0])):
+        return _report_sweep(args)
     try:
         runs = [load_run(source) for source in args.sources]
     except SourceError as exc:
@@ -44,4 +48,28 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.png:
         write_png(runs, Path(args.png))
         print(f"wrote {args.png}", file=sys.stderr)
+    return 0
+
+
+def _report_sweep(args: argparse.Namespace) -> int:
+    """A sweep_dir: its setups in one table (a setup that has not finished shown as such), and the finished setups'
+    recall matrices in one picture."""
+    from leanagent.ground.atomic import write_json_atomic
+    from leanagent.report import SourceError, write_png
+    from leanagent.report.sweep import finished_runs, load_sweep, sweep_json, sweep_text
+
+    try:
+        rows = load_sweep(args.sources[0])
+    except SourceError as exc:
+        raise CommandError(str(exc)) from None
+    print(sweep_text(rows, markdown=args.markdown, source=args.sources[0]))
+    if args.json:
+        write_json_atomic(Path(args.json), sweep_json(rows))
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.png:
+        runs = finished_runs(rows)
+        if not runs:
+            raise CommandError(f"--png {args.png}: no setup of {args.sources[0]} has finished; nothing to draw")
+        write_png(runs, Path(args.png))
+        print(f"wrote {args.png} ({len(runs)} finished setups)", file=sys.stderr)
     return 0

@@ -19,6 +19,7 @@ from leanagent.ground.supervision import Interrupted, interrupt_on_signals
 from leanagent.launch.base import JobStatus, LaunchError
 from leanagent.launch.registry import cancel_run, run_status
 from leanagent.run.manifest import JOBS_DIR, not_a_run
+from leanagent.run.sweep import SHARED_DIR, SWEEP_RECORD
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +31,21 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "--set model.lr=2e-4 --set lifelong.ewc_lambda=0.1")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("sweep", help="run several setups of one lifelong experiment as one Prefect flow (LeanAgent's "
+                                     "Table 4): each an ordinary run, the jobs they share run once, one table")
+    p.add_argument("--config", required=True, help="the sweep file: base (a config), sweep_dir, max_parallel and "
+                   "setups, each a name and its overrides (configs/leanagent-table4.yaml: LeanAgent's eight setups "
+                   "and two of replay)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one setting of every setup, before the setup's own (repeatable): "
+                        "--set trainer.devices=2")
+    p.add_argument("--base", help="use this config file as the sweep's base instead of the file's own (e.g. "
+                                  "configs/demo.yaml: its repositories and its CPU trainer)")
+    p.add_argument("--sweep-dir", help="run the sweep in this folder instead of the file's sweep_dir")
+    p.add_argument("--max-parallel", type=int, help="setups running at once, instead of the file's max_parallel")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    p.set_defaults(func=cmd_sweep)
 
     for name, command in QUEUE_COMMANDS.items():
         p = sub.add_parser(name, help=command.help)
@@ -45,6 +61,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             return run_from_cli(args.config, args.overrides)
         except Interrupted as exc:  # one that landed outside the flow (while importing, or after it)
+            print(f"interrupted by {exc}: every job was ended; rerun the same command to resume", file=sys.stderr)
+            return exc.exit_code
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """The sweep flow prints its refusals and its table itself (flows/command.py); this returns its exit code."""
+    with interrupt_on_signals():
+        try:
+            from leanagent.flows.command import sweep_from_cli  # the one way into the app layer (flows/command.py)
+
+            return sweep_from_cli(args.config, args.overrides, args.base, args.sweep_dir, args.max_parallel)
+        except Interrupted as exc:
             print(f"interrupted by {exc}: every job was ended; rerun the same command to resume", file=sys.stderr)
             return exc.exit_code
 
@@ -73,9 +101,12 @@ QUEUE_COMMANDS = {
 
 def cmd_queue(args: argparse.Namespace) -> int:
     """What a run has in a queue (`status`), or every such job ended (`cancel`: what a SIGKILLed flow could not do).
-    A path that is no run is refused: "nothing queued" would say a run is idle that is not there at all."""
+    A path that is no run is refused: "nothing queued" would say a run is idle that is not there at all. A sweep's
+    folder stands for its shared folder, where every job of its setups runs."""
     command: QueueCommand = args.queue_command
     run_dir = Path(args.run_dir)
+    if (run_dir / SWEEP_RECORD).is_file():  # a sweep's jobs are its shared folder's (leanagent.run.shared)
+        run_dir = run_dir / SHARED_DIR
     problem = not_a_run(run_dir)
     if problem is not None:
         raise CommandError(problem)

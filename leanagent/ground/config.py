@@ -10,6 +10,7 @@ cannot silently fall back to a default.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import types
 import typing
@@ -259,21 +260,34 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PipelineConf
     validation, each VALUE read as YAML (a number, `true`, a list), so they are checked exactly as the file's keys
     are, an unknown one refused with the nearest known key."""
     path = Path(path)
+    return config_from_data(read_config_data(path), config_source(path, overrides), path.parent, overrides)
+
+
+def read_config_data(path: str | Path) -> dict[str, Any]:
+    """A config file's YAML mapping, not yet validated; ConfigError naming the file otherwise."""
+    path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, IsADirectoryError) as exc:
         raise ConfigError(f"{path}: no such config file") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(raw).__name__}")
+    return raw
+
+
+def config_from_data(raw: dict[str, Any], source: str, base: Path, overrides: Sequence[str] = ()) -> PipelineConfig:
+    """A config from its YAML mapping (left as it is) with `overrides` applied, validated, relative paths resolved
+    against `base`; ConfigError starting with `source` (what names the config: its file, a sweep's setup)."""
+    raw = copy.deepcopy(raw)
     for item in overrides:
         _override(raw, item)
     try:
         config = PipelineConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(f"{config_source(path, overrides)}: {format_validation_error(exc, PipelineConfig)}") from exc
-    return resolve_paths(config, path.parent)
+        raise ConfigError(f"{source}: {format_validation_error(exc, PipelineConfig)}") from exc
+    return resolve_paths(config, base)
 
 
 def config_source(path: str | Path, overrides: Sequence[str] = ()) -> str:

@@ -38,8 +38,10 @@ def part_file(part: str) -> str:
 PART_FILES: tuple[str, ...] = tuple(part_file(part) for part in PARTS)  # train.json, val.json, test.json
 
 # A premise index (`leanagent index`, a run's stage): the file that makes a folder one (`leanagent.index.files` has
-# the rest), named here so that a command can tell an index from a run before it imports torch.
+# the rest), named here so that a command can tell an index from a run before it imports torch; and its served name
+# lists, which a sweep tells apart (an index extends the previous stage's) in the flow's process, without torch.
 INDEX_FILE = "index.json"
+NAMES_FILE = "names.json"
 
 
 # ---- the encoder ------------------------------------------------------------------------------------------------

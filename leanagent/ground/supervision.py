@@ -319,6 +319,15 @@ def start(job_dir: Path | None = None) -> None:
     watch_supervisor(folder)
 
 
+def raise_in_thread(ident: int, exc_type: type[BaseException]) -> bool:
+    """Raise `exc_type` in the thread `ident` at its next Python instruction (CPython's PyThreadState_SetAsyncExc).
+
+    Signals reach only the main thread: this is how an interrupt reaches a thread that launched a job (a sweep's
+    setup), so that its launcher ends the job there as it would in the main thread. A thread blocked in a C call
+    gets it when the call returns: the launchers poll (every POLL_SECONDS). True when the thread was found."""
+    return ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc_type)) == 1
+
+
 class Interrupted(KeyboardInterrupt):
     """SIGINT, SIGTERM or SIGHUP, raised in the main thread: code that ends jobs on Ctrl-C ends them on all three."""
 

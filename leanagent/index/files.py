@@ -21,12 +21,11 @@ from leanagent.data.lean_names import lean_name, module_name
 from leanagent.ground.atomic import out_folder_problem, refuse_non_empty, write_atomic, write_bytes_atomic
 from leanagent.ground.config import DataConfig
 from leanagent.ground.json_files import MIB, JsonFileError, read_json_file
-from leanagent.ground.names import INDEX_FILE
+from leanagent.ground.names import INDEX_FILE, NAMES_FILE
 
 EMBEDDINGS_FILE = "embeddings.safetensors"
 PREMISES_FILE = "premises.jsonl"
 FILES_FILE = "files.jsonl"
-NAMES_FILE = "names.json"
 MAX_NAMES_BYTES = 256 * MIB  # the served lists: every premise's and module's name (about 5 MB for 76k premises)
 INDEX_FILES = (INDEX_FILE, EMBEDDINGS_FILE, PREMISES_FILE, FILES_FILE, NAMES_FILE)
 # 2: index.json records the embeddings' SHA-256, and names.json the served lists; format 1 indexes still load.

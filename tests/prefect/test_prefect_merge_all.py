@@ -10,7 +10,6 @@ its Fisher on run_dir/merged/NN-name (repositories 0..i), reruns without launchi
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import pytest
 
 from leanagent.flows.lifelong import lifelong_retrieval
 from leanagent.run.manifest import ManifestMismatchError
-from tests.conftest import FinishedRun, file_times, read_json
+from tests.conftest import FinishedRun, MergeAllRun, file_times, read_json
 from tests.prefect.prefect_api import wait_for_logs
 
 pytestmark = [pytest.mark.prefect, pytest.mark.ddp]
@@ -37,16 +36,11 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(prefect_harness: None, tmp_path_factory: pytest.TempPathFactory, demo_assets, write_cpu_config,
-         lifelong_run3: FinishedRun) -> Runs:
-    root = tmp_path_factory.mktemp("merge_all")
-    repos = [Path(shutil.copytree(r, root / "data" / r.name)) for r in demo_assets.repos[:3]]
-    config = write_cpu_config(root / "merge_all.yaml", root / "merge_all", repos,
-                              lifelong={"dataset_strategy": "merge_all"})
-    state = lifelong_retrieval(config_path=str(config), return_state=True)
-    assert state.is_completed(), state.message
+def runs(merge_all_run3: MergeAllRun, lifelong_run3: FinishedRun) -> Runs:
     # The `single` run beside it is the session's (the same config but for the strategy, on the originals).
-    return Runs(repos, config, root / "merge_all", lifelong_run3.run_dir, state.result(), lifelong_run3.summary)
+    return Runs(merge_all_run3.repos, merge_all_run3.config_path, merge_all_run3.run_dir, lifelong_run3.run_dir,
+                merge_all_run3.summary, lifelong_run3.summary)
+
 
 
 def _results(run_dir: Path) -> dict[str, dict]:

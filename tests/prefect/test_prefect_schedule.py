@@ -97,8 +97,14 @@ def test_the_shipped_deployments_schedule_a_repos_dir_config_one_run_at_a_time()
     from prefect.cli.deploy._models import PrefectYamlModel
 
     spec = PrefectYamlModel.model_validate(yaml.safe_load((REPO_ROOT / "deployments" / "prefect.yaml").read_text()))
-    assert len(spec.deployments) == 2
-    for deployment in spec.deployments:
+    runs = [d for d in spec.deployments if d.entrypoint == "flows/lifelong.py:lifelong_retrieval"]
+    [sweep] = [d for d in spec.deployments if d.entrypoint == "flows/sweep.py:lifelong_sweep"]
+    assert len(runs) == 2 and len(spec.deployments) == 3
+    assert (sweep.concurrency_limit.limit, sweep.concurrency_limit.collision_strategy) == (1, "ENQUEUE")
+    from prefect.flows import load_flow_from_entrypoint
+
+    assert load_flow_from_entrypoint(str(REPO_ROOT / sweep.entrypoint)).name == "lifelong-sweep"
+    for deployment in runs:
         limit = deployment.concurrency_limit
         assert (limit.limit, limit.collision_strategy) == (1, "ENQUEUE"), deployment.name
         [schedule] = deployment.schedules

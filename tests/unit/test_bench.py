@@ -323,3 +323,17 @@ def test_the_precision_section_times_each_precision_and_names_the_cpu(tmp_path, 
     assert figures["cpu"] and figures["torch_capability"] and figures["examples"] == 4
     table = capsys.readouterr().out
     assert f"trainer.precision auto -> {figures['auto']}" in table and "tiny         bf16-mixed" in table
+
+
+def test_the_sweep_sections_table_compares_the_sweep_with_its_setups_alone():
+    """`bench sweep`'s table from its figures (the measurement itself runs five commands: docs/performance.md)."""
+    from leanagent.bench.sweep import SETUPS, SweepFigures, sweep_table
+
+    figures = SweepFigures("a CPU", ["avx2"], 3, len(SETUPS), 2, sweep_jobs=28, alone_jobs=40, sweep_job_seconds=300.0,
+                           alone_job_seconds=450.0, sweep_wall_seconds=400.0, alone_wall_seconds=600.0,
+                           same_results=True, per_setup_alone=dict.fromkeys(SETUPS, 150.0))
+    lines = sweep_table(figures).splitlines()
+    assert "the same in the sweep as alone: yes" in lines[0] and "bf16 flags: avx2" in lines[0]
+    assert lines[2].split()[-3:] == ["40", "450.0", "600.0"] and lines[3].split()[-3:] == ["28", "300.0", "400.0"]
+    assert lines[4] == "  the sweep: 12 fewer jobs, 1.50x fewer job seconds, 1.50x less wall time"
+    assert figures.flat()["sweep_jobs"] == 28 and figures.flat()["sweep_alone_jobs"] == 40
