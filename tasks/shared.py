@@ -9,16 +9,16 @@ What carries the sharing is Prefect's own result caching, not a cache of ours:
 - the isolation level is SERIALIZABLE: a task takes the identity's lock before it looks for a result, so two setups
   that reach one job at the same time never both run it: one runs it, the other waits for its result.
 
-The lock is ours (`FlockLockManager`, Prefect's `LockManager` protocol on `fcntl.flock`), because Prefect's
-file-system lock manager leaves its lock file behind when its holder is killed, and a sweep killed mid-job must be
-rerun without anyone deleting files: the kernel lets go of a flock when its holder dies, however it dies.
+The lock is ours (`FlockLockManager`, Prefect's `LockManager` protocol on `leanagent.ground.pid_lock.PidLock`, an
+`fcntl.flock`), because Prefect's file-system lock manager leaves its lock file behind when its holder is killed,
+and a sweep killed mid-job must be rerun without anyone deleting files: the kernel lets go of a flock when its
+holder dies, however it dies.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import os
+import math
 import threading
 import time
 from pathlib import Path
@@ -29,49 +29,35 @@ from prefect.cache_policies import CachePolicy
 from prefect.locking.protocol import LockManager
 
 from leanagent.ground.job import JobRequest, result_filename
+from leanagent.ground.pid_lock import POLL_S, LockHeld, PidLock
 from leanagent.preflight.run_job import run_job
 from leanagent.run.identity import job_identity
 from leanagent.run.shared import SharedRun, SharedWork, record_request, recorded_request
 from leanagent.tasks.jobs import forward_to_run_logger, rank_job
 
-POLL_S = 0.2  # how often a waiting setup looks whether the job's lock is free (an interrupt lands between looks)
-
 
 class FlockLockManager(LockManager):
-    """Prefect's `LockManager` on `fcntl.flock`, one lock file per key in `folder`: released by the kernel when its
-    holder's process dies. Each acquisition opens the file anew, so two threads of one process exclude each other
-    as two processes do (flock locks an open file, not a process)."""
+    """Prefect's `LockManager` on `PidLock` (an `fcntl.flock`), one lock file per key in `folder`: released by the
+    kernel when its holder's process dies. Each acquisition is a lock of its own on the file, opened anew, so two
+    threads of one process exclude each other as two processes do (flock locks an open file, not a process)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
-        self._held: dict[str, tuple[int, str]] = {}
+        self._held: dict[str, tuple[PidLock, str]] = {}
         self._mutex = threading.Lock()
 
-    def _path(self, key: str) -> Path:
-        return self.folder / f"{key}.lock"
+    def _lock(self, key: str) -> PidLock:
+        return PidLock(self.folder / f"{key}.lock")
 
     def acquire_lock(self, key: str, holder: str, acquire_timeout: float | None = None,
                      hold_timeout: float | None = None) -> bool:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self._path(key), os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
+        lock = self._lock(key)
         try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if deadline is not None and time.monotonic() > deadline:
-                        os.close(fd)
-                        return False
-                    time.sleep(POLL_S)
-        except BaseException:
-            os.close(fd)
-            raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{holder}\n".encode(), 0)
+            lock.acquire(wait_s=math.inf if acquire_timeout is None else acquire_timeout)
+        except LockHeld:
+            return False
         with self._mutex:
-            self._held[key] = (fd, holder)
+            self._held[key] = (lock, holder)
         return True
 
     async def aacquire_lock(self, key: str, holder: str, acquire_timeout: float | None = None,
@@ -84,26 +70,17 @@ class FlockLockManager(LockManager):
             if held is None or held[1] != holder:
                 raise ValueError(f"no lock held by {holder} for {key}")
             del self._held[key]
-        fd = held[0]
-        os.ftruncate(fd, 0)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        held[0].release()
 
     def is_locked(self, key: str) -> bool:
         with self._mutex:
             if key in self._held:
                 return True
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
+            self._lock(key).probe()
+        except LockHeld:
             return True
-        finally:
-            os.close(fd)
+        return False
 
     def is_lock_holder(self, key: str, holder: str) -> bool:
         with self._mutex:

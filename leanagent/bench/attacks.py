@@ -662,7 +662,7 @@ ATTACKS: tuple[Attack, ...] = (
     Attack("token-logs", "no 8 characters of it", "requests with --access-log and a token, some spelt otherwise "
            "(percent-encoded, cut short, one too long): the token in the log", token_in_logs,
            args=("--token-file", "{work}/token", "--access-log")),
-    Attack("banner-host", "this machine's name", "serve --host 0.0.0.0: the URL the banner gives Lean",
+    Attack("banner-host", "the server machine's name", "serve --host 0.0.0.0: the URL the banner gives Lean",
            banner_host, source="none", exits="exit 130"),
     Attack("stalled-sockets", "/health 200", "every connection slot held by a stalled socket, then GET /health",
            stalled_sockets, args=("--max-connections", "{connections}")),

@@ -132,7 +132,7 @@ def test_a_merge_written_before_a_crash_is_taken_a_foreign_folder_refused(repos:
     lines: list[str] = []
     assert training_datasets(cfg, names, repos, state, log=lines.append)[1] == out
     assert any("found complete, not yet recorded; taken" in line for line in lines)
-    assert state.stage_done(stage_name(1, "repo_1", MERGE))["dataset"] == str(out)
+    assert state.stage_done(stage_name(1, "repo_1", MERGE)).dataset == str(out)
     # Someone else's folder under that name is never overwritten.
     cfg2, state2 = run_state(tmp_path / "other", repos, "merge_all")
     foreign = cfg2.run_dir / "merged" / "00-repo_0"

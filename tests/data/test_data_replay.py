@@ -24,9 +24,10 @@ from leanagent.ground.config import DataConfig, LifelongConfig
 from leanagent.ground.names import PART_FILES
 from leanagent.preflight.checks import PreflightError
 from leanagent.run.fingerprint import check_experiment
-from leanagent.run.manifest import ManifestMismatchError, RepoEntry
+from leanagent.run.manifest import ManifestMismatchError, RepoEntry, read_manifest
 from leanagent.run.state import RunState
 from leanagent.run.strategy import MERGE, training_datasets
+from tests.stage_results import finished
 
 
 def _key(theorem: dict) -> tuple:
@@ -172,14 +173,15 @@ def test_another_fraction_is_another_experiment(repos: list[Path], tmp_path: Pat
     """A run_dir of replay at 0.5 refuses 0.25, naming the key, as any changed setting; a manifest written before
     the key existed continues under every strategy that has no fraction."""
     cfg, state = run_state(tmp_path, repos, "replay", replay_fraction=0.5)
-    state.record(f"00-{repos[0].name}/train", {"checkpoint": "a.ckpt"})
+    state.record(f"00-{repos[0].name}/train", finished("train", checkpoint="a.ckpt"))
     changed = cfg.model_copy(update={"lifelong": LifelongConfig(dataset_strategy="replay", replay_fraction=0.25)})
     with pytest.raises(ManifestMismatchError, match=r"lifelong\.replay_fraction: 0\.5 -> 0\.25"):
         RunState(changed.run_dir, changed)
     with pytest.raises(ManifestMismatchError, match=r"lifelong\.replay_fraction: 0\.5 -> None"):
-        check_experiment(state.path, load_json(state.path), cfg.model_copy(update={"lifelong": LifelongConfig()}))
+        check_experiment(state.path, read_manifest(state.path), cfg.model_copy(update={"lifelong": LifelongConfig()}))
     single, single_state = run_state(tmp_path / "old", repos, "single")
     data = load_json(single_state.path)
     del data["config"]["lifelong"]["replay_fraction"]
     single_state.path.write_text(json.dumps(data))
-    RunState(single.run_dir, single).record(f"00-{repos[0].name}/train", {"checkpoint": "a.ckpt"})  # continues
+    # continues:
+    RunState(single.run_dir, single).record(f"00-{repos[0].name}/train", finished("train", checkpoint="a.ckpt"))

@@ -214,7 +214,7 @@ def test_a_run_dir_or_job_folder_that_cannot_be_written_is_refused_first(assets,
             preflight_run(cfg, free_bytes=BIG)
         assert info.value.problems[0].startswith(expected) and len(info.value.problems) == 1, info.value.problems
         with pytest.raises(PreflightError) as info:
-            preflight_job(cfg, "train", [assets["repo"]], run_dir / "jobs" / "train", free_bytes=BIG)
+            preflight_job(_job(cfg, "train", assets["repo"], run_dir / "jobs" / "train"), free_bytes=BIG)
         assert info.value.problems[0].startswith("job folder ") and len(info.value.problems) == 1
     assert notes.read_text() == "a user's file" and not any(unwritable_folder.iterdir())
 
