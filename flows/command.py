@@ -15,9 +15,10 @@ for the one command that runs a flow. It adds what a terminal needs around the f
 import logging
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from leanagent.launch.registry import load_checked_config
 from leanagent.report import report_from_manifest
@@ -26,6 +27,8 @@ from leanagent.run.manifest import MANIFEST_NAME, read_manifest
 from leanagent.run.plan import BAD_INPUT, UNRECORDED, RunPlan, plan_run
 from leanagent.run.state import RunLock
 from leanagent.run.sweep import SWEEP_RECORD, SweepPlan, plan_sweep_file
+
+T = TypeVar("T")
 
 
 def run_from_cli(config_path: str, overrides: Sequence[str] = ()) -> int:
@@ -56,11 +59,26 @@ def run_from_cli(config_path: str, overrides: Sequence[str] = ()) -> int:
 
 
 def _run_flow(plan: RunPlan) -> int:
+    from leanagent.flows.lifelong import lifelong_retrieval
+
+    code, summary = _in_prefect(lambda: lifelong_retrieval(plan=plan))
+    if summary is None:
+        return code
+    # The manifest holds all the report shows, each job's time included: here in one line, by job in the report.
+    print(report_from_manifest(read_manifest(Path(summary["manifest"]))).text(time_table=False))
+    print(f"\nmanifest: {summary['manifest']} (each job's time: leanagent report {summary['run_dir']})")
+    return 0
+
+
+def _in_prefect(flow_call: Callable[[], T]) -> tuple[int, T | None]:
+    """Call a flow under Prefect's temporary server (when no server is configured): (0, what it returned), or (the
+    exit code, None) with one line on stderr when an input was refused, a job failed after its retries, or it was
+    interrupted (every job ended by then)."""
     # Imported here, once the checks have passed: Prefect and the flow's modules take seconds to import, which a
     # refused input or a run with nothing new must not wait for.
     from prefect.exceptions import ExternalSignal
 
-    from leanagent.flows.lifelong import REFUSED, lifelong_retrieval
+    from leanagent.flows.lifelong import REFUSED
     from leanagent.flows.stages import describe_interrupt
     from leanagent.flows.temporary_server import TemporaryServerError, send_queued, temporary_server
     from leanagent.launch.base import LaunchError
@@ -68,24 +86,20 @@ def _run_flow(plan: RunPlan) -> int:
     try:
         with temporary_server(), _NotTwice.on_the_console(REFUSED):
             try:
-                summary = lifelong_retrieval(plan=plan)
+                return 0, flow_call()
             finally:
                 send_queued()
     except (*BAD_INPUT, *UNRECORDED, TemporaryServerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 1, None
     except LaunchError as exc:
         print(f"error: a job failed after its retries: {exc}", file=sys.stderr)
-        return 1
+        return 1, None
     except (KeyboardInterrupt, ExternalSignal) as exc:
         code = getattr(exc, "exit_code", None) or 128 + int(getattr(exc, "signal", signal.SIGINT))
         print(f"interrupted by {describe_interrupt(exc)}: every job was ended; rerun the same command to resume",
               file=sys.stderr)
-        return code
-    # The manifest holds all the report shows, each job's time included: here in one line, by job in the report.
-    print(report_from_manifest(read_manifest(Path(summary["manifest"]))).text(time_table=False))
-    print(f"\nmanifest: {summary['manifest']} (each job's time: leanagent report {summary['run_dir']})")
-    return 0
+        return code, None
 
 
 def sweep_from_cli(sweep_path: str, overrides: Sequence[str] = (), base: str | None = None,
@@ -115,26 +129,11 @@ def sweep_from_cli(sweep_path: str, overrides: Sequence[str] = (), base: str | N
 
 
 def _sweep_flow(plan: SweepPlan) -> int:
-    from prefect.exceptions import ExternalSignal
-
     from leanagent.flows.lifelong import REFUSED
-    from leanagent.flows.stages import describe_interrupt
     from leanagent.flows.sweep import lifelong_sweep
-    from leanagent.flows.temporary_server import TemporaryServerError, send_queued, temporary_server
 
-    try:
-        with temporary_server(), _NotTwice.on_the_console(REFUSED):
-            try:
-                state = lifelong_sweep(plan=plan, return_state=True)
-            finally:
-                send_queued()
-    except (*BAD_INPUT, *UNRECORDED, TemporaryServerError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except (KeyboardInterrupt, ExternalSignal) as exc:
-        code = getattr(exc, "exit_code", None) or 128 + int(getattr(exc, "signal", signal.SIGINT))
-        print(f"interrupted by {describe_interrupt(exc)}: every job was ended; rerun the same command to resume",
-              file=sys.stderr)
+    code, state = _in_prefect(lambda: lifelong_sweep(plan=plan, return_state=True))
+    if state is None:
         return code
     if state.name == REFUSED:
         print(f"error: {state.message}", file=sys.stderr)
