@@ -75,7 +75,7 @@ def test_a_job_gives_torchruns_weights_and_metrics_bit_for_bit(ddp_jobs, ddp_ass
 def test_a_failing_rank_is_named_and_the_others_are_ended(server, tmp_path):
     lines: list[str] = []
     with pytest.raises(LaunchError) as info:
-        WarmLauncher(CPU2, entry=_probe("fail", tmp_path)).launch([], tmp_path, on_line=lines.append, grace_s=2)
+        WarmLauncher(CPU2, entry=_probe("fail", tmp_path)).supervise([], tmp_path, on_line=lines.append, grace_s=2)
     err = info.value
     assert err.failing_rank == 1
     assert "boom on rank 1" in str(err) and "the data on this rank is bad" in str(err)
@@ -87,7 +87,7 @@ def test_a_failing_rank_is_named_and_the_others_are_ended(server, tmp_path):
 
 def test_a_deadline_ends_the_agent_and_every_rank(server, tmp_path):
     with pytest.raises(LaunchError, match="deadline of 10 s"):
-        WarmLauncher(CPU2, entry=_probe("hang", tmp_path)).launch([], tmp_path, timeout_s=10, grace_s=2)
+        WarmLauncher(CPU2, entry=_probe("hang", tmp_path)).supervise([], tmp_path, timeout_s=10, grace_s=2)
     pids = _rank_pids(tmp_path)
     assert len(pids) == 2
     _wait_gone(pids)
@@ -102,7 +102,7 @@ def test_sigkill_of_the_launcher_leaves_nothing(server, tmp_path):
     code = ("from pathlib import Path; from leanagent.ground.config import TrainerConfig;"
             "from leanagent.launch.warm import WarmLauncher;"
             f"WarmLauncher(TrainerConfig(accelerator='cpu', devices=2), entry={_probe('hang', tmp_path)!r})"
-            f".launch([], Path({str(tmp_path)!r}))")
+            f".supervise([], Path({str(tmp_path)!r}))")
     launcher = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
     try:
