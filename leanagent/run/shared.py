@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_serializer
 
 from leanagent.ground.atomic import write_json_atomic
 from leanagent.ground.job import JobRequest, result_filename
@@ -50,6 +50,12 @@ class SharedRun(BaseModel):
 
     job: JobRequest
     result: StageResult
+
+    @field_serializer("result")
+    def _as_its_file(self, result: JobResult) -> dict[str, Any]:
+        """The result as its result.json holds it (the keys it was given, none added as null): what a setup that
+        takes it from Prefect's cache writes is then what the setup that ran it wrote."""
+        return result.as_json()
 
 
 class SharedWork(BaseModel):

@@ -18,6 +18,7 @@ from leanagent.launch import local, slurm, warm
 from leanagent.launch.base import LauncherPlugin
 from leanagent.launch.registry import config_problems, launcher_for, load_checked_config, plugins
 from leanagent.run.fingerprint import config_fingerprint
+from leanagent.run.sweep import load_sweep_file
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,6 +82,9 @@ def test_a_loaded_config_names_its_file_and_keeps_the_sections_it_does_not_inter
 
 def test_the_example_configs_still_load():
     for path in sorted((REPO_ROOT / "configs").glob("*.yaml")):
+        if "setups" in yaml.safe_load(path.read_text()):  # a sweep file (`leanagent sweep`): tests/unit/test_sweep.py
+            assert load_sweep_file(path).sweep.setups, path
+            continue
         cfg = load_checked_config(path)
         assert cfg.launcher in plugins(), path
     settings = slurm.PLUGIN.settings(load_checked_config(REPO_ROOT / "configs" / "slurm.yaml"))

@@ -3,12 +3,14 @@ and the report's table of where a run's time went, read from a manifest."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
 
 from leanagent.ground.results import TrainResult
-from leanagent.ground.timings import PART_NAMES, JobClock
+from leanagent.ground.timings import PART_NAMES, JobClock, process_start_time
 from leanagent.report.timing import JobCost, job_costs, time_markdown, time_text
 from leanagent.run.manifest import ManifestRecord, stage_name
 
@@ -131,3 +133,16 @@ def test_the_time_table_has_each_job_once_in_the_order_they_ran() -> None:
 def test_jobs_recorded_before_timings_existed_are_left_out() -> None:
     assert JobCost.of("old", TrainResult(program="train", checkpoint="a.ckpt")) is None
     assert time_text([]) == "" and time_markdown([]) == ""
+
+
+
+def test_a_process_knows_when_it_started_to_the_clock_tick():
+    """A child's start, as it reads it after its imports, lies between the moments just before and just after it was
+    spawned, within a clock tick (10 ms) each side: not a whole-second boot time away (psutil's create_time)."""
+    before = time.time()
+    child = subprocess.Popen([sys.executable, "-c", "from leanagent.ground.timings import process_start_time as t; "
+                                                    "print(repr(t()))"], stdout=subprocess.PIPE, text=True)
+    after = time.time()
+    started = float(child.communicate(timeout=300)[0])
+    assert before - 0.02 <= started <= after + 0.02, (before, started, after)
+    assert process_start_time() <= before  # this process, long started
