@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, field_serializer
 
 from leanagent.ground.atomic import write_json_atomic
 from leanagent.ground.job import JobRequest, result_filename
-from leanagent.ground.json_files import KIB, MIB, read_json_file, read_model
+from leanagent.ground.json_files import MIB, read_json_file, read_model
 from leanagent.ground.names import INDEX_FILE
 from leanagent.ground.results import JobResult, StageResult, read_result
 
@@ -120,7 +120,8 @@ def record_request(job: JobRequest) -> None:
 def recorded_request(job: JobRequest) -> JobRequest:
     """The request the job in `job.out` last ran with (`job` itself if it has none recorded)."""
     path = job.out / REQUEST_FILE
-    return read_model(path, JobRequest, 64 * KIB, "job request") if path.exists() else job
+    # Capped at a MiB: it carries the whole config, its repositories listed.
+    return read_model(path, JobRequest, MIB, "job request") if path.exists() else job
 
 
 def finished_result(job: JobRequest) -> JobResult | None:
