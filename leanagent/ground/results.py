@@ -190,6 +190,7 @@ class MergeResult(BaseModel):
 
     program: Literal["merge"]
     dataset: StrictStr
+    sources: list[StrictStr] = []  # the repositories merged, in curriculum order
     files: int | None = _count()
     theorems: dict[StrictStr, StrictInt] | None = None
     duplicate_theorems: int | None = _count()

@@ -34,10 +34,10 @@ from pydantic import BaseModel, ConfigDict
 from leanagent.data.merge import MERGE_FILE, dataset_files
 from leanagent.ground.file_digest import sha256_file
 from leanagent.ground.job import JobRequest
-from leanagent.ground.json_files import MIB, read_json_file
 from leanagent.ground.model_identity import model_files
 from leanagent.ground.names import NAMES_FILE
 from leanagent.run.fingerprint import fingerprint_fields
+from leanagent.run.strategy import merge_record
 
 # Settings no job reads: where the data, the order and the start come from enter as content (datasets, checkpoint),
 # and what is kept of a run's checkpoints is the flow's business after the job.
@@ -58,7 +58,6 @@ IGNORED: dict[str, tuple[str, ...]] = {
 }
 # What a training job without a Fisher file does not read: EWC's weight multiplies a penalty it does not have.
 IGNORED_WITHOUT_FISHER = ("lifelong.ewc_lambda",)
-MAX_MERGE_RECORD_BYTES = MIB  # as leanagent.run.strategy reads merge.json
 
 
 class JobIdentity(BaseModel):
@@ -140,21 +139,17 @@ def dataset_identity(dataset: Path, split: str) -> dict[str, str]:
     dataset = Path(dataset)
     own = {name: file_digest(dataset / name) if (dataset / name).is_file() else "missing"
            for name in dataset_files(split)}
-    record = dataset / MERGE_FILE
-    if not record.is_file():
+    if not (dataset / MERGE_FILE).is_file():
         return own
     try:
-        info = read_json_file(record, MAX_MERGE_RECORD_BYTES, "merge record")
+        info = merge_record(dataset, ValueError)
     except ValueError:  # not a record of ours: the folder is what its own files are
         return own
-    sources = info.get("sources") if isinstance(info, dict) else None
-    if (isinstance(sources, list) and len(sources) == 1 and info.get("outputs") == own
-            and not info.get("duplicate_theorems") and not info.get("corpus_conflicts") and not info.get("replay")):
-        source = (info.get("inputs") or {}).get(sources[0])
-        if isinstance(source, dict) and set(source) == set(own):
-            return dict(source)
+    source = info.inputs.get(info.sources[0]) if len(info.sources) == 1 else None
+    if (source is not None and set(source) == set(own) and info.outputs == own and not info.duplicate_theorems
+            and not info.corpus_conflicts and not info.replay):
+        return dict(source)
     return own
-
 
 def _lists_digest(index: Path) -> str:
     """What an index extended by another contributes to it: its served lists (names.json)."""

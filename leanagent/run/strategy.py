@@ -75,7 +75,7 @@ def training_datasets(cfg: PipelineConfig, names: Sequence[str], paths: Sequence
     kept = [Path(d.dataset) if d is not None else out if out.exists() else None
             for d, out in zip(done, outs, strict=True)]
     written = [digests(k, split) if k is not None else None for k in kept]
-    found = [_merge_record(k) if d is None and k is not None and (k / MERGE_FILE).is_file() else None
+    found = [merge_record(k) if d is None and k is not None and (k / MERGE_FILE).is_file() else None
              for d, k in zip(done, kept, strict=True)]
     for i, (d, k) in enumerate(zip(done, kept, strict=True)):
         if d is not None:  # recorded: reused only if what it read and what it wrote are as they were
@@ -113,12 +113,13 @@ def _recorded(state: RunState, stage: str) -> MergeResult | None:
     return done if isinstance(done, MergeResult) else None
 
 
-def _merge_record(folder: Path) -> MergeResult:
-    """The `merge.json` a merge wrote into its folder, as the merge stage records it."""
-    data = read_json_file(folder / MERGE_FILE, MIB, "merge record", PreflightError)
+def merge_record(folder: Path, error: type[Exception] = PreflightError) -> MergeResult:
+    """The `merge.json` a merge wrote into `folder`, as the merge stage records it; `error`, naming the file, for one
+    that is not a merge record of ours."""
+    data = read_json_file(folder / MERGE_FILE, MIB, "merge record", error)
     if isinstance(data, dict):
         data = {**data, "program": MERGE, "dataset": str(folder)}
-    return validate_as(data, MergeResult, str(folder / MERGE_FILE), "merge record", PreflightError)
+    return validate_as(data, MergeResult, str(folder / MERGE_FILE), "merge record", error)
 
 
 def _merged(state: RunState, stage: str, sources: list[Path], draws: list[Draw | None], out: Path, split: str,
