@@ -30,6 +30,7 @@ from leanagent.launch.progress_view import MODE_ENV
 from leanagent.model.presets import write_random_encoder
 from leanagent.report.timing import JobCost, job_costs
 from leanagent.run.manifest import MANIFEST_NAME, read_manifest
+from leanagent.run.shared import shared_program
 from leanagent.run.sweep import SHARED_DIR
 
 # Four of Table 4's setups whose first repository is one job for all (single and merge all, EWC off and on).
@@ -104,8 +105,7 @@ def bench_sweep(options: SweepOptions) -> SweepFigures:
         figures.sweep_wall_seconds = _command(["sweep", "--config", str(sweep)], work / "sweep.log")
         shared = sorted(p for p in (work / "sweep" / SHARED_DIR / "jobs").iterdir() if p.is_dir())
         figures.sweep_jobs = len(shared)
-        # A shared job's folder is `PROGRAM-ID` (leanagent.run.shared).
-        costs = [JobCost.of(p.name, read_result(p / result_filename(), PROGRAMS[p.name.split("-")[0]].result))
+        costs = [JobCost.of(p.name, read_result(p / result_filename(), PROGRAMS[shared_program(p)].result))
                  for p in shared]
         figures.sweep_job_seconds = sum(c.total for c in costs if c is not None)
         same = True

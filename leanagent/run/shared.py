@@ -36,6 +36,7 @@ from leanagent.ground.results import JobResult, StageResult, read_result
 
 REQUEST_FILE = "request.json"
 ID_CHARS = 20  # of the identity's SHA-256 in a shared folder's name (80 bits)
+ID_SEP = "-"  # a shared job's folder is PROGRAM-ID
 
 
 class SharedJobError(RuntimeError):
@@ -84,7 +85,7 @@ class SharedWork(BaseModel):
     def request(self, job: JobRequest, identity: str) -> JobRequest:
         """`job` as the sweep runs it: in its shared folder, writing its index (if any) into a shared one."""
         short = identity[:ID_CHARS]
-        return job.model_copy(update={"out": self.jobs / f"{job.program}-{short}",
+        return job.model_copy(update={"out": self.jobs / f"{job.program}{ID_SEP}{short}",
                                       "index": self.indexes / short if job.index is not None else None})
 
     def materialize(self, ran: SharedRun, own: JobRequest, log: Callable[[str], None] = print) -> JobResult:
@@ -110,6 +111,11 @@ class SharedWork(BaseModel):
             raise SharedJobError(f"{own.out}: the shared job {shared.out} could not be linked in ({exc}); free space "
                                  f"and rerun: nothing finished is lost") from None
         return result
+
+
+def shared_program(folder: Path) -> str:
+    """The program of the shared job in `folder` (`SharedWork.request` names it `PROGRAM-ID`)."""
+    return Path(folder).name.split(ID_SEP, 1)[0]
 
 
 def record_request(job: JobRequest) -> None:

@@ -29,6 +29,7 @@ from prefect.settings import PREFECT_API_URL
 from leanagent.flows.sweep import TABLE_KEY, lifelong_sweep
 from leanagent.ground.config import ConfigError
 from leanagent.report import load_run
+from leanagent.run.shared import shared_program
 from tests.conftest import FinishedRun, MergeAllRun, file_times, read_json
 from tests.ddp.conftest import REPO_ROOT, fault_env
 from tests.prefect.prefect_api import flow_run_artifacts
@@ -113,7 +114,7 @@ def test_each_setup_gives_what_running_it_alone_gives_bit_for_bit(sweep: Sweep, 
 
 
 def test_the_jobs_the_setups_share_run_once_and_each_setup_holds_its_own(sweep: Sweep) -> None:
-    launched = sorted(p.name.split("-")[0] for p in (sweep.sweep_dir / "shared" / "jobs").iterdir())
+    launched = sorted(shared_program(p) for p in (sweep.sweep_dir / "shared" / "jobs").iterdir())
     # Alone: 3 x (1 untrained evaluation + 3 x (train, fisher, evaluation)) = 30 jobs.
     assert launched.count("evaluate") == 1 + 1 + 2 * 2 and launched.count("train") == launched.count("fisher") == 5
     order = sweep.result["setups"][0]

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from leanagent.flows.sweep import lifelong_sweep
+from leanagent.run.shared import shared_program
 from tests.ddp.conftest import fault_env
 from tests.slurm.cluster import Cluster
 from tests.slurm.test_slurm import STARTUP_S
@@ -64,8 +65,8 @@ def test_two_setups_run_at_once_their_jobs_queued_together(cluster: Cluster, pre
         watcher.join(timeout=STARTUP_S)
     assert state.is_completed(), state.message
     assert together, "the two setups' training jobs were never in the queue at the same time"
-    submitted = {folder.name.split("-")[0]: _ids(folder) for folder in shared.iterdir()}
-    jobs = sorted(folder.name.split("-")[0] for folder in shared.iterdir())
+    submitted = {shared_program(folder): _ids(folder) for folder in shared.iterdir()}
+    jobs = sorted(shared_program(folder) for folder in shared.iterdir())
     # One untrained evaluation for both setups, then each setup's own three jobs: 7 SLURM jobs, 8 alone.
     assert jobs == ["evaluate"] * 3 + ["fisher"] * 2 + ["train"] * 2, submitted
     assert all(len(_ids(folder)) == 1 for folder in shared.iterdir())
